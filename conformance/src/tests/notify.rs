@@ -1,0 +1,69 @@
+//! Notifications: after the data they follow, in order, bounded in size and in queue depth.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tensorwire_core::wire::envelope::MAX_NOTIFY_BYTES;
+use tensorwire_core::{EngineConfig, Error, Permissions, TransferOp};
+
+use crate::{PairFactory, bounded, connected, connected_with, pattern};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// WRITEs submitted (not awaited) before a notification have landed when the peer receives it.
+pub async fn notification_after_data(f: &dyn PairFactory) {
+    let caps = f.capabilities();
+    assert!(caps.notify, "the suite needs notifications; a backend without them is not conformant");
+    let (pair, s) = connected(f).await;
+    let len = 8u64 << 20;
+    let data = pattern(len as usize, 77);
+    let src = pair.a.alloc(len, Permissions::NONE).await.unwrap();
+    src.write_bytes(0, &data).unwrap();
+    let dst = pair.b.alloc(len, Permissions::WRITE).await.unwrap();
+    let remote = dst.remote();
+    let chunk = len / 8;
+    let ops =
+        (0..8).map(|i| TransferOp::write(&src, i * chunk, &remote, i * chunk, chunk)).collect();
+    let handles = s.submit(ops).await; // held, not awaited: dropping would cancel
+    bounded("notify", s.notify(Bytes::from_static(b"data is in"))).await.unwrap();
+    let n = bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap();
+    assert_eq!(n.from, pair.a.id());
+    assert_eq!(&n.payload[..], b"data is in");
+    assert!(dst.to_vec(0, len).unwrap() == data, "notification arrived before the data it follows");
+    for h in handles {
+        bounded("write", h).await.unwrap();
+    }
+}
+
+/// 200 notifications arrive in the order sent, with the sender's id.
+pub async fn notifications_in_order(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    for i in 0u32..200 {
+        bounded("notify", s.notify(Bytes::copy_from_slice(&i.to_le_bytes()))).await.unwrap();
+    }
+    for i in 0u32..200 {
+        let n = bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap();
+        assert_eq!(n.from, pair.a.id());
+        assert_eq!(&n.payload[..], &i.to_le_bytes(), "notification {i} out of order");
+    }
+    let none = pair.b.recv_notification(Duration::from_millis(50)).await;
+    assert!(matches!(none, Err(Error::Timeout { .. })), "extra notification: {none:?}");
+}
+
+/// An oversized payload and a full receiver queue are `Capacity` errors at the sender; the largest
+/// allowed payload goes through intact.
+pub async fn notification_bounds(f: &dyn PairFactory) {
+    let config = EngineConfig { notification_queue: 4, ..EngineConfig::default() };
+    let (pair, s) = connected_with(f, config).await;
+    let too_big = Bytes::from(vec![1u8; MAX_NOTIFY_BYTES + 1]);
+    let e = bounded("notify", s.notify(too_big)).await.unwrap_err();
+    assert!(matches!(e, Error::Capacity { .. }), "oversized notification: {e}");
+    let max = Bytes::from(pattern(MAX_NOTIFY_BYTES, 4));
+    bounded("notify", s.notify(max.clone())).await.unwrap();
+    for _ in 0..3 {
+        bounded("notify", s.notify(Bytes::from_static(b"x"))).await.unwrap();
+    }
+    let e = bounded("notify", s.notify(Bytes::from_static(b"overflow"))).await.unwrap_err();
+    assert!(matches!(e, Error::Capacity { .. }), "full queue: {e}");
+    assert_eq!(bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap().payload, max);
+}

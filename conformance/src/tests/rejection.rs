@@ -1,0 +1,130 @@
+//! Every bad request is refused with its own error, checked both by the initiator and (with forged
+//! descriptors) by the remote side, which must never trust the initiator's checks.
+
+use tensorwire_core::{AccessKey, Error, Missing, Permissions, RegionId, RemoteRegion, TransferOp};
+
+use crate::{PairFactory, bounded, connected};
+
+async fn expect_err(what: &str, s: &tensorwire_core::Session, op: TransferOp) -> Error {
+    match bounded(what, s.transfer(op)).await {
+        Ok(r) => panic!("{what}: expected an error, got {r:?}"),
+        Err(e) => e,
+    }
+}
+
+/// Out-of-bounds offsets: remote (caught locally, and by the remote when the descriptor lies about
+/// the length), local, and offset + len overflowing u64.
+pub async fn reject_out_of_bounds(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    let src = pair.a.alloc(8192, Permissions::NONE).await.unwrap();
+    let dst = pair.b.alloc(4096, Permissions::READ_WRITE).await.unwrap();
+    let remote = dst.remote();
+    let e = expect_err("remote oob", &s, TransferOp::write(&src, 0, &remote, 4095, 2)).await;
+    assert!(matches!(e, Error::OutOfBounds { offset: 4095, len: 2, limit: 4096, .. }), "{e}");
+    let mut forged = remote.clone();
+    forged.len = 1 << 20;
+    for op in
+        [TransferOp::write(&src, 0, &forged, 4096, 1), TransferOp::read(&src, 0, &forged, 0, 8192)]
+    {
+        let e = expect_err("forged length", &s, op).await;
+        assert!(matches!(e, Error::OutOfBounds { limit: 4096, .. }), "remote side check: {e}");
+    }
+    let e = expect_err("local oob", &s, TransferOp::write(&src, 8000, &remote, 0, 193)).await;
+    assert!(matches!(e, Error::OutOfBounds { offset: 8000, len: 193, limit: 8192, .. }), "{e}");
+    let e = expect_err("overflow", &s, TransferOp::write(&src, u64::MAX, &forged, 0, 2)).await;
+    assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
+    assert!(dst.to_vec(0, 4096).unwrap().iter().all(|&b| b == 0), "a refused op wrote bytes");
+}
+
+/// A wrong access key is `AccessDenied`, for READ and WRITE.
+pub async fn reject_wrong_key(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    let src = pair.a.alloc(64, Permissions::NONE).await.unwrap();
+    let dst = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let mut forged = dst.remote();
+    forged.key = AccessKey::from_bits(forged.key.to_bits() ^ 1);
+    for op in
+        [TransferOp::write(&src, 0, &forged, 0, 64), TransferOp::read(&src, 0, &forged, 0, 64)]
+    {
+        let e = expect_err("wrong key", &s, op).await;
+        assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+    }
+}
+
+/// A region id the peer never registered is `NotFound(Region)`.
+pub async fn reject_unknown_region(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    let src = pair.a.alloc(64, Permissions::NONE).await.unwrap();
+    let dst = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let mut forged = dst.remote();
+    forged.id = RegionId(1 << 40);
+    let e = expect_err("unknown region", &s, TransferOp::write(&src, 0, &forged, 0, 8)).await;
+    assert!(matches!(e, Error::NotFound(Missing::Region(RegionId(id))) if id == 1 << 40), "{e}");
+}
+
+/// A deregistered region, remote or local, is `NotFound(Deregistered)`.
+pub async fn reject_deregistered_region(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    let src = pair.a.alloc(64, Permissions::NONE).await.unwrap();
+    let dst = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let remote = dst.remote();
+    bounded("deregister", dst.deregister()).await.unwrap();
+    let e = expect_err("deregistered remote", &s, TransferOp::write(&src, 0, &remote, 0, 8)).await;
+    assert!(matches!(e, Error::NotFound(Missing::Deregistered(id)) if id == remote.id), "{e}");
+
+    let live = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let op = TransferOp::write(&src, 0, &live.remote(), 0, 8);
+    let src_id = src.id();
+    bounded("deregister", src.deregister()).await.unwrap();
+    let e = expect_err("deregistered local", &s, op).await;
+    assert!(matches!(e, Error::NotFound(Missing::Deregistered(id)) if id == src_id), "{e}");
+}
+
+/// WRITE to a read-only region and READ from a write-only one are `AccessDenied`; a private region
+/// is not advertised and refuses both.
+pub async fn reject_permissions(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    let buf = pair.a.alloc(64, Permissions::NONE).await.unwrap();
+    let ro = pair.b.alloc(64, Permissions::READ).await.unwrap();
+    let wo = pair.b.alloc(64, Permissions::WRITE).await.unwrap();
+    let private = pair.b.alloc(64, Permissions::NONE).await.unwrap();
+    let e = expect_err("write ro", &s, TransferOp::write(&buf, 0, &ro.remote(), 0, 8)).await;
+    assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+    bounded("read ro", s.transfer(TransferOp::read(&buf, 0, &ro.remote(), 0, 8))).await.unwrap();
+    let e = expect_err("read wo", &s, TransferOp::read(&buf, 0, &wo.remote(), 0, 8)).await;
+    assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+    bounded("write wo", s.transfer(TransferOp::write(&buf, 0, &wo.remote(), 0, 8))).await.unwrap();
+    for op in [
+        TransferOp::read(&buf, 0, &private.remote(), 0, 8),
+        TransferOp::write(&buf, 0, &private.remote(), 0, 8),
+    ] {
+        let e = expect_err("private", &s, op).await;
+        assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+    }
+    bounded("refresh", s.refresh()).await.unwrap();
+    let seen: Vec<RegionId> = s.remote_regions().iter().map(|r| r.id).collect();
+    assert!(seen.contains(&ro.id()) && seen.contains(&wo.id()), "advertised: {seen:?}");
+    assert!(!seen.contains(&private.id()), "a private region was advertised");
+}
+
+/// Regions of the wrong engine on either side are `InvalidArgument`, and a batch mixing good and bad
+/// ops completes the good ones.
+pub async fn reject_foreign_regions(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    let mine = pair.a.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let theirs = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let remote_of_self: RemoteRegion = mine.remote();
+    let mut hs = s
+        .submit(vec![
+            TransferOp::write(&mine, 0, &remote_of_self, 0, 8),
+            TransferOp::write(&theirs, 0, &theirs.remote(), 0, 8),
+            TransferOp::write(&mine, 0, &theirs.remote(), 0, 8),
+        ])
+        .await
+        .into_iter();
+    for what in ["remote of the wrong engine", "local of the wrong engine"] {
+        let e = bounded(what, hs.next().unwrap()).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{what}: {e}");
+    }
+    bounded("good batchmate", hs.next().unwrap()).await.unwrap();
+}

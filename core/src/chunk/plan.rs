@@ -1,0 +1,282 @@
+//! `ChunkPlan`: splits a tensor into K chunks along one dimension. A chunk is the list of byte ranges
+//! it covers: one range when the dimension is outermost (or every leading dimension has size 1), one
+//! per leading index otherwise (a [C, T, H, W] latent chunked along T is C ranges per chunk).
+
+use crate::error::{Error, Result};
+use crate::tensor::TensorMeta;
+
+/// Most byte ranges a plan may hold in total (bounds the memory a hostile shape can demand).
+pub const MAX_RANGES: u64 = 1 << 20;
+
+/// A byte range relative to the start of the tensor's region (the tensor's `byte_offset` included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteRange {
+    /// Offset in bytes.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl ByteRange {
+    /// One past the last byte.
+    pub fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+}
+
+/// One chunk: its index, the element range `[start, end)` along the chunk dimension, and its bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// Index in the plan.
+    pub index: u32,
+    /// First index along the chunk dimension.
+    pub start: u64,
+    /// One past the last index along the chunk dimension.
+    pub end: u64,
+    /// Byte ranges, in increasing offset order, adjacent ranges merged.
+    pub ranges: Vec<ByteRange>,
+}
+
+impl Chunk {
+    /// Total bytes of the chunk.
+    pub fn bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.len).sum()
+    }
+}
+
+/// A tensor split into chunks along one dimension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkPlan {
+    dim: usize,
+    chunks: Vec<Chunk>,
+    extent: u64,
+}
+
+impl ChunkPlan {
+    /// Splits `meta` into `count` chunks along `dim` (sizes differ by at most one index). The
+    /// dimensions from `dim` inwards must be dense row-major (size-1 dimensions excepted) so that a
+    /// chunk is one contiguous run per leading index.
+    pub fn new(meta: &TensorMeta, dim: usize, count: u32) -> Result<ChunkPlan> {
+        let span = meta.span_bytes()?;
+        let rank = meta.shape.len();
+        if dim >= rank {
+            return Err(Error::InvalidArgument(format!(
+                "chunk dimension {dim} out of range for a rank-{rank} tensor"
+            )));
+        }
+        let size = meta.shape[dim];
+        if count == 0 || u64::from(count) > size {
+            return Err(Error::InvalidArgument(format!(
+                "{count} chunks along dimension {dim} of size {size}: need 1..={size}"
+            )));
+        }
+        // Dimensions dim.. must be dense row-major: stride[k] == product of the sizes inside k.
+        let dense = |k: usize| meta.shape[k + 1..].iter().fold(1u64, |a, &d| a.saturating_mul(d));
+        for k in dim..rank {
+            if meta.shape[k] != 1 && meta.strides[k] != dense(k) {
+                return Err(Error::InvalidTensor(format!(
+                    "chunking along dimension {dim} needs dimensions {dim}.. dense row-major: \
+                     stride[{k}] is {} but {} is needed",
+                    meta.strides[k],
+                    dense(k)
+                )));
+            }
+        }
+        // Elements in one index of the chunk dimension.
+        let inner = dense(dim);
+        let esize = meta.dtype.size();
+        let lead = &meta.shape[..dim];
+        let leading: u64 = lead.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX);
+        if leading.saturating_mul(u64::from(count)) > MAX_RANGES {
+            return Err(Error::Capacity {
+                what: "chunk plan byte ranges".into(),
+                requested: leading.saturating_mul(u64::from(count)),
+                limit: MAX_RANGES,
+            });
+        }
+        // Byte offsets of every leading index combination, row-major.
+        let mut lead_offsets = Vec::with_capacity(leading as usize);
+        let mut idx = vec![0u64; dim];
+        if leading > 0 {
+            loop {
+                let elems: u64 = idx.iter().zip(&meta.strides).map(|(i, s)| i * s).sum();
+                lead_offsets.push(meta.byte_offset + elems * esize);
+                let mut k = dim;
+                loop {
+                    if k == 0 {
+                        break;
+                    }
+                    k -= 1;
+                    idx[k] += 1;
+                    if idx[k] < lead[k] {
+                        break;
+                    }
+                    idx[k] = 0;
+                }
+                if idx.iter().all(|&i| i == 0) {
+                    break;
+                }
+            }
+        }
+        let (base, rem) = (size / u64::from(count), size % u64::from(count));
+        let mut chunks = Vec::with_capacity(count as usize);
+        let mut start = 0u64;
+        for index in 0..count {
+            let n = base + u64::from(u64::from(index) < rem);
+            let end = start + n;
+            let len = n * inner * esize;
+            let mut ranges: Vec<ByteRange> = Vec::new();
+            for &lo in &lead_offsets {
+                let r = ByteRange { offset: lo + start * inner * esize, len };
+                match ranges.last_mut() {
+                    Some(last) if last.end() == r.offset => last.len += r.len,
+                    _ if r.len > 0 => ranges.push(r),
+                    _ => {}
+                }
+            }
+            chunks.push(Chunk { index, start, end, ranges });
+            start = end;
+        }
+        Ok(ChunkPlan { dim, chunks, extent: meta.byte_offset + span })
+    }
+
+    /// The chunk dimension.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+    /// Number of chunks.
+    pub fn len(&self) -> u32 {
+        self.chunks.len() as u32
+    }
+    /// Always false (a plan has at least one chunk).
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+    /// All chunks in index order.
+    pub fn chunks(&self) -> &[Chunk] {
+        &self.chunks
+    }
+    /// One chunk.
+    pub fn chunk(&self, index: u32) -> Result<&Chunk> {
+        self.chunks.get(index as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!("chunk {index} of a {}-chunk plan", self.chunks.len()))
+        })
+    }
+    /// One past the last byte any chunk touches (relative to the region start).
+    pub fn extent(&self) -> u64 {
+        self.extent
+    }
+    /// Total bytes over all chunks.
+    pub fn total_bytes(&self) -> u64 {
+        self.chunks.iter().map(Chunk::bytes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    #[test]
+    fn outermost_dimension_gives_one_range_per_chunk() {
+        let t = TensorMeta::contiguous(DType::F32, &[10, 4]);
+        let p = ChunkPlan::new(&t, 0, 3).unwrap();
+        let sizes: Vec<_> = p.chunks().iter().map(|c| (c.start, c.end, c.ranges.clone())).collect();
+        assert_eq!(
+            sizes,
+            vec![
+                (0, 4, vec![ByteRange { offset: 0, len: 64 }]),
+                (4, 7, vec![ByteRange { offset: 64, len: 48 }]),
+                (7, 10, vec![ByteRange { offset: 112, len: 48 }]),
+            ]
+        );
+        assert_eq!(p.total_bytes(), 160);
+    }
+
+    #[test]
+    fn latent_along_t_gives_c_ranges_per_chunk() {
+        let t = TensorMeta::contiguous(DType::BF16, &[16, 21, 60, 104]);
+        let p = ChunkPlan::new(&t, 1, 7).unwrap();
+        assert_eq!(p.len(), 7);
+        let frame = 60 * 104 * 2;
+        for c in p.chunks() {
+            assert_eq!(c.ranges.len(), 16);
+            assert_eq!(c.end - c.start, 3);
+            for (ch, r) in c.ranges.iter().enumerate() {
+                assert_eq!(r.offset, (ch as u64 * 21 + c.start) * frame);
+                assert_eq!(r.len, 3 * frame);
+            }
+        }
+        assert_eq!(p.total_bytes(), t.nbytes().unwrap());
+    }
+
+    #[test]
+    fn size_one_leading_dims_merge_into_one_range() {
+        let t = TensorMeta::contiguous(DType::U8, &[1, 8, 2]);
+        let p = ChunkPlan::new(&t, 1, 2).unwrap();
+        assert_eq!(p.chunk(1).unwrap().ranges, vec![ByteRange { offset: 8, len: 8 }]);
+    }
+
+    #[test]
+    fn strided_leading_dimension_and_byte_offset() {
+        // A [2, 4] view with row stride 6 (padding), starting 16 bytes in.
+        let mut t = TensorMeta::contiguous(DType::U16, &[2, 4]);
+        t.strides = vec![6, 1];
+        t.byte_offset = 16;
+        let p = ChunkPlan::new(&t, 1, 2).unwrap();
+        assert_eq!(
+            p.chunk(0).unwrap().ranges,
+            vec![ByteRange { offset: 16, len: 4 }, ByteRange { offset: 28, len: 4 }]
+        );
+        assert_eq!(p.extent(), 16 + (6 + 4) * 2);
+    }
+
+    #[test]
+    fn bad_plans_are_errors() {
+        let t = TensorMeta::contiguous(DType::F32, &[4, 4]);
+        assert!(matches!(ChunkPlan::new(&t, 2, 1), Err(Error::InvalidArgument(_))));
+        assert!(matches!(ChunkPlan::new(&t, 0, 0), Err(Error::InvalidArgument(_))));
+        assert!(matches!(ChunkPlan::new(&t, 0, 5), Err(Error::InvalidArgument(_))));
+        let mut tr = t.clone();
+        tr.strides = vec![1, 4]; // column-major
+        assert!(matches!(ChunkPlan::new(&tr, 0, 2), Err(Error::InvalidTensor(_))));
+        let huge = TensorMeta::contiguous(DType::U8, &[1 << 20, 2, 1]);
+        assert!(matches!(ChunkPlan::new(&huge, 1, 2), Err(Error::Capacity { .. })));
+    }
+
+    proptest::proptest! {
+        /// Arbitrary tensors, dimensions and counts: an error or a plan whose ranges stay inside the
+        /// tensor and add up to the tensor's bytes; never a panic.
+        #[test]
+        fn arbitrary_plans_never_panic(
+            shape in proptest::collection::vec(0u64..9, 0..5),
+            strides in proptest::collection::vec(0u64..300, 0..5),
+            offset in 0u64..100,
+            dim in 0usize..5,
+            count in 0u32..10,
+        ) {
+            let mut t = TensorMeta::contiguous(DType::U16, &shape);
+            if strides.len() == shape.len() && offset % 2 == 1 {
+                t.strides = strides;
+            }
+            t.byte_offset = offset;
+            if let Ok(p) = ChunkPlan::new(&t, dim, count) {
+                let mut covered = 0;
+                for c in p.chunks() {
+                    for r in &c.ranges {
+                        proptest::prop_assert!(r.offset >= offset && r.end() <= p.extent());
+                        covered += r.len;
+                    }
+                }
+                proptest::prop_assert_eq!(covered, t.nbytes().unwrap());
+            }
+        }
+    }
+
+    #[test]
+    fn empty_leading_dimension_gives_empty_chunks() {
+        let t = TensorMeta::contiguous(DType::F32, &[0, 4]);
+        let p = ChunkPlan::new(&t, 1, 2).unwrap();
+        assert!(p.chunks().iter().all(|c| c.ranges.is_empty()));
+    }
+}

@@ -1,0 +1,64 @@
+//! Running an op as a task with a cancellable completion: the shared piece every backend that copies
+//! with the CPU uses, so "drop cancels, and no byte lands after the drop returns" is written once.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::sync::oneshot;
+
+use crate::backend::Completion;
+use crate::cancel::CancelGate;
+use crate::error::{Error, Result};
+
+struct GatedCompletion {
+    rx: oneshot::Receiver<Result<()>>,
+    gate: Arc<CancelGate>,
+}
+
+impl Future for GatedCompletion {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        Pin::new(&mut self.rx).poll(cx).map(|r| {
+            r.unwrap_or_else(|_| Err(Error::PeerClosed("op task ended without a result".into())))
+        })
+    }
+}
+
+impl Drop for GatedCompletion {
+    fn drop(&mut self) {
+        self.gate.cancel();
+    }
+}
+
+/// Spawns `op` (given the op's cancel gate; it must do every memory write inside `gate.run`) and
+/// returns its completion. Dropping the completion cancels the gate, waiting out a write in progress.
+pub fn spawn_cancellable<F, Fut>(op: F) -> Completion
+where
+    F: FnOnce(Arc<CancelGate>) -> Fut,
+    Fut: Future<Output = Result<()>> + Send + 'static,
+{
+    let gate = Arc::new(CancelGate::new());
+    let (tx, rx) = oneshot::channel();
+    let fut = op(gate.clone());
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => {
+            rt.spawn(async move {
+                let _ = tx.send(fut.await);
+            });
+        }
+        Err(_) => {
+            let _ = tx.send(Err(Error::Unsupported {
+                backend: "engine",
+                what: "submitting ops outside a tokio runtime".into(),
+            }));
+        }
+    }
+    Box::pin(GatedCompletion { rx, gate })
+}
+
+/// A completion that is already resolved (an op rejected before it started).
+pub fn ready(result: Result<()>) -> Completion {
+    Box::pin(std::future::ready(result))
+}

@@ -1,0 +1,82 @@
+//! The engine as its backends see it: inbound access checks and inbound notifications. Holds the
+//! engine weakly, so a backend never keeps a dropped engine alive.
+
+use std::sync::{Arc, Weak};
+
+use bytes::Bytes;
+use tokio::sync::mpsc::error::TrySendError;
+
+use super::chunked::ChunkSignal;
+use super::{EngineShared, Notification, lock};
+use crate::backend::BackendHost;
+use crate::error::{Error, Missing, Result};
+use crate::ids::{AccessKey, RegionId};
+use crate::region::{Access, MemSlice};
+use crate::wire::envelope::{Envelope, Message};
+
+#[derive(Debug)]
+pub(crate) struct HostAdapter {
+    engine: Weak<EngineShared>,
+}
+
+impl HostAdapter {
+    pub(crate) fn new(engine: &Arc<EngineShared>) -> Self {
+        Self { engine: Arc::downgrade(engine) }
+    }
+
+    fn engine(&self) -> Result<Arc<EngineShared>> {
+        let e = self.engine.upgrade().ok_or_else(|| Error::PeerClosed("engine dropped".into()))?;
+        e.ensure_open()?;
+        Ok(e)
+    }
+}
+
+impl BackendHost for HostAdapter {
+    fn resolve(
+        &self,
+        region: RegionId,
+        key: AccessKey,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<MemSlice> {
+        self.engine()?.regions.resolve(region, key, offset, len, access)
+    }
+
+    fn deliver(&self, msg: Bytes) -> Result<()> {
+        let engine = self.engine()?;
+        let env = Envelope::decode(&msg)?;
+        match env.msg {
+            Message::User(payload) => {
+                let cap = engine.config.notification_queue as u64;
+                engine.notif_tx.try_send(Notification { from: env.from, payload }).map_err(|e| {
+                    match e {
+                        TrySendError::Full(_) => Error::Capacity {
+                            what: format!("notification queue of {}", engine.id),
+                            requested: cap + 1,
+                            limit: cap,
+                        },
+                        TrySendError::Closed(_) => Error::PeerClosed("receiver gone".into()),
+                    }
+                })
+            }
+            Message::ChunkLanded { transfer, index } => {
+                signal(&engine, transfer, ChunkSignal::Landed { from: env.from, index })
+            }
+            Message::ChunkAbort { transfer, reason } => {
+                signal(&engine, transfer, ChunkSignal::Aborted { from: env.from, reason })
+            }
+        }
+    }
+}
+
+fn signal(engine: &EngineShared, transfer: u64, sig: ChunkSignal) -> Result<()> {
+    let tx = lock(&engine.chunk_streams).get(&transfer).cloned();
+    let tx = tx.ok_or(Error::NotFound(Missing::Transfer(transfer)))?;
+    tx.try_send(sig).map_err(|e| match e {
+        TrySendError::Full(_) => {
+            Error::protocol(format!("chunked transfer {transfer:#x}: more signals than chunks"))
+        }
+        TrySendError::Closed(_) => Error::NotFound(Missing::Transfer(transfer)),
+    })
+}

@@ -1,0 +1,477 @@
+//! The `Engine`: one per process. It owns registered regions, the backends, the control endpoint and
+//! peer sessions; it picks a backend per transfer and runs the chunk API over sessions.
+
+mod chunked;
+mod control;
+mod host;
+mod regions;
+mod session;
+mod transfer;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+pub use chunked::{ChunkSender, ChunkStream, LandedChunk};
+pub use session::Session;
+pub use transfer::{TransferHandle, TransferOp, TransferReport};
+
+use crate::backend::{Backend, RegionInfo};
+use crate::chunk::ChunkPlan;
+use crate::error::{Error, Missing, Result};
+use crate::ids::{AccessKey, EngineId, RegionId};
+use crate::memory::{HostMapping, MemoryKind};
+use crate::region::{Permissions, Region, RegionInner, Storage};
+use crate::wire::descriptor::EngineDescriptor;
+use chunked::ChunkSignal;
+use regions::RegionTable;
+
+/// Engine settings. Every wait the engine does is bounded by one of these.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Control endpoint address (port 0 picks a free port).
+    pub listen: SocketAddr,
+    /// Host identity; engines with equal ids may use same-host backends. Default: this boot's id.
+    pub host_id: Option<String>,
+    /// Bound on one transfer (from submit to completion).
+    pub transfer_timeout: Duration,
+    /// Bound on a control-endpoint handshake.
+    pub handshake_timeout: Duration,
+    /// Bound on waiting for in-flight transfers when deregistering.
+    pub deregister_timeout: Duration,
+    /// Bound on waiting for the next chunk of a chunked transfer.
+    pub chunk_timeout: Duration,
+    /// Capacity of the inbound user-notification queue (a full queue refuses the sender).
+    pub notification_queue: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            host_id: None,
+            transfer_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
+            deregister_timeout: Duration::from_secs(30),
+            chunk_timeout: Duration::from_secs(30),
+            notification_queue: 1024,
+        }
+    }
+}
+
+/// A user notification received from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// Sending engine.
+    pub from: EngineId,
+    /// Payload (at most [`crate::wire::envelope::MAX_NOTIFY_BYTES`]).
+    pub payload: Bytes,
+}
+
+/// Counters of what the engine moved (as initiator).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Bytes moved by completed READs.
+    pub bytes_read: u64,
+    /// Bytes moved by completed WRITEs.
+    pub bytes_written: u64,
+    /// Ops completed successfully.
+    pub ops_ok: u64,
+    /// Ops that failed.
+    pub ops_failed: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
+    pub(crate) ops_ok: AtomicU64,
+    pub(crate) ops_failed: AtomicU64,
+}
+
+/// The engine's shared state (behind `Engine`, referenced weakly by sessions and regions).
+#[derive(Debug)]
+pub(crate) struct EngineShared {
+    pub(crate) id: EngineId,
+    pub(crate) host: String,
+    pub(crate) config: EngineConfig,
+    pub(crate) backends: Vec<Arc<dyn Backend>>,
+    pub(crate) regions: RegionTable,
+    /// Descriptors of peers that completed a handshake with us (either direction).
+    pub(crate) peers: Mutex<HashMap<EngineId, EngineDescriptor>>,
+    pub(crate) sessions: Mutex<HashMap<EngineId, Session>>,
+    pub(crate) notif_tx: mpsc::Sender<Notification>,
+    notif_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
+    pub(crate) chunk_streams: Mutex<HashMap<u64, mpsc::Sender<ChunkSignal>>>,
+    local_addr: SocketAddr,
+    listener: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pub(crate) closed: AtomicBool,
+    pub(crate) counters: Counters,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl EngineShared {
+    pub(crate) fn descriptor(&self) -> EngineDescriptor {
+        EngineDescriptor {
+            engine: self.id,
+            host: self.host.clone(),
+            backends: self.backends.iter().map(|b| (b.name().to_string(), b.endpoint())).collect(),
+            regions: self.regions.advertised(),
+        }
+    }
+
+    pub(crate) fn ensure_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::PeerClosed(format!("local engine {} is shut down", self.id)));
+        }
+        Ok(())
+    }
+
+    async fn register(
+        self: &Arc<Self>,
+        storage: Storage,
+        len: u64,
+        kind: MemoryKind,
+        perms: Permissions,
+    ) -> Result<Region> {
+        self.ensure_open()?;
+        let id = self.regions.next_id();
+        let fd = match &storage {
+            Storage::Owned(m) => m.fd(),
+            Storage::Raw(_) => None,
+        };
+        let addr = match &storage {
+            Storage::Owned(m) => m.ptr() as usize,
+            Storage::Raw(a) => *a,
+        };
+        let info = RegionInfo { id, kind, addr, len, perms, fd };
+        let mut blobs = Vec::with_capacity(self.backends.len());
+        for b in &self.backends {
+            match b.register(&info).await {
+                Ok(blob) => blobs.push((b.name(), blob)),
+                Err(e) => {
+                    for (name, _) in &blobs {
+                        if let Some(done) = self.backends.iter().find(|b| b.name() == *name) {
+                            let _ = done.deregister(id).await;
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let inner = Arc::new(RegionInner {
+            id,
+            key: AccessKey::random(),
+            kind,
+            perms,
+            len,
+            storage,
+            gate: crate::inflight::InflightGate::new(),
+            drained: tokio::sync::Notify::new(),
+            blobs,
+            engine_id: self.id,
+        });
+        self.regions.insert(inner.clone());
+        Ok(Region { inner, engine: Arc::downgrade(self) })
+    }
+
+    /// Drop path: refuse new access now; backends forget the region in the background.
+    pub(crate) fn forget(self: &Arc<Self>, inner: &Arc<RegionInner>) {
+        self.regions.remove(inner.id);
+        inner.gate.close();
+        let backends = self.backends.clone();
+        let id = inner.id;
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                for b in backends {
+                    let _ = b.deregister(id).await;
+                }
+            });
+        }
+    }
+
+    pub(crate) async fn deregister(self: &Arc<Self>, inner: &Arc<RegionInner>) -> Result<()> {
+        self.regions.remove(inner.id);
+        let drained_now = inner.gate.close();
+        for b in &self.backends {
+            b.deregister(inner.id).await?;
+        }
+        if drained_now {
+            return Ok(());
+        }
+        let limit = self.config.deregister_timeout;
+        tokio::time::timeout(limit, async {
+            while !inner.gate.is_drained() {
+                inner.drained.notified().await;
+            }
+        })
+        .await
+        .map_err(|_| {
+            Error::timeout(
+                format!(
+                    "deregistering region {}: {} transfers still in flight",
+                    inner.id.0,
+                    inner.gate.count()
+                ),
+                limit,
+            )
+        })
+    }
+
+    pub(crate) fn record(&self, dir: crate::backend::Direction, bytes: u64, ok: bool) {
+        let c = &self.counters;
+        if ok {
+            c.ops_ok.fetch_add(1, Ordering::Relaxed);
+            let field = match dir {
+                crate::backend::Direction::Read => &c.bytes_read,
+                crate::backend::Direction::Write => &c.bytes_written,
+            };
+            field.fetch_add(bytes, Ordering::Relaxed);
+        } else {
+            c.ops_failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for EngineShared {
+    fn drop(&mut self) {
+        if let Some(h) = lock(&self.listener).take() {
+            h.abort();
+        }
+    }
+}
+
+/// A transfer engine. Cheap to clone (a handle); the engine stops when the last handle is dropped or
+/// on [`Engine::shutdown`].
+///
+/// ```
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// use tensorwire_core::{Engine, MemBackend, Permissions, TransferOp};
+/// let a = Engine::builder().backend(MemBackend::new()).start().await?;
+/// let b = Engine::builder().backend(MemBackend::new()).start().await?;
+/// let src = a.alloc(4096, Permissions::NONE).await?;
+/// let dst = b.alloc(4096, Permissions::WRITE).await?;
+/// src.write_bytes(0, b"hello")?;
+/// let session = a.connect(b.local_addr()).await?;
+/// let report = session.transfer(TransferOp::write(&src, 0, &dst.remote(), 0, 5)).await?;
+/// assert_eq!(report.backend, "mem");
+/// assert_eq!(dst.to_vec(0, 5)?, b"hello");
+/// # Ok::<(), tensorwire_core::Error>(()) }).unwrap();
+/// ```
+#[derive(Debug, Clone)]
+pub struct Engine {
+    pub(crate) shared: Arc<EngineShared>,
+}
+
+/// Builds an [`Engine`].
+#[derive(Debug, Default)]
+pub struct EngineBuilder {
+    config: EngineConfig,
+    backends: Vec<Arc<dyn Backend>>,
+}
+
+impl EngineBuilder {
+    /// Adds a backend; earlier backends are preferred when several fit a transfer.
+    pub fn backend(mut self, b: Arc<dyn Backend>) -> Self {
+        self.backends.push(b);
+        self
+    }
+    /// Replaces the configuration.
+    pub fn config(mut self, config: EngineConfig) -> Self {
+        self.config = config;
+        self
+    }
+    /// Binds the control endpoint, attaches the backends and starts serving handshakes.
+    pub async fn start(self) -> Result<Engine> {
+        if self.backends.is_empty() {
+            return Err(Error::InvalidArgument("an engine needs at least one backend".into()));
+        }
+        let listener = tokio::net::TcpListener::bind(self.config.listen).await.map_err(|e| {
+            Error::InvalidArgument(format!(
+                "control endpoint: cannot listen on {}: {e}",
+                self.config.listen
+            ))
+        })?;
+        let local_addr = listener.local_addr()?;
+        let host = self.config.host_id.clone().unwrap_or_else(default_host_id);
+        let (notif_tx, notif_rx) = mpsc::channel(self.config.notification_queue.max(1));
+        let shared = Arc::new(EngineShared {
+            id: EngineId::random(),
+            host,
+            config: self.config,
+            backends: self.backends,
+            regions: RegionTable::new(),
+            peers: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            notif_tx,
+            notif_rx: tokio::sync::Mutex::new(notif_rx),
+            chunk_streams: Mutex::new(HashMap::new()),
+            local_addr,
+            listener: Mutex::new(None),
+            closed: AtomicBool::new(false),
+            counters: Counters::default(),
+        });
+        for b in &shared.backends {
+            b.attach(Arc::new(host::HostAdapter::new(&shared)));
+        }
+        let task = tokio::spawn(control::serve(listener, Arc::downgrade(&shared)));
+        *lock(&shared.listener) = Some(task);
+        Ok(Engine { shared })
+    }
+}
+
+/// This machine's identity for same-host detection: the kernel boot id (unique per host and boot).
+fn default_host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| format!("pid-host-{}", std::process::id()))
+}
+
+impl Engine {
+    /// A builder with the default configuration.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::default()
+    }
+
+    /// This engine's id.
+    pub fn id(&self) -> EngineId {
+        self.shared.id
+    }
+    /// Host identity.
+    pub fn host_id(&self) -> &str {
+        &self.shared.host
+    }
+    /// Control endpoint address (give it to peers).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared.local_addr
+    }
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+    /// What a peer learns about this engine in a handshake.
+    pub fn descriptor(&self) -> EngineDescriptor {
+        self.shared.descriptor()
+    }
+    /// The backends, in order of preference.
+    pub fn backends(&self) -> &[Arc<dyn Backend>] {
+        &self.shared.backends
+    }
+    /// Counters of what this engine moved.
+    pub fn stats(&self) -> EngineStats {
+        let c = &self.shared.counters;
+        EngineStats {
+            bytes_read: c.bytes_read.load(Ordering::Relaxed),
+            bytes_written: c.bytes_written.load(Ordering::Relaxed),
+            ops_ok: c.ops_ok.load(Ordering::Relaxed),
+            ops_failed: c.ops_failed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Allocates and registers `len` bytes of zeroed, page-aligned host memory (memfd-backed, so a
+    /// same-host peer can map it). `perms` says what peers may do; `Permissions::NONE` keeps it private.
+    pub async fn alloc(&self, len: u64, perms: Permissions) -> Result<Region> {
+        let n = usize::try_from(len).map_err(|_| Error::Capacity {
+            what: "host allocation".into(),
+            requested: len,
+            limit: usize::MAX as u64,
+        })?;
+        let mapping = HostMapping::new(n)?;
+        self.shared.register(Storage::Owned(mapping), len, MemoryKind::Host, perms).await
+    }
+
+    /// Registers caller memory (a framework tensor, a DLPack capsule's data, a GPU buffer).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be memory of `kind` that stays valid (not freed, unmapped or moved) until
+    /// the returned region has been deregistered with [`Region::deregister`] and that call returned,
+    /// or, if the region is simply dropped, until every transfer that used it has completed or been
+    /// dropped. Peers granted `perms` may read or write it at any time while registered; the caller
+    /// must not rely on its contents while transfers into it are in flight.
+    pub async unsafe fn register_raw(
+        &self,
+        ptr: *mut u8,
+        len: u64,
+        kind: MemoryKind,
+        perms: Permissions,
+    ) -> Result<Region> {
+        if ptr.is_null() && len > 0 {
+            return Err(Error::InvalidArgument("register_raw: null pointer".into()));
+        }
+        self.shared.register(Storage::Raw(ptr as usize), len, kind, perms).await
+    }
+
+    /// Connects to the engine whose control endpoint is `addr` (handshake: both sides exchange
+    /// descriptors) and returns the session, reusing an existing one to the same engine.
+    pub async fn connect(&self, addr: SocketAddr) -> Result<Session> {
+        self.shared.ensure_open()?;
+        let desc = control::handshake(addr, &self.shared).await?;
+        Ok(session::Session::open(&self.shared, desc, Some(addr)))
+    }
+
+    /// The session with a peer that already shook hands with this engine (either direction).
+    pub fn session(&self, peer: EngineId) -> Result<Session> {
+        if let Some(s) = lock(&self.shared.sessions).get(&peer) {
+            return Ok(s.clone());
+        }
+        let desc = lock(&self.shared.peers)
+            .get(&peer)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(Missing::Peer(peer.to_string())))?;
+        Ok(session::Session::open(&self.shared, desc, None))
+    }
+
+    /// Waits up to `timeout` for the next user notification from any peer.
+    pub async fn recv_notification(&self, timeout: Duration) -> Result<Notification> {
+        let mut rx = self.shared.notif_rx.lock().await;
+        match tokio::time::timeout(timeout, rx.recv()).await {
+            Ok(Some(n)) => Ok(n),
+            Ok(None) => Err(Error::PeerClosed("notification queue closed".into())),
+            Err(_) => Err(Error::timeout("waiting for a notification", timeout)),
+        }
+    }
+
+    /// Prepares to receive a chunked transfer of `plan` into `region`, whose tensor storage starts
+    /// at `base`. Give the stream's [`ChunkStream::transfer_id`] and `region.remote()` to the
+    /// producer; then `next()` yields each chunk as it lands.
+    pub fn expect_chunks(
+        &self,
+        plan: ChunkPlan,
+        region: &Region,
+        base: u64,
+    ) -> Result<ChunkStream> {
+        chunked::ChunkStream::open(&self.shared, plan, region, base)
+    }
+
+    /// Stops the engine: the control endpoint closes, backends shut down (peers see `PeerClosed`),
+    /// sessions and pending chunk streams fail.
+    pub async fn shutdown(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        if let Some(h) = lock(&self.shared.listener).take() {
+            h.abort();
+        }
+        for b in &self.shared.backends {
+            b.shutdown().await;
+        }
+        lock(&self.shared.sessions).clear();
+        lock(&self.shared.chunk_streams).clear();
+    }
+
+    /// Number of registered regions.
+    pub fn region_count(&self) -> usize {
+        self.shared.regions.len()
+    }
+
+    /// Looks up a registered region's remote view by id (for tests and diagnostics).
+    pub fn remote_region(&self, id: RegionId) -> Option<crate::region::RemoteRegion> {
+        self.shared.regions.remote(id)
+    }
+}

@@ -1,0 +1,330 @@
+//! `Session`: this engine's view of one peer. It selects a backend per transfer, opens backend
+//! connections lazily, splits ops larger than a backend's limit, and sends notifications.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock, Weak};
+
+use bytes::Bytes;
+
+use super::chunked::ChunkSender;
+use super::transfer::{TransferHandle, TransferOp, TransferReport};
+use super::{EngineShared, control, lock};
+use crate::backend::{
+    Backend, Completion, Connection, Direction, Op, PeerBackendInfo, RemoteSlice,
+};
+use crate::chunk::ChunkPlan;
+use crate::error::{Error, Missing, Result};
+use crate::ids::EngineId;
+use crate::memory::MemoryKind;
+use crate::region::{MemSlice, Region, RemoteRegion};
+use crate::wire::descriptor::EngineDescriptor;
+use crate::wire::envelope::{Envelope, Message};
+
+/// A peer session. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Session {
+    inner: Arc<SessionInner>,
+}
+
+#[derive(Debug)]
+struct SessionInner {
+    engine: Weak<EngineShared>,
+    peer: RwLock<EngineDescriptor>,
+    addr: RwLock<Option<SocketAddr>>,
+    conns: tokio::sync::Mutex<HashMap<&'static str, Arc<dyn Connection>>>,
+}
+
+/// An op checked and cut into backend-sized pieces.
+struct Prepared {
+    backend: usize,
+    pieces: Vec<Op>,
+}
+
+impl Session {
+    pub(crate) fn open(
+        engine: &Arc<EngineShared>,
+        desc: EngineDescriptor,
+        addr: Option<SocketAddr>,
+    ) -> Session {
+        let mut sessions = lock(&engine.sessions);
+        if let Some(s) = sessions.get(&desc.engine) {
+            *s.inner.peer.write().unwrap_or_else(std::sync::PoisonError::into_inner) = desc;
+            if addr.is_some() {
+                *s.inner.addr.write().unwrap_or_else(std::sync::PoisonError::into_inner) = addr;
+            }
+            return s.clone();
+        }
+        let s = Session {
+            inner: Arc::new(SessionInner {
+                engine: Arc::downgrade(engine),
+                peer: RwLock::new(desc),
+                addr: RwLock::new(addr),
+                conns: tokio::sync::Mutex::new(HashMap::new()),
+            }),
+        };
+        let id = s.peer();
+        sessions.insert(id, s.clone());
+        s
+    }
+
+    fn engine(&self) -> Result<Arc<EngineShared>> {
+        let e = self
+            .inner
+            .engine
+            .upgrade()
+            .ok_or_else(|| Error::PeerClosed("local engine dropped".into()))?;
+        e.ensure_open()?;
+        Ok(e)
+    }
+
+    /// The peer's engine id.
+    pub fn peer(&self) -> EngineId {
+        self.descriptor().engine
+    }
+
+    /// The peer's descriptor as of the last handshake.
+    pub fn descriptor(&self) -> EngineDescriptor {
+        self.inner.peer.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Regions the peer showed us in its last descriptor.
+    pub fn remote_regions(&self) -> Vec<RemoteRegion> {
+        self.descriptor().regions
+    }
+
+    /// One region from the peer's last descriptor.
+    pub fn remote_region(&self, id: crate::ids::RegionId) -> Result<RemoteRegion> {
+        self.descriptor()
+            .regions
+            .into_iter()
+            .find(|r| r.id == id)
+            .ok_or(Error::NotFound(Missing::Region(id)))
+    }
+
+    /// Handshakes again to learn regions the peer registered since.
+    pub async fn refresh(&self) -> Result<()> {
+        let engine = self.engine()?;
+        let addr = *self.inner.addr.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let addr = addr.ok_or_else(|| {
+            Error::NotFound(Missing::Peer(format!("control address of {}", self.peer())))
+        })?;
+        let desc = control::handshake(addr, &engine).await?;
+        *self.inner.peer.write().unwrap_or_else(std::sync::PoisonError::into_inner) = desc;
+        Ok(())
+    }
+
+    /// Picks the first backend (in engine preference order) the peer also runs that can move
+    /// `local` <-> `remote` memory in direction `dir` (or notify, when `dir` is None).
+    fn select(
+        engine: &EngineShared,
+        peer: &EngineDescriptor,
+        kinds: Option<(MemoryKind, MemoryKind, Direction)>,
+    ) -> Result<usize> {
+        let same_host = peer.host == engine.host;
+        engine
+            .backends
+            .iter()
+            .position(|b| {
+                let c = b.capabilities();
+                let shared = peer.backends.iter().any(|(n, _)| n == b.name());
+                let host_ok = same_host || !c.same_host_only;
+                let op_ok = match kinds {
+                    Some((l, r, d)) => {
+                        c.local.contains(l)
+                            && c.remote.contains(r)
+                            && match d {
+                                Direction::Read => c.read,
+                                Direction::Write => c.write,
+                            }
+                    }
+                    None => c.notify,
+                };
+                shared && host_ok && op_ok
+            })
+            .ok_or_else(|| Error::Unsupported {
+                backend: "engine",
+                what: match kinds {
+                    Some((l, r, d)) => format!(
+                        "no backend shared with {} moves {d:?} between local {l:?} and remote {r:?}{}",
+                        peer.engine,
+                        if same_host { "" } else { " across hosts" }
+                    ),
+                    None => format!("no backend shared with {} carries notifications", peer.engine),
+                },
+            })
+    }
+
+    async fn connection(
+        &self,
+        engine: &EngineShared,
+        backend: &Arc<dyn Backend>,
+    ) -> Result<Arc<dyn Connection>> {
+        let mut conns = self.inner.conns.lock().await;
+        if let Some(c) = conns.get(backend.name()) {
+            return Ok(c.clone());
+        }
+        let peer = self.descriptor();
+        let endpoint = peer
+            .backends
+            .iter()
+            .find(|(n, _)| n == backend.name())
+            .map(|(_, b)| b.clone())
+            .unwrap_or_default();
+        let info = PeerBackendInfo { engine: peer.engine, host: peer.host.clone(), endpoint };
+        let limit = engine.config.handshake_timeout;
+        let conn = tokio::time::timeout(limit, backend.connect(&info)).await.map_err(|_| {
+            Error::timeout(format!("{} connect to {}", backend.name(), peer.engine), limit)
+        })??;
+        conns.insert(backend.name(), conn.clone());
+        Ok(conn)
+    }
+
+    fn prepare(
+        &self,
+        engine: &EngineShared,
+        peer: &EngineDescriptor,
+        op: &TransferOp,
+    ) -> Result<Prepared> {
+        if op.local.engine_id != engine.id {
+            return Err(Error::InvalidArgument(format!(
+                "local region {} belongs to {}, not this engine {}",
+                op.local.id.0, op.local.engine_id, engine.id
+            )));
+        }
+        if op.remote.engine != peer.engine {
+            return Err(Error::InvalidArgument(format!(
+                "remote region {} belongs to {}, but this session is with {}",
+                op.remote.id.0, op.remote.engine, peer.engine
+            )));
+        }
+        if op.remote_offset.checked_add(op.len).is_none_or(|end| end > op.remote.len) {
+            return Err(Error::OutOfBounds {
+                what: format!("remote region {}", op.remote.id.0),
+                offset: op.remote_offset,
+                len: op.len,
+                limit: op.remote.len,
+            });
+        }
+        let local = op.local.slice(op.local_offset, op.len, "local")?;
+        let backend = Self::select(engine, peer, Some((op.local.kind, op.remote.kind, op.dir)))?;
+        let b = &engine.backends[backend];
+        let blob = op.remote.blob(b.name()).cloned().unwrap_or_default();
+        let max = b.capabilities().max_request_bytes.max(1);
+        let mut pieces = Vec::with_capacity(op.len.div_ceil(max).max(1) as usize);
+        let cut = |off: u64, slice: MemSlice| Op {
+            dir: op.dir,
+            local: slice,
+            remote: RemoteSlice {
+                region: op.remote.id,
+                key: op.remote.key,
+                offset: op.remote_offset + off,
+                blob: blob.clone(),
+            },
+        };
+        if op.len <= max {
+            pieces.push(cut(0, local));
+        } else {
+            let mut off = 0;
+            while off < op.len {
+                let n = max.min(op.len - off);
+                pieces.push(cut(off, local.sub(off, n)?));
+                off += n;
+            }
+        }
+        Ok(Prepared { backend, pieces })
+    }
+
+    /// Submits a batch. Every op gets its own handle that resolves on its own (an op rejected up front
+    /// gets a handle that resolves to its error; its batchmates are unaffected). Ops progress whether
+    /// or not their handles are polled.
+    pub async fn submit(&self, ops: Vec<TransferOp>) -> Vec<TransferHandle> {
+        let engine = match self.engine() {
+            Ok(e) => e,
+            Err(e) => return ops.iter().map(|_| TransferHandle::failed(e.clone())).collect(),
+        };
+        let peer = self.descriptor();
+        let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
+        // backend index -> (op index, pieces)
+        let mut groups: HashMap<usize, Vec<(usize, Vec<Op>)>> = HashMap::new();
+        for (i, op) in ops.iter().enumerate() {
+            match self.prepare(&engine, &peer, op) {
+                Ok(p) => {
+                    groups.entry(p.backend).or_default().push((i, p.pieces));
+                    handles.push(None);
+                }
+                Err(e) => handles.push(Some(TransferHandle::failed(e))),
+            }
+        }
+        for (b, members) in groups {
+            let backend = engine.backends[b].clone();
+            let conn = match self.connection(&engine, &backend).await {
+                Ok(c) => c,
+                Err(e) => {
+                    for (i, _) in members {
+                        handles[i] = Some(TransferHandle::failed(e.clone()));
+                    }
+                    continue;
+                }
+            };
+            let counts: Vec<(usize, usize)> = members.iter().map(|(i, p)| (*i, p.len())).collect();
+            let all: Vec<Op> = members.into_iter().flat_map(|(_, p)| p).collect();
+            let mut done: std::vec::IntoIter<Completion> = conn.submit(all).into_iter();
+            for (i, n) in counts {
+                let pieces: Vec<Completion> = done.by_ref().take(n).collect();
+                handles[i] =
+                    Some(TransferHandle::running(&engine, backend.name(), &ops[i], pieces));
+            }
+        }
+        handles
+            .into_iter()
+            .map(|h| {
+                h.unwrap_or_else(|| TransferHandle::failed(Error::protocol("op lost in submit")))
+            })
+            .collect()
+    }
+
+    /// Submits one op and waits for it.
+    pub async fn transfer(&self, op: TransferOp) -> Result<TransferReport> {
+        let mut hs = self.submit(vec![op]).await;
+        match hs.pop() {
+            Some(h) => h.await,
+            None => Err(Error::protocol("submit returned no handle")),
+        }
+    }
+
+    pub(crate) async fn send(&self, msg: Message) -> Result<()> {
+        let engine = self.engine()?;
+        let peer = self.descriptor();
+        let bytes = Envelope { from: engine.id, msg }.encode()?;
+        let b = engine.backends[Self::select(&engine, &peer, None)?].clone();
+        let conn = self.connection(&engine, &b).await?;
+        let limit = engine.config.transfer_timeout;
+        tokio::time::timeout(limit, conn.notify(bytes))
+            .await
+            .map_err(|_| Error::timeout(format!("notification to {}", peer.engine), limit))?
+    }
+
+    /// Sends a small message (at most [`crate::wire::envelope::MAX_NOTIFY_BYTES`]) that the peer
+    /// receives with [`crate::Engine::recv_notification`] after every transfer submitted before it on
+    /// this session through the same backend (host-memory transfers and notifications share the
+    /// engine's preferred backend, so for them the order is total).
+    pub async fn notify(&self, payload: Bytes) -> Result<()> {
+        self.send(Message::User(payload)).await
+    }
+
+    /// Starts the producer side of a chunked transfer: chunks of `plan` are read from `local` (tensor
+    /// storage at `local_base`) and written into `remote` (storage at `remote_base`) under the
+    /// consumer's `transfer` id (from its [`crate::ChunkStream::transfer_id`]).
+    pub fn chunk_sender(
+        &self,
+        transfer: u64,
+        plan: ChunkPlan,
+        local: &Region,
+        local_base: u64,
+        remote: &RemoteRegion,
+        remote_base: u64,
+    ) -> Result<ChunkSender> {
+        ChunkSender::new(self.clone(), transfer, plan, local, local_base, remote, remote_base)
+    }
+}

@@ -1,0 +1,154 @@
+//! Transfer requests and their handles: a `TransferOp` names local and remote memory; a
+//! `TransferHandle` resolves when that one op is done (or failed, or timed out). Dropping a handle
+//! cancels the op safely.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use super::EngineShared;
+use crate::backend::{Completion, Direction};
+use crate::error::{Error, Result};
+use crate::region::{Region, RegionInner, RemoteRegion};
+
+/// One READ or WRITE between a local region and a peer's region.
+#[derive(Debug, Clone)]
+pub struct TransferOp {
+    pub(crate) dir: Direction,
+    pub(crate) local: Arc<RegionInner>,
+    pub(crate) local_offset: u64,
+    pub(crate) remote: RemoteRegion,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+}
+
+impl TransferOp {
+    /// WRITE `len` bytes from `local[local_offset..]` into `remote[remote_offset..]`.
+    pub fn write(
+        local: &Region,
+        local_offset: u64,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self::new(Direction::Write, local, local_offset, remote, remote_offset, len)
+    }
+
+    /// READ `len` bytes from `remote[remote_offset..]` into `local[local_offset..]`.
+    pub fn read(
+        local: &Region,
+        local_offset: u64,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self::new(Direction::Read, local, local_offset, remote, remote_offset, len)
+    }
+
+    fn new(
+        dir: Direction,
+        local: &Region,
+        local_offset: u64,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        TransferOp {
+            dir,
+            local: local.inner.clone(),
+            local_offset,
+            remote: remote.clone(),
+            remote_offset,
+            len,
+        }
+    }
+
+    /// Direction.
+    pub fn direction(&self) -> Direction {
+        self.dir
+    }
+    /// Bytes to move.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the op moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// What a completed transfer did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferReport {
+    /// The backend that moved the bytes.
+    pub backend: &'static str,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Time from submission to completion.
+    pub elapsed: Duration,
+}
+
+/// Resolves when one transfer is done. Dropping it cancels the transfer: no more bytes of it land in
+/// local memory once the drop returns.
+pub struct TransferHandle {
+    backend: &'static str,
+    fut: Pin<Box<dyn Future<Output = Result<TransferReport>> + Send>>,
+}
+
+impl std::fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferHandle").field("backend", &self.backend).finish_non_exhaustive()
+    }
+}
+
+impl TransferHandle {
+    /// The backend chosen for this transfer ("none" when it was rejected before a backend was chosen).
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    pub(crate) fn failed(e: Error) -> Self {
+        TransferHandle { backend: "none", fut: Box::pin(std::future::ready(Err(e))) }
+    }
+
+    pub(crate) fn running(
+        engine: &Arc<EngineShared>,
+        backend: &'static str,
+        op: &TransferOp,
+        pieces: Vec<Completion>,
+    ) -> Self {
+        let engine: Weak<EngineShared> = Arc::downgrade(engine);
+        let limit = engine.upgrade().map(|e| e.config.transfer_timeout).unwrap_or_default();
+        let (dir, len, region) = (op.dir, op.len, op.remote.id.0);
+        let start = Instant::now();
+        let fut = async move {
+            let all = async {
+                for p in pieces {
+                    p.await?;
+                }
+                Ok(())
+            };
+            let res = match tokio::time::timeout(limit, all).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::timeout(
+                    format!("{dir:?} of {len} bytes with remote region {region} via {backend}"),
+                    limit,
+                )),
+            };
+            if let Some(e) = engine.upgrade() {
+                e.record(dir, len, res.is_ok());
+            }
+            res.map(|()| TransferReport { backend, bytes: len, elapsed: start.elapsed() })
+        };
+        TransferHandle { backend, fut: Box::pin(fut) }
+    }
+}
+
+impl Future for TransferHandle {
+    type Output = Result<TransferReport>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.fut.as_mut().poll(cx)
+    }
+}

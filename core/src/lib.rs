@@ -1,0 +1,92 @@
+//! tensorwire-core: the transfer engine of tensorwire.
+//!
+//! An [`Engine`] (one per process) owns registered memory ([`Region`]), plugin [`Backend`]s, a control
+//! endpoint for the P2P handshake, and peer [`Session`]s. Transfers are batched READs and WRITEs
+//! between a local region and a peer's region ([`TransferOp`]), each completing on its own
+//! ([`TransferHandle`]). The chunk API splits a tensor ([`TensorMeta`]) into a [`ChunkPlan`]; a
+//! [`ChunkSender`] sends chunk i as soon as it is ready and the consumer's [`ChunkStream`] yields each
+//! chunk as it lands. [`MemBackend`] is the in-process reference backend.
+//!
+//! ```
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! use tensorwire_core::{ChunkPlan, DType, Engine, MemBackend, Permissions, TensorMeta};
+//!
+//! let producer = Engine::builder().backend(MemBackend::new()).start().await?;
+//! let consumer = Engine::builder().backend(MemBackend::new()).start().await?;
+//!
+//! // A [C=2, T=4, H=3, W=3] bf16 latent, chunked along T into 2 temporal chunks.
+//! let meta = TensorMeta::contiguous(DType::BF16, &[2, 4, 3, 3]);
+//! let bytes = meta.nbytes()?;
+//! let src = producer.alloc(bytes, Permissions::NONE).await?;
+//! src.write_bytes(0, &vec![7u8; bytes as usize])?;
+//! let dst = consumer.alloc(bytes, Permissions::WRITE).await?;
+//!
+//! let mut stream = consumer.expect_chunks(ChunkPlan::new(&meta, 1, 2)?, &dst, 0)?;
+//! let session = producer.connect(consumer.local_addr()).await?;
+//! let sender = session.chunk_sender(
+//!     stream.transfer_id(), ChunkPlan::new(&meta, 1, 2)?, &src, 0, &dst.remote(), 0)?;
+//! sender.mark_ready(1)?;
+//! sender.mark_ready(0)?;
+//! let mut landed = 0;
+//! while let Some(chunk) = stream.next().await? {
+//!     assert_eq!(chunk.ranges.len(), 2); // one range per channel
+//!     landed += 1;
+//! }
+//! sender.finish().await?;
+//! assert_eq!(landed, 2);
+//! assert_eq!(dst.to_vec(0, bytes)?, vec![7u8; bytes as usize]);
+//! # Ok::<(), tensorwire_core::Error>(()) }).unwrap();
+//! ```
+
+#![deny(unsafe_op_in_unsafe_fn)]
+// Under `--cfg loom` only the sans-IO pieces and shared primitives are built (for the loom models).
+#![cfg_attr(loom, allow(dead_code, unused_imports))]
+
+mod sync;
+
+pub mod cancel;
+pub mod chunk;
+pub mod dtype;
+pub mod error;
+mod ids;
+mod inflight;
+pub mod memory;
+pub mod tensor;
+pub mod wire;
+
+#[cfg(not(loom))]
+pub mod backend;
+#[cfg(not(loom))]
+pub mod completion;
+#[cfg(not(loom))]
+mod engine;
+#[cfg(not(loom))]
+pub mod fence;
+#[cfg(not(loom))]
+pub mod reference;
+#[cfg(not(loom))]
+pub mod region;
+
+pub use chunk::{ByteRange, Chunk, ChunkPlan, ChunkTracker};
+pub use dtype::{DType, DlDataType};
+pub use error::{Error, Missing, Result};
+pub use ids::{AccessKey, EngineId, RegionId};
+pub use memory::{MemoryKind, MemoryKinds};
+pub use tensor::{DlTensorFields, TensorMeta};
+
+#[cfg(not(loom))]
+pub use backend::{
+    Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
+    RegionInfo, RemoteSlice,
+};
+#[cfg(not(loom))]
+pub use engine::{
+    ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, LandedChunk,
+    Notification, Session, TransferHandle, TransferOp, TransferReport,
+};
+#[cfg(not(loom))]
+pub use reference::MemBackend;
+#[cfg(not(loom))]
+pub use region::{Access, MemSlice, Permissions, Region, RemoteRegion};
+#[cfg(not(loom))]
+pub use wire::descriptor::EngineDescriptor;

@@ -1,0 +1,338 @@
+//! Registered memory: the region handle users hold, the descriptor peers hold, and the guarded slices
+//! backends copy through.
+
+use std::sync::{Arc, Weak};
+
+use bytes::Bytes;
+
+use crate::engine::EngineShared;
+use crate::error::{Error, Result};
+pub use crate::ids::{AccessKey, EngineId, RegionId};
+use crate::inflight::InflightGate;
+use crate::memory::{HostMapping, MemoryKind};
+use crate::tensor::{decode_kind, encode_kind};
+use crate::wire::codec::{Reader, Writer};
+
+/// What a remote peer may do with a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Permissions {
+    /// Peers may READ from it.
+    pub read: bool,
+    /// Peers may WRITE into it.
+    pub write: bool,
+}
+
+impl Permissions {
+    /// Not visible to peers at all.
+    pub const NONE: Permissions = Permissions { read: false, write: false };
+    /// Peers may read.
+    pub const READ: Permissions = Permissions { read: true, write: false };
+    /// Peers may write.
+    pub const WRITE: Permissions = Permissions { read: false, write: true };
+    /// Peers may read and write.
+    pub const READ_WRITE: Permissions = Permissions { read: true, write: true };
+
+    pub(crate) fn bits(self) -> u8 {
+        u8::from(self.read) | (u8::from(self.write) << 1)
+    }
+    pub(crate) fn from_bits(b: u8) -> Result<Self> {
+        if b > 3 {
+            return Err(Error::protocol(format!("unknown permission bits {b:#x}")));
+        }
+        Ok(Permissions { read: b & 1 != 0, write: b & 2 != 0 })
+    }
+}
+
+/// The direction of an access, seen from the region's owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Bytes are read out of the region.
+    Read,
+    /// Bytes are written into the region.
+    Write,
+}
+
+#[derive(Debug)]
+pub(crate) enum Storage {
+    Owned(HostMapping),
+    /// Caller memory at this address (see `Engine::register_raw`'s contract).
+    Raw(usize),
+}
+
+/// The memory and registration state of a region; shared by the handle and every in-flight op.
+#[derive(Debug)]
+pub(crate) struct RegionInner {
+    pub(crate) id: RegionId,
+    pub(crate) key: AccessKey,
+    pub(crate) kind: MemoryKind,
+    pub(crate) perms: Permissions,
+    pub(crate) len: u64,
+    pub(crate) storage: Storage,
+    pub(crate) gate: InflightGate,
+    pub(crate) drained: tokio::sync::Notify,
+    /// Each backend's public blob for this region.
+    pub(crate) blobs: Vec<(&'static str, Bytes)>,
+    pub(crate) engine_id: EngineId,
+}
+
+impl RegionInner {
+    pub(crate) fn base(&self) -> *mut u8 {
+        match &self.storage {
+            Storage::Owned(m) => m.ptr(),
+            Storage::Raw(addr) => *addr as *mut u8,
+        }
+    }
+
+    /// Checks `offset + len <= self.len` without overflow.
+    pub(crate) fn check_bounds(&self, offset: u64, len: u64, what: &str) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                what: format!("{what} region {}", self.id.0),
+                offset,
+                len,
+                limit: self.len,
+            }),
+        }
+    }
+
+    /// Enters the in-flight gate for `[offset, offset+len)`; fails once deregistration started.
+    pub(crate) fn slice(self: &Arc<Self>, offset: u64, len: u64, what: &str) -> Result<MemSlice> {
+        self.check_bounds(offset, len, what)?;
+        if !self.gate.enter() {
+            return Err(Error::NotFound(crate::error::Missing::Deregistered(self.id)));
+        }
+        Ok(MemSlice { region: self.clone(), offset, len })
+    }
+}
+
+/// A bounds-checked window of registered memory, holding the region's in-flight gate open while it
+/// lives: deregistration waits for every `MemSlice` to drop. Backends copy through its pointer.
+#[derive(Debug)]
+pub struct MemSlice {
+    region: Arc<RegionInner>,
+    offset: u64,
+    len: u64,
+}
+
+impl MemSlice {
+    /// The region this slice is in.
+    pub fn region_id(&self) -> RegionId {
+        self.region.id
+    }
+    /// Offset of the slice in its region.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Memory kind of the region.
+    pub fn kind(&self) -> MemoryKind {
+        self.region.kind
+    }
+    /// Pointer to the first byte of the slice; valid for `len()` bytes while the slice lives. Other
+    /// transfers may access the same bytes concurrently (as with memory shown to a NIC): use
+    /// `ptr::copy`, never form references that assume exclusivity.
+    pub fn ptr(&self) -> *mut u8 {
+        // `offset + len <= region len` was checked at construction, so this stays in the allocation.
+        self.region.base().wrapping_add(self.offset as usize)
+    }
+    /// This backend's public blob for the region (what its `register` returned).
+    pub fn blob(&self, backend: &str) -> Option<&Bytes> {
+        self.region.blobs.iter().find(|(n, _)| *n == backend).map(|(_, b)| b)
+    }
+    /// A narrower window of this slice (`offset` relative to the slice).
+    pub fn sub(&self, offset: u64, len: u64) -> Result<MemSlice> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => self.region.slice(self.offset + offset, len, "local"),
+            _ => Err(Error::OutOfBounds {
+                what: format!("slice of region {}", self.region.id.0),
+                offset,
+                len,
+                limit: self.len,
+            }),
+        }
+    }
+}
+
+impl Drop for MemSlice {
+    fn drop(&mut self) {
+        if self.region.gate.exit() {
+            self.region.drained.notify_one();
+        }
+    }
+}
+
+/// A registered region of memory, owned by the user. Dropping it deregisters it (after in-flight
+/// transfers finish, the memory of an engine-allocated region is freed); `deregister` does the same
+/// and waits for in-flight transfers to drain.
+#[derive(Debug)]
+pub struct Region {
+    pub(crate) inner: Arc<RegionInner>,
+    pub(crate) engine: Weak<EngineShared>,
+}
+
+impl Region {
+    /// The region's id on its engine.
+    pub fn id(&self) -> RegionId {
+        self.inner.id
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+    /// Memory kind.
+    pub fn kind(&self) -> MemoryKind {
+        self.inner.kind
+    }
+    /// What peers may do.
+    pub fn permissions(&self) -> Permissions {
+        self.inner.perms
+    }
+    /// Base address of the region (for handing to kernels or frameworks). Transfers may write into
+    /// the memory concurrently; synchronise on their completions before reading.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.base()
+    }
+    /// Everything a peer needs to address this region: hand it over out of band (a queue message,
+    /// a payload ref) or let peers see it in the handshake descriptor.
+    pub fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            engine: self.inner.engine_id,
+            id: self.inner.id,
+            key: self.inner.key,
+            len: self.inner.len,
+            kind: self.inner.kind,
+            perms: self.inner.perms,
+            blobs: self.inner.blobs.iter().map(|(n, b)| (n.to_string(), b.clone())).collect(),
+        }
+    }
+
+    pub(crate) fn host_slice(&self, offset: u64, len: u64) -> Result<MemSlice> {
+        if !self.inner.kind.is_host() {
+            return Err(Error::Unsupported {
+                backend: "engine",
+                what: format!("CPU access to {:?} region {}", self.inner.kind, self.inner.id.0),
+            });
+        }
+        self.inner.slice(offset, len, "local")
+    }
+
+    /// Copies `data` into the region at `offset` (host memory only).
+    pub fn write_bytes(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let s = self.host_slice(offset, data.len() as u64)?;
+        // SAFETY: `s` is in bounds of live registered host memory (checked by `host_slice`), held
+        // open by the slice's gate; `data` is a distinct Rust allocation, so the ranges cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), s.ptr(), data.len()) };
+        Ok(())
+    }
+
+    /// Copies region bytes at `offset` into `out` (host memory only).
+    pub fn read_bytes(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let s = self.host_slice(offset, out.len() as u64)?;
+        // SAFETY: as in `write_bytes`, with the copy in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(s.ptr(), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// A copy of `len` bytes at `offset`.
+    pub fn to_vec(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let n = usize::try_from(len).map_err(|_| Error::Capacity {
+            what: "host copy".into(),
+            requested: len,
+            limit: usize::MAX as u64,
+        })?;
+        let mut v = vec![0u8; n];
+        self.read_bytes(offset, &mut v)?;
+        Ok(v)
+    }
+
+    /// Deregisters: peers are refused from now on, backends forget the region, and this waits (up to
+    /// the engine's deregister timeout) until every in-flight transfer using it has finished.
+    pub async fn deregister(mut self) -> Result<()> {
+        let engine = std::mem::take(&mut self.engine);
+        match engine.upgrade() {
+            Some(e) => e.deregister(&self.inner).await,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Some(e) = self.engine.upgrade() {
+            e.forget(&self.inner);
+        }
+    }
+}
+
+/// A peer's view of a region: id, key, length, kind, permissions and each backend's public blob.
+/// Small and serialisable; it travels in descriptors and queue messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteRegion {
+    /// Engine that owns the region.
+    pub engine: EngineId,
+    /// Region id on that engine.
+    pub id: RegionId,
+    /// Access key.
+    pub key: AccessKey,
+    /// Length in bytes.
+    pub len: u64,
+    /// Memory kind.
+    pub kind: MemoryKind,
+    /// What peers may do.
+    pub perms: Permissions,
+    /// Backend name -> public blob.
+    pub blobs: Vec<(String, Bytes)>,
+}
+
+/// Most backend blobs one region carries.
+pub const MAX_BLOBS: usize = 16;
+/// Largest backend blob.
+pub const MAX_BLOB_BYTES: usize = 4096;
+
+impl RemoteRegion {
+    /// The blob a backend registered for this region.
+    pub fn blob(&self, backend: &str) -> Option<&Bytes> {
+        self.blobs.iter().find(|(n, _)| n == backend).map(|(_, b)| b)
+    }
+
+    /// Appends the wire encoding.
+    pub fn encode(&self, w: &mut Writer) {
+        w.u128(self.engine.0).u64(self.id.0).u128(self.key.to_bits()).u64(self.len);
+        encode_kind(w, self.kind);
+        w.u8(self.perms.bits());
+        w.u32(self.blobs.len() as u32);
+        for (n, b) in &self.blobs {
+            w.str(n).bytes(b);
+        }
+    }
+
+    /// Decodes what `encode` wrote; never panics.
+    pub fn decode(r: &mut Reader<'_>) -> Result<RemoteRegion> {
+        let engine = EngineId(r.u128()?);
+        let id = RegionId(r.u64()?);
+        let key = AccessKey::from_bits(r.u128()?);
+        let len = r.u64()?;
+        let kind = decode_kind(r)?;
+        let perms = Permissions::from_bits(r.u8()?)?;
+        let n = r.count(MAX_BLOBS, "backend blobs")?;
+        let mut blobs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = r.str(64, "backend name")?;
+            let blob = r.owned_bytes(MAX_BLOB_BYTES, "backend blob")?;
+            blobs.push((name, blob));
+        }
+        Ok(RemoteRegion { engine, id, key, len, kind, perms, blobs })
+    }
+}

@@ -1,0 +1,26 @@
+//! Synchronisation primitives switch: std types normally, loom's under `cfg(loom)`, so the shared
+//! counters and gates below can be model-checked (`RUSTFLAGS="--cfg loom" cargo test --release loom`).
+
+#[cfg(loom)]
+pub(crate) use loom::sync::{
+    Mutex,
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+};
+#[cfg(not(loom))]
+pub(crate) use std::sync::{
+    Mutex,
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+};
+
+/// Locks a mutex, recovering the guard if a panicking thread poisoned it: the state behind every
+/// mutex here stays consistent across a panic (each critical section is a single assignment or copy).
+#[cfg(not(loom))]
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Locks a loom mutex (loom models never poison).
+#[cfg(loom)]
+pub(crate) fn lock<T>(m: &Mutex<T>) -> loom::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

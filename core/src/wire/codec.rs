@@ -1,0 +1,156 @@
+//! Bounded little-endian encoding helpers. `Reader` never panics: every read checks the remaining
+//! length and every variable-length field is checked against a caller-given bound first.
+
+use bytes::Bytes;
+
+use crate::error::{Error, Result};
+
+/// Appends fields to a byte vector.
+#[derive(Debug, Default)]
+pub struct Writer {
+    buf: Vec<u8>,
+}
+
+impl Writer {
+    /// An empty writer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Appends one byte.
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+    /// Appends a u16.
+    pub fn u16(&mut self, v: u16) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends a u32.
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends a u64.
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends a u128.
+    pub fn u128(&mut self, v: u128) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends a u32 length then the bytes.
+    pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        // Callers bound their fields far below 4 GiB; saturate rather than wrap if one does not.
+        self.u32(u32::try_from(v.len()).unwrap_or(u32::MAX));
+        self.buf.extend_from_slice(v);
+        self
+    }
+    /// Appends a length-prefixed UTF-8 string.
+    pub fn str(&mut self, v: &str) -> &mut Self {
+        self.bytes(v.as_bytes())
+    }
+    /// Appends raw bytes without a length.
+    pub fn raw(&mut self, v: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(v);
+        self
+    }
+    /// The encoded bytes.
+    pub fn finish(self) -> Vec<u8> {
+        self.buf
+    }
+}
+
+/// Reads fields from a byte slice; every method returns [`Error::Protocol`] on short or bad input.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    /// A reader over `buf`; `what` names the message in errors.
+    pub fn new(buf: &'a [u8], what: &'static str) -> Self {
+        Self { buf, what }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.buf.len() < n {
+            return Err(Error::protocol(format!(
+                "{}: truncated: need {n} more bytes, have {}",
+                self.what,
+                self.buf.len()
+            )));
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+    /// Reads one byte.
+    pub fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    /// Reads a u16.
+    pub fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    /// Reads a u32.
+    pub fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    /// Reads a u64.
+    pub fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    /// Reads a u128.
+    pub fn u128(&mut self) -> Result<u128> {
+        Ok(u128::from_le_bytes(self.array()?))
+    }
+    /// Reads a length-prefixed byte string of at most `max` bytes.
+    pub fn bytes(&mut self, max: usize, field: &str) -> Result<&'a [u8]> {
+        let len = self.u32()? as usize;
+        if len > max {
+            return Err(Error::protocol(format!(
+                "{}: {field} is {len} bytes, limit {max}",
+                self.what
+            )));
+        }
+        self.take(len)
+    }
+    /// Reads a length-prefixed byte string as owned [`Bytes`].
+    pub fn owned_bytes(&mut self, max: usize, field: &str) -> Result<Bytes> {
+        Ok(Bytes::copy_from_slice(self.bytes(max, field)?))
+    }
+    /// Reads a length-prefixed UTF-8 string of at most `max` bytes.
+    pub fn str(&mut self, max: usize, field: &str) -> Result<String> {
+        let raw = self.bytes(max, field)?;
+        String::from_utf8(raw.to_vec())
+            .map_err(|_| Error::protocol(format!("{}: {field} is not UTF-8", self.what)))
+    }
+    /// Reads an element count of at most `max`.
+    pub fn count(&mut self, max: usize, field: &str) -> Result<usize> {
+        let n = self.u32()? as usize;
+        if n > max {
+            return Err(Error::protocol(format!("{}: {n} {field}, limit {max}", self.what)));
+        }
+        Ok(n)
+    }
+    /// The unread rest.
+    pub fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.buf)
+    }
+    /// Fails unless every byte was consumed.
+    pub fn finish(self) -> Result<()> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::protocol(format!("{}: {} trailing bytes", self.what, self.buf.len())))
+        }
+    }
+}
