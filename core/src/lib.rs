@@ -55,6 +55,8 @@ pub mod tensor;
 pub mod wire;
 
 #[cfg(not(loom))]
+pub mod auth;
+#[cfg(not(loom))]
 pub mod backend;
 #[cfg(not(loom))]
 pub mod completion;
@@ -74,6 +76,8 @@ pub use ids::{AccessKey, EngineId, RegionId};
 pub use memory::{MemoryKind, MemoryKinds};
 pub use tensor::{DlTensorFields, TensorMeta};
 
+#[cfg(not(loom))]
+pub use auth::ClusterSecret;
 #[cfg(not(loom))]
 pub use backend::{
     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,

@@ -48,6 +48,10 @@ pub struct EngineConfig {
     pub chunk_timeout: Duration,
     /// Capacity of the inbound user-notification queue (a full queue refuses the sender).
     pub notification_queue: usize,
+    /// Shared cluster secret. With one, the engine only talks to peers that prove they hold the same
+    /// secret (HMAC challenge in the handshake, both directions); without one it accepts any peer and
+    /// logs a warning for each.
+    pub cluster_secret: Option<crate::auth::ClusterSecret>,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +64,7 @@ impl Default for EngineConfig {
             deregister_timeout: Duration::from_secs(30),
             chunk_timeout: Duration::from_secs(30),
             notification_queue: 1024,
+            cluster_secret: None,
         }
     }
 }

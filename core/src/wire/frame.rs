@@ -16,10 +16,14 @@ pub const MAX_FRAME: u32 = 1 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FrameKind {
-    /// An engine descriptor (sent by both sides of a handshake).
+    /// A descriptor, with the client's proof (sent by both sides of a handshake).
     Hello,
     /// A refusal with a reason (UTF-8).
     Reject,
+    /// The client's opening nonce.
+    Open,
+    /// The server's nonce and proof.
+    Challenge,
 }
 
 impl FrameKind {
@@ -27,12 +31,16 @@ impl FrameKind {
         match self {
             FrameKind::Hello => 1,
             FrameKind::Reject => 2,
+            FrameKind::Open => 3,
+            FrameKind::Challenge => 4,
         }
     }
     fn from_tag(t: u8) -> Result<Self> {
         Ok(match t {
             1 => FrameKind::Hello,
             2 => FrameKind::Reject,
+            3 => FrameKind::Open,
+            4 => FrameKind::Challenge,
             _ => return Err(Error::protocol(format!("unknown frame kind {t}"))),
         })
     }

@@ -6,3 +6,5 @@ pub mod codec;
 pub mod descriptor;
 pub mod envelope;
 pub mod frame;
+#[cfg(not(loom))]
+pub mod handshake;

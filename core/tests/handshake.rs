@@ -1,0 +1,94 @@
+//! Handshake authentication and robustness of the control endpoint.
+
+use std::time::Duration;
+
+use tensorwire_core::{
+    ClusterSecret, Engine, EngineConfig, Error, Missing, Permissions, TransferOp,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn engine(secret: Option<&[u8]>) -> Engine {
+    let config = EngineConfig {
+        cluster_secret: secret.map(ClusterSecret::new),
+        handshake_timeout: Duration::from_secs(2),
+        ..EngineConfig::default()
+    };
+    Engine::builder()
+        .backend(tensorwire_core::MemBackend::new())
+        .config(config)
+        .start()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn same_secret_connects_and_moves_bytes() {
+    let (a, b) = (engine(Some(b"s3cret")).await, engine(Some(b"s3cret")).await);
+    let s = a.connect(b.local_addr()).await.unwrap();
+    let src = a.alloc(16, Permissions::NONE).await.unwrap();
+    src.write_bytes(0, b"authenticated!!!").unwrap();
+    let dst = b.alloc(16, Permissions::WRITE).await.unwrap();
+    s.transfer(TransferOp::write(&src, 0, &dst.remote(), 0, 16)).await.unwrap();
+    assert_eq!(dst.to_vec(0, 16).unwrap(), b"authenticated!!!");
+    assert!(b.session(a.id()).is_ok(), "the server knows the authenticated client");
+}
+
+#[tokio::test]
+async fn wrong_secret_is_refused_both_ways_and_learns_nothing() {
+    let (a, b) = (engine(Some(b"right")).await, engine(Some(b"wrong")).await);
+    let _visible = b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let e = a.connect(b.local_addr()).await.unwrap_err();
+    assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+    assert!(matches!(b.session(a.id()), Err(Error::NotFound(Missing::Peer(_)))));
+    assert!(matches!(a.session(b.id()), Err(Error::NotFound(Missing::Peer(_)))));
+    let e = b.connect(a.local_addr()).await.unwrap_err();
+    assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+}
+
+#[tokio::test]
+async fn a_secret_on_one_side_only_is_refused() {
+    let (with, without) = (engine(Some(b"k")).await, engine(None).await);
+    let e = without.connect(with.local_addr()).await.unwrap_err();
+    assert!(e.to_string().contains("requires a cluster secret"), "{e}");
+    let e = with.connect(without.local_addr()).await.unwrap_err();
+    assert!(e.to_string().contains("has no cluster secret"), "{e}");
+    assert!(matches!(with.session(without.id()), Err(Error::NotFound(_))));
+}
+
+#[tokio::test]
+async fn no_secret_accepts_any_peer() {
+    let (a, b) = (engine(None).await, engine(None).await);
+    let s = a.connect(b.local_addr()).await.unwrap();
+    assert_eq!(s.peer(), b.id());
+}
+
+#[tokio::test]
+async fn garbage_and_silent_clients_do_not_hurt_the_endpoint() {
+    let b = engine(Some(b"k")).await;
+    // Garbage: refused or closed, never a crash.
+    let mut junk = tokio::net::TcpStream::connect(b.local_addr()).await.unwrap();
+    junk.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), junk.read_to_end(&mut buf)).await.unwrap();
+    // An oversized frame header.
+    let mut big = tokio::net::TcpStream::connect(b.local_addr()).await.unwrap();
+    big.write_all(&[b'T', b'W', 1, 3, 0xff, 0xff, 0xff, 0x7f]).await.unwrap();
+    // A client that says nothing is dropped after the handshake timeout.
+    let mut silent = tokio::net::TcpStream::connect(b.local_addr()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut [0u8; 1])).await;
+    assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "silent client not dropped: {n:?}");
+    // A real peer still gets in.
+    let a = engine(Some(b"k")).await;
+    a.connect(b.local_addr()).await.unwrap();
+}
+
+#[tokio::test]
+async fn unreachable_address_is_peer_closed() {
+    let a = engine(None).await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let e = a.connect(dead).await.unwrap_err();
+    assert!(matches!(e, Error::PeerClosed(_)), "{e}");
+}
