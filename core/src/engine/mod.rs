@@ -38,7 +38,8 @@ pub struct EngineConfig {
     pub listen: SocketAddr,
     /// Host identity; engines with equal ids may use same-host backends. Default: this boot's id.
     pub host_id: Option<String>,
-    /// Bound on one transfer (from submit to completion).
+    /// Bound on one transfer, timed from when its handle is first awaited to its completion (the op
+    /// itself starts at submit and progresses whether or not its handle is polled).
     pub transfer_timeout: Duration,
     /// Bound on a control-endpoint handshake.
     pub handshake_timeout: Duration,
