@@ -1,4 +1,5 @@
 //! Handshake authentication and robustness of the control endpoint.
+#![cfg(not(loom))] // the loom build has only the sans-IO pieces
 
 use std::time::Duration;
 

@@ -1,5 +1,6 @@
 //! Caller memory registered with `register_raw`: host memory moves like engine memory; device memory
 //! is refused with `Unsupported` by a host-only backend (never touched by the CPU).
+#![cfg(not(loom))] // the loom build has only the sans-IO pieces
 
 use tensorwire_core::{Engine, Error, MemBackend, MemoryKind, Permissions, TransferOp};
 
