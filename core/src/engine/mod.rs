@@ -120,9 +120,7 @@ pub(crate) struct EngineShared {
     pub(crate) counters: Counters,
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+pub(crate) use crate::sync::lock;
 
 impl EngineShared {
     pub(crate) fn descriptor(&self) -> EngineDescriptor {

@@ -21,11 +21,11 @@ impl RegionTable {
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<RegionId, Arc<RegionInner>>> {
-        self.map.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::read(&self.map)
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<RegionId, Arc<RegionInner>>> {
-        self.map.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::write(&self.map)
     }
 
     pub(crate) fn next_id(&self) -> RegionId {

@@ -18,6 +18,7 @@ use crate::error::{Error, Missing, Result};
 use crate::ids::EngineId;
 use crate::memory::MemoryKind;
 use crate::region::{MemSlice, Region, RemoteRegion};
+use crate::sync::{read, write};
 use crate::wire::descriptor::EngineDescriptor;
 use crate::wire::envelope::{Envelope, Message};
 
@@ -49,9 +50,9 @@ impl Session {
     ) -> Session {
         let mut sessions = lock(&engine.sessions);
         if let Some(s) = sessions.get(&desc.engine) {
-            *s.inner.peer.write().unwrap_or_else(std::sync::PoisonError::into_inner) = desc;
+            *write(&s.inner.peer) = desc;
             if addr.is_some() {
-                *s.inner.addr.write().unwrap_or_else(std::sync::PoisonError::into_inner) = addr;
+                *write(&s.inner.addr) = addr;
             }
             return s.clone();
         }
@@ -85,7 +86,7 @@ impl Session {
 
     /// The peer's descriptor as of the last handshake.
     pub fn descriptor(&self) -> EngineDescriptor {
-        self.inner.peer.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        read(&self.inner.peer).clone()
     }
 
     /// Regions the peer showed us in its last descriptor.
@@ -105,12 +106,12 @@ impl Session {
     /// Handshakes again to learn regions the peer registered since.
     pub async fn refresh(&self) -> Result<()> {
         let engine = self.engine()?;
-        let addr = *self.inner.addr.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let addr = *read(&self.inner.addr);
         let addr = addr.ok_or_else(|| {
             Error::NotFound(Missing::Peer(format!("control address of {}", self.peer())))
         })?;
         let desc = control::handshake(addr, &engine).await?;
-        *self.inner.peer.write().unwrap_or_else(std::sync::PoisonError::into_inner) = desc;
+        *write(&self.inner.peer) = desc;
         Ok(())
     }
 
