@@ -32,6 +32,18 @@ impl Drop for GatedCompletion {
     }
 }
 
+/// The sending half of a [`gated`] completion.
+pub type CompletionSender = oneshot::Sender<Result<()>>;
+
+/// A completion resolved through the returned sender, for backends that finish ops from their own
+/// I/O tasks instead of one task per op. Dropping the completion cancels the gate (waiting out a
+/// write in progress); a sender dropped unused resolves it with [`Error::PeerClosed`].
+pub fn gated() -> (Arc<CancelGate>, CompletionSender, Completion) {
+    let gate = Arc::new(CancelGate::new());
+    let (tx, rx) = oneshot::channel();
+    (gate.clone(), tx, Box::pin(GatedCompletion { rx, gate }))
+}
+
 /// Spawns `op` (given the op's cancel gate; it must do every memory write inside `gate.run`) and
 /// returns its completion. Dropping the completion cancels the gate, waiting out a write in progress.
 pub fn spawn_cancellable<F, Fut>(op: F) -> Completion
@@ -39,9 +51,8 @@ where
     F: FnOnce(Arc<CancelGate>) -> Fut,
     Fut: Future<Output = Result<()>> + Send + 'static,
 {
-    let gate = Arc::new(CancelGate::new());
-    let (tx, rx) = oneshot::channel();
-    let fut = op(gate.clone());
+    let (gate, tx, completion) = gated();
+    let fut = op(gate);
     match tokio::runtime::Handle::try_current() {
         Ok(rt) => {
             rt.spawn(async move {
@@ -55,7 +66,7 @@ where
             }));
         }
     }
-    Box::pin(GatedCompletion { rx, gate })
+    completion
 }
 
 /// A completion that is already resolved (an op rejected before it started).

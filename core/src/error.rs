@@ -92,6 +92,16 @@ pub enum Error {
     /// A tensor description is malformed or does not fit its memory.
     #[error("invalid tensor: {0}")]
     InvalidTensor(String),
+    /// Bytes that arrived (or were stored) do not match their checksum: corrupted in flight or at rest.
+    #[error("checksum mismatch: {what}: expected {expected:#010x}, computed {actual:#010x}")]
+    Checksum {
+        /// The bytes checked, e.g. "tcp READ of region 3 [0, 4096)".
+        what: String,
+        /// The checksum sent or stored with the bytes.
+        expected: u32,
+        /// The checksum of the bytes as received.
+        actual: u32,
+    },
     /// A malformed, truncated, oversized or unexpected frame or message.
     #[error("protocol: {0}")]
     Protocol(String),

@@ -42,7 +42,7 @@
 // Under `--cfg loom` only the sans-IO pieces and shared primitives are built (for the loom models).
 #![cfg_attr(loom, allow(dead_code, unused_imports))]
 
-mod sync;
+pub mod sync;
 
 pub mod cancel;
 pub mod chunk;

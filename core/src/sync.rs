@@ -2,12 +2,12 @@
 //! counters and gates below can be model-checked (`RUSTFLAGS="--cfg loom" cargo test --release loom`).
 
 #[cfg(loom)]
-pub(crate) use loom::sync::{
+pub use loom::sync::{
     Mutex,
     atomic::{AtomicU64, AtomicUsize, Ordering},
 };
 #[cfg(not(loom))]
-pub(crate) use std::sync::{
+pub use std::sync::{
     Mutex,
     atomic::{AtomicU64, AtomicUsize, Ordering},
 };
@@ -15,24 +15,24 @@ pub(crate) use std::sync::{
 /// Locks a mutex, recovering the guard if a panicking thread poisoned it: the state behind every
 /// mutex here stays consistent across a panic (each critical section is a single assignment or copy).
 #[cfg(not(loom))]
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Locks a loom mutex (loom models never poison).
 #[cfg(loom)]
-pub(crate) fn lock<T>(m: &Mutex<T>) -> loom::sync::MutexGuard<'_, T> {
+pub fn lock<T>(m: &Mutex<T>) -> loom::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Read-locks an `RwLock`, recovering from poisoning as [`lock`] does.
 #[cfg(not(loom))]
-pub(crate) fn read<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+pub fn read<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
     l.read().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Write-locks an `RwLock`, recovering from poisoning as [`lock`] does.
 #[cfg(not(loom))]
-pub(crate) fn write<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+pub fn write<T>(l: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -5,6 +5,7 @@ pub mod codec;
 #[cfg(not(loom))]
 pub mod descriptor;
 pub mod envelope;
+pub mod error;
 pub mod frame;
 #[cfg(not(loom))]
 pub mod handshake;

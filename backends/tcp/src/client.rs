@@ -1,0 +1,499 @@
+//! The initiating side: a connection is N data streams to one peer. Ops are cut into pieces of at
+//! most `piece_bytes`; every stream's writer takes the next piece from a shared queue (ops of one
+//! piece before pieces of larger ops, so a small op never waits behind a large one), which stripes
+//! large ops across the streams. Each stream's reader matches responses to its pieces in order
+//! (the server answers a stream's requests in order) and lands READ payloads in local memory.
+//!
+//! A stream that fails kills the whole connection: every queued and pending op fails with the
+//! stream's error, the sockets are shut down, and later submits fail at once.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tensorwire_core::backend::{Completion, Connection, Direction, Op};
+use tensorwire_core::cancel::CancelGate;
+use tensorwire_core::completion::{CompletionSender, gated, ready};
+use tensorwire_core::fence::{FenceTicket, OpFence};
+use tensorwire_core::sync::lock;
+use tensorwire_core::wire::error::decode_error;
+use tensorwire_core::{AccessKey, Error, MemSlice, RegionId, Result};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
+
+use crate::io::{self, Landed, Watchdog};
+use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, check_preamble};
+
+/// The state of one op shared by its pieces.
+#[derive(Debug)]
+struct OpState {
+    gate: Arc<CancelGate>,
+    remaining: AtomicUsize,
+    done: Mutex<Option<(CompletionSender, Option<FenceTicket>)>>,
+    /// Keeps the local memory registered and mapped while any piece is queued or in flight.
+    _local: Option<MemSlice>,
+}
+
+impl OpState {
+    fn finish(&self, r: Result<()>) {
+        let last = match &r {
+            Ok(()) => self.remaining.fetch_sub(1, Ordering::AcqRel) == 1,
+            Err(_) => true,
+        };
+        if last {
+            if let Some((tx, ticket)) = lock(&self.done).take() {
+                let _ = tx.send(r);
+                drop(ticket);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+enum What {
+    Write,
+    Read,
+    Notify(Bytes),
+}
+
+/// One piece of an op: what goes in one request frame.
+#[derive(Debug)]
+struct Piece {
+    what: What,
+    op: Arc<OpState>,
+    region: RegionId,
+    key: AccessKey,
+    offset: u64,
+    /// Local address of the piece's bytes (WRITE source, READ destination).
+    addr: usize,
+    len: u64,
+}
+
+impl Piece {
+    fn kind(&self) -> Kind {
+        match self.what {
+            What::Write => Kind::WriteReq,
+            What::Read => Kind::ReadReq,
+            What::Notify(_) => Kind::Notify,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Queues {
+    small: VecDeque<Piece>,
+    bulk: VecDeque<Piece>,
+    dead: Option<Error>,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    q: VecDeque<(u64, Piece)>,
+    dead: Option<Error>,
+}
+
+#[derive(Debug)]
+struct StreamState {
+    sock: TcpStream,
+    pending: Mutex<Pending>,
+}
+
+/// Settings the client side needs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClientCfg {
+    pub(crate) piece: u64,
+    pub(crate) checksum: bool,
+    pub(crate) stall: Duration,
+}
+
+#[derive(Debug)]
+pub(crate) struct ConnShared {
+    peer: SocketAddr,
+    cfg: ClientCfg,
+    queues: Mutex<Queues>,
+    work: Notify,
+    streams: Vec<StreamState>,
+    next_id: AtomicU64,
+    fence: Arc<OpFence>,
+}
+
+impl ConnShared {
+    /// Fails everything queued or pending and shuts the sockets; idempotent.
+    pub(crate) fn kill(&self, e: Error) {
+        let queued = {
+            let mut q = lock(&self.queues);
+            if q.dead.is_none() {
+                q.dead = Some(e.clone());
+            }
+            let mut all: Vec<Piece> = q.small.drain(..).collect();
+            all.extend(q.bulk.drain(..));
+            all
+        };
+        for p in queued {
+            p.op.finish(Err(e.clone()));
+        }
+        for s in &self.streams {
+            let pending: Vec<_> = {
+                let mut p = lock(&s.pending);
+                if p.dead.is_none() {
+                    p.dead = Some(e.clone());
+                }
+                p.q.drain(..).collect()
+            };
+            for (_, p) in pending {
+                p.op.finish(Err(e.clone()));
+            }
+            use std::os::fd::AsRawFd;
+            // SAFETY: shutting down the socket's fd, which `s.sock` keeps open; this only makes
+            // blocked and later I/O on it fail or see end of stream.
+            unsafe { libc::shutdown(s.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        self.work.notify_waiters();
+    }
+
+    fn is_dead(&self) -> Option<Error> {
+        lock(&self.queues).dead.clone()
+    }
+
+    fn enqueue(&self, pieces: Vec<Piece>, small: bool) {
+        let refused = {
+            let mut q = lock(&self.queues);
+            match &q.dead {
+                Some(e) => Some((e.clone(), pieces)),
+                None => {
+                    if small {
+                        q.small.extend(pieces)
+                    } else {
+                        q.bulk.extend(pieces)
+                    }
+                    None
+                }
+            }
+        };
+        match refused {
+            Some((e, pieces)) => pieces.into_iter().for_each(|p| p.op.finish(Err(e.clone()))),
+            None => self.work.notify_waiters(),
+        }
+    }
+
+    async fn next_piece(&self) -> Option<Piece> {
+        loop {
+            let notified = self.work.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut q = lock(&self.queues);
+                if q.dead.is_some() {
+                    return None;
+                }
+                if let Some(p) = q.small.pop_front().or_else(|| q.bulk.pop_front()) {
+                    return Some(p);
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+/// A connection to one peer's tcp backend.
+#[derive(Debug)]
+pub(crate) struct TcpConnection {
+    shared: Arc<ConnShared>,
+    tasks: Vec<AbortHandle>,
+}
+
+impl Drop for TcpConnection {
+    fn drop(&mut self) {
+        self.shared.kill(Error::PeerClosed("tcp connection dropped".into()));
+        self.tasks.iter().for_each(AbortHandle::abort);
+    }
+}
+
+async fn open_stream(addr: SocketAddr, stall: Duration) -> Result<TcpStream> {
+    let sock = TcpStream::connect(addr).await?;
+    sock.set_nodelay(true)?;
+    crate::keepalive(&sock);
+    let mut dog = Watchdog::new(stall);
+    // SAFETY: PREAMBLE is a static readable for its length.
+    unsafe { io::send_parts(&sock, [(PREAMBLE.as_ptr() as usize, 8)], &mut dog, "preamble") }
+        .await?;
+    let mut pre = [0u8; 8];
+    if !io::recv_buf(&sock, &mut pre, &mut dog, &|| true, "preamble").await? {
+        return Err(Error::PeerClosed(format!("tcp: {addr} closed the stream at setup")));
+    }
+    check_preamble(&pre)?;
+    Ok(sock)
+}
+
+impl TcpConnection {
+    /// Opens `streams` data streams to `addr`.
+    pub(crate) async fn open(
+        addr: SocketAddr,
+        streams: usize,
+        cfg: ClientCfg,
+    ) -> Result<(Self, Arc<ConnShared>)> {
+        let mut socks = Vec::with_capacity(streams);
+        for _ in 0..streams.max(1) {
+            socks.push(open_stream(addr, cfg.stall).await?);
+        }
+        let shared = Arc::new(ConnShared {
+            peer: addr,
+            cfg,
+            queues: Mutex::new(Queues::default()),
+            work: Notify::new(),
+            streams: socks
+                .into_iter()
+                .map(|sock| StreamState { sock, pending: Mutex::new(Pending::default()) })
+                .collect(),
+            next_id: AtomicU64::new(1),
+            fence: OpFence::new(),
+        });
+        let mut tasks = Vec::new();
+        for i in 0..shared.streams.len() {
+            let (w, r) = (shared.clone(), shared.clone());
+            tasks.push(tokio::spawn(async move { writer(w, i).await }).abort_handle());
+            tasks.push(tokio::spawn(async move { reader(r, i).await }).abort_handle());
+        }
+        Ok((TcpConnection { shared: shared.clone(), tasks }, shared))
+    }
+}
+
+async fn writer(c: Arc<ConnShared>, i: usize) {
+    let s = &c.streams[i];
+    let mut dog = Watchdog::new(c.cfg.stall);
+    while let Some(p) = c.next_piece().await {
+        if p.op.gate.is_cancelled() {
+            p.op.finish(Ok(())); // nobody waits; do not spend the wire on it
+            continue;
+        }
+        let id = c.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut h = DataHeader::request(p.kind(), id, p.region, p.key, p.offset, p.len);
+        let mut body = (0usize, 0usize);
+        match &p.what {
+            What::Write => {
+                if c.cfg.checksum {
+                    // SAFETY: the piece's source is `len` readable bytes of registered memory,
+                    // held by the op's MemSlice.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
+                    h = h.with_crc(crc32c::crc32c(src));
+                }
+                body = (p.addr, p.len as usize);
+            }
+            What::Read => {
+                if c.cfg.checksum {
+                    h = h.with_crc(0); // asks the server for a checksum
+                }
+            }
+            What::Notify(b) => body = (b.as_ptr() as usize, b.len()),
+        }
+        let hb = h.encode();
+        let parts = [(hb.as_ptr() as usize, hb.len()), body];
+        // Keep the payload alive past the send: the piece moves into `pending` below.
+        let notify_body = match &p.what {
+            What::Notify(b) => Some(b.clone()),
+            _ => None,
+        };
+        let keep = p.op.clone();
+        {
+            let mut pend = lock(&s.pending);
+            if let Some(e) = pend.dead.clone() {
+                drop(pend);
+                p.op.finish(Err(e));
+                continue;
+            }
+            pend.q.push_back((id, p));
+        }
+        // SAFETY: `hb` and `notify_body` are locals; a WRITE's source is registered memory held
+        // by its op's MemSlice, which `keep` holds until the send is over.
+        let sent = unsafe { io::send_parts(&s.sock, parts, &mut dog, "request") }.await;
+        drop((notify_body, keep));
+        if let Err(e) = sent {
+            c.kill(e);
+            return;
+        }
+    }
+}
+
+fn matches(req: &What, resp: Kind) -> bool {
+    matches!(
+        (req, resp),
+        (What::Write, Kind::WriteAck)
+            | (What::Read, Kind::ReadResp)
+            | (What::Notify(_), Kind::NotifyAck)
+    )
+}
+
+async fn reader(c: Arc<ConnShared>, i: usize) {
+    let s = &c.streams[i];
+    let mut dog = Watchdog::new(c.cfg.stall);
+    let busy = || !lock(&s.pending).q.is_empty();
+    let mut hbuf = [0u8; HEADER_LEN];
+    loop {
+        let r = io::recv_buf(&s.sock, &mut hbuf, &mut dog, &busy, "response header").await;
+        let h = match r.and_then(|open| {
+            if open {
+                DataHeader::decode(&hbuf)
+            } else {
+                Err(Error::PeerClosed(format!("tcp: {} closed the stream", c.peer)))
+            }
+        }) {
+            Ok(h) => h,
+            Err(e) => return c.kill(e),
+        };
+        let Some((id, p)) = lock(&s.pending).q.pop_front() else {
+            return c
+                .kill(Error::protocol(format!("tcp: unsolicited {:?} from {}", h.kind, c.peer)));
+        };
+        if h.id != id || !matches(&p.what, h.kind) {
+            let e = Error::protocol(format!(
+                "tcp: response {:?} #{} does not answer request #{id}",
+                h.kind, h.id
+            ));
+            p.op.finish(Err(e.clone()));
+            return c.kill(e);
+        }
+        if !h.ok {
+            let mut body = vec![0u8; h.len as usize]; // bounded by MAX_ERROR_BYTES in decode
+            match io::recv_buf(&s.sock, &mut body, &mut dog, &|| true, "error body").await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let e = Error::PeerClosed("tcp: stream ended inside an error".into());
+                    p.op.finish(Err(e.clone()));
+                    return c.kill(e);
+                }
+                Err(e) => {
+                    p.op.finish(Err(e.clone()));
+                    return c.kill(e);
+                }
+            }
+            p.op.finish(Err(decode_error(&body).unwrap_or_else(|e| e)));
+            continue;
+        }
+        if let What::Read = p.what {
+            if h.len != p.len {
+                let e = Error::protocol(format!(
+                    "tcp: READ answered with {} bytes, asked {}",
+                    h.len, p.len
+                ));
+                p.op.finish(Err(e.clone()));
+                return c.kill(e);
+            }
+            // SAFETY: the destination is `len` bytes of registered memory held by the op's
+            // MemSlice; every recv runs inside the op's cancel gate, so nothing lands after the
+            // op's completion is dropped.
+            let landed = unsafe {
+                io::recv_into(&s.sock, p.addr, p.len, Some(&p.op.gate), &mut dog, "READ payload")
+            }
+            .await;
+            match landed {
+                Ok(Landed::All) => p.op.finish(check_read(&p, &h, c.cfg.checksum)),
+                Ok(Landed::Cancelled) => p.op.finish(Ok(())),
+                Err(e) => {
+                    p.op.finish(Err(e.clone()));
+                    return c.kill(e);
+                }
+            }
+            continue;
+        }
+        p.op.finish(Ok(()));
+    }
+}
+
+fn check_read(p: &Piece, h: &DataHeader, want: bool) -> Result<()> {
+    if !want {
+        return Ok(());
+    }
+    let what = format!("tcp READ of region {} [{}, +{})", p.region.0, p.offset, p.len);
+    let Some(expected) = h.crc() else {
+        return Err(Error::protocol(format!("{what}: the peer sent no checksum")));
+    };
+    // SAFETY: the piece's destination is `len` bytes of registered memory held by the op's
+    // MemSlice; it is only read here.
+    let got = unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
+    let actual = crc32c::crc32c(got);
+    if actual == expected { Ok(()) } else { Err(Error::Checksum { what, expected, actual }) }
+}
+
+impl Connection for TcpConnection {
+    fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
+        let c = &self.shared;
+        ops.into_iter()
+            .map(|op| {
+                if let Some(e) = c.is_dead() {
+                    return ready(Err(e));
+                }
+                if !op.local.kind().is_host() {
+                    return ready(Err(Error::Unsupported {
+                        backend: crate::NAME,
+                        what: format!("{:?} memory", op.local.kind()),
+                    }));
+                }
+                let len = op.local.len();
+                let n = len.div_ceil(c.cfg.piece).max(1);
+                let (gate, tx, completion) = gated();
+                let base = op.local.ptr() as usize;
+                let state = Arc::new(OpState {
+                    gate,
+                    remaining: AtomicUsize::new(n as usize),
+                    done: Mutex::new(Some((tx, Some(c.fence.ticket())))),
+                    _local: Some(op.local),
+                });
+                let what = || match op.dir {
+                    Direction::Write => What::Write,
+                    Direction::Read => What::Read,
+                };
+                let pieces = (0..n)
+                    .map(|k| {
+                        let at = k * c.cfg.piece;
+                        Piece {
+                            what: what(),
+                            op: state.clone(),
+                            region: op.remote.region,
+                            key: op.remote.key,
+                            offset: op.remote.offset + at,
+                            addr: base + at as usize,
+                            len: c.cfg.piece.min(len - at),
+                        }
+                    })
+                    .collect();
+                c.enqueue(pieces, n == 1);
+                completion
+            })
+            .collect()
+    }
+
+    fn notify(&self, msg: Bytes) -> Completion {
+        let c = self.shared.clone();
+        let earlier = c.fence.wait_earlier();
+        Box::pin(async move {
+            earlier.await;
+            if let Some(e) = c.is_dead() {
+                return Err(e);
+            }
+            let (gate, tx, completion) = gated();
+            let state = Arc::new(OpState {
+                gate,
+                remaining: AtomicUsize::new(1),
+                done: Mutex::new(Some((tx, None))),
+                _local: None,
+            });
+            let len = msg.len() as u64;
+            let piece = Piece {
+                what: What::Notify(msg),
+                op: state,
+                region: RegionId(0),
+                key: AccessKey::from_bits(0),
+                offset: 0,
+                addr: 0,
+                len,
+            };
+            c.enqueue(vec![piece], true);
+            completion.await
+        })
+    }
+}

@@ -1,0 +1,165 @@
+//! The serving side: one task per accepted data stream. Each request is checked through the
+//! engine's `BackendHost::resolve` (region, key, permission, bounds, deregistration) before any
+//! byte moves; WRITE payloads land straight in the resolved slice and are acknowledged only once in
+//! place; READs are answered from the slice with one gathered send. A refused WRITE's payload is
+//! drained, so the stream stays usable.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tensorwire_core::wire::error::encode_error;
+use tensorwire_core::{Access, BackendHost, Error, MemSlice, Result};
+use tokio::net::TcpStream;
+
+use crate::io::{self, Watchdog};
+use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, check_preamble};
+
+/// crc32c of a slice of registered memory.
+pub(crate) fn crc_of(slice: &MemSlice) -> u32 {
+    // SAFETY: the slice is live registered host memory of `len` bytes, held by `slice`; other
+    // transfers may write it concurrently, as with a NIC reading it, which only affects the value.
+    let bytes = unsafe { std::slice::from_raw_parts(slice.ptr(), slice.len() as usize) };
+    crc32c::crc32c(bytes)
+}
+
+/// Serves one accepted stream until the client closes it or breaks the protocol.
+pub(crate) async fn serve(sock: TcpStream, host: Arc<dyn BackendHost>, stall: Duration) {
+    let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    if let Err(e) = serve_inner(&sock, host, stall).await {
+        if !matches!(e, Error::PeerClosed(_)) {
+            tracing::warn!(%peer, error = %e, "tcp data stream closed");
+        }
+    }
+}
+
+async fn serve_inner(sock: &TcpStream, host: Arc<dyn BackendHost>, stall: Duration) -> Result<()> {
+    let mut dog = Watchdog::new(stall);
+    let mut pre = [0u8; 8];
+    if !io::recv_buf(sock, &mut pre, &mut dog, &|| true, "preamble").await? {
+        return Ok(());
+    }
+    check_preamble(&pre)?;
+    // SAFETY: PREAMBLE is a static readable for its length.
+    unsafe { io::send_parts(sock, [(PREAMBLE.as_ptr() as usize, 8)], &mut dog, "preamble") }
+        .await?;
+    let mut hbuf = [0u8; HEADER_LEN];
+    loop {
+        if !io::recv_buf(sock, &mut hbuf, &mut dog, &|| false, "request header").await? {
+            return Ok(()); // the client closed an idle stream
+        }
+        let h = DataHeader::decode(&hbuf)?;
+        match h.kind {
+            Kind::WriteReq => serve_write(sock, &*host, &h, &mut dog).await?,
+            Kind::ReadReq => serve_read(sock, &*host, &h, &mut dog).await?,
+            Kind::Notify => serve_notify(sock, &*host, &h, &mut dog).await?,
+            k => return Err(Error::protocol(format!("tcp data: client sent a {k:?}"))),
+        }
+    }
+}
+
+async fn respond(
+    sock: &TcpStream,
+    kind: Kind,
+    id: u64,
+    r: Result<()>,
+    dog: &mut Watchdog,
+) -> Result<()> {
+    let body = match &r {
+        Ok(()) => Vec::new(),
+        Err(e) => encode_error(e),
+    };
+    let h = DataHeader::response(kind, id, r.is_ok(), body.len() as u64).encode();
+    // SAFETY: `h` and `body` are locals that outlive the send.
+    unsafe {
+        io::send_parts(
+            sock,
+            [(h.as_ptr() as usize, h.len()), (body.as_ptr() as usize, body.len())],
+            dog,
+            "response",
+        )
+    }
+    .await
+}
+
+fn what(h: &DataHeader, op: &str) -> String {
+    format!("tcp {op} of region {} [{}, +{})", h.region.0, h.offset, h.len)
+}
+
+fn verify(slice: &MemSlice, h: &DataHeader, op: &str) -> Result<()> {
+    match h.crc() {
+        Some(expected) => {
+            let actual = crc_of(slice);
+            if actual == expected {
+                Ok(())
+            } else {
+                Err(Error::Checksum { what: what(h, op), expected, actual })
+            }
+        }
+        None => Ok(()),
+    }
+}
+
+async fn serve_write(
+    sock: &TcpStream,
+    host: &dyn BackendHost,
+    h: &DataHeader,
+    dog: &mut Watchdog,
+) -> Result<()> {
+    let result = match host.resolve(h.region, h.key, h.offset, h.len, Access::Write) {
+        Ok(slice) => {
+            // SAFETY: `slice` is a resolved, bounds-checked window of `h.len` bytes of registered
+            // memory, held (and so kept mapped and registered) until this block ends.
+            unsafe { io::recv_into(sock, slice.ptr() as usize, h.len, None, dog, "WRITE payload") }
+                .await?;
+            verify(&slice, h, "WRITE")
+        }
+        Err(e) => {
+            io::drain(sock, h.len, dog, "refused WRITE payload").await?;
+            Err(e)
+        }
+    };
+    respond(sock, Kind::WriteAck, h.id, result, dog).await
+}
+
+async fn serve_read(
+    sock: &TcpStream,
+    host: &dyn BackendHost,
+    h: &DataHeader,
+    dog: &mut Watchdog,
+) -> Result<()> {
+    let slice = match host.resolve(h.region, h.key, h.offset, h.len, Access::Read) {
+        Ok(s) => s,
+        Err(e) => return respond(sock, Kind::ReadResp, h.id, Err(e), dog).await,
+    };
+    let mut resp = DataHeader::response(Kind::ReadResp, h.id, true, h.len);
+    if h.crc().is_some() {
+        resp = resp.with_crc(crc_of(&slice));
+    }
+    let hb = resp.encode();
+    // SAFETY: `hb` is a local and `slice` holds `h.len` readable bytes of registered memory until
+    // the send completes.
+    unsafe {
+        io::send_parts(
+            sock,
+            [(hb.as_ptr() as usize, hb.len()), (slice.ptr() as usize, h.len as usize)],
+            dog,
+            "READ payload",
+        )
+    }
+    .await
+}
+
+async fn serve_notify(
+    sock: &TcpStream,
+    host: &dyn BackendHost,
+    h: &DataHeader,
+    dog: &mut Watchdog,
+) -> Result<()> {
+    let mut body = vec![0u8; h.len as usize]; // bounded by MAX_NOTIFY_WIRE in decode
+    if !body.is_empty() && !io::recv_buf(sock, &mut body, dog, &|| true, "notification").await? {
+        return Err(Error::PeerClosed("tcp: stream ended inside a notification".into()));
+    }
+    let r = host.deliver(Bytes::from(body));
+    respond(sock, Kind::NotifyAck, h.id, r, dog).await
+}

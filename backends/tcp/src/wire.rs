@@ -1,0 +1,290 @@
+//! The TCP data protocol: a preamble each side sends once per stream, then fixed 64-byte headers,
+//! each followed by the payload its kind and status say. A pure codec: `DataHeader::decode` is total
+//! and bounds every length before a byte of payload is read.
+//!
+//! ```text
+//! 0..2 magic "TD"   2 version   3 kind   4 status   5 flags   6..8 zero
+//! 8..16 request id  16..24 region  24..40 access key  40..48 offset  48..56 len
+//! 56..60 crc32c     60..64 zero
+//! ```
+//! `len` is the op's byte count. Payload that follows: WriteReq: `len` bytes; ReadResp (ok): `len`
+//! bytes; Notify: `len` bytes; any response with status Err: `len` bytes of encoded error; nothing
+//! otherwise.
+
+use tensorwire_core::wire::envelope::MAX_NOTIFY_BYTES;
+use tensorwire_core::wire::error::MAX_ERROR_BYTES;
+use tensorwire_core::{AccessKey, Error, RegionId, Result};
+
+/// Header length.
+pub const HEADER_LEN: usize = 64;
+/// Magic of every header.
+pub const MAGIC: [u8; 2] = *b"TD";
+/// Data protocol version.
+pub const VERSION: u8 = 1;
+/// Preamble each side sends first on a new stream.
+pub const PREAMBLE: [u8; 8] = [b'T', b'W', b'D', b'A', b'T', b'A', VERSION, 0];
+/// Largest single WRITE or READ piece on the wire; larger ops are split by the sender.
+pub const MAX_PIECE: u64 = 16 << 20;
+
+/// Largest notification body: a user payload plus the engine's envelope around it.
+pub const MAX_NOTIFY_WIRE: u64 = MAX_NOTIFY_BYTES as u64 + 1024;
+
+/// Flag: the header's crc32c covers the piece's bytes.
+pub const FLAG_CRC: u8 = 1;
+
+/// Kinds of data frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Client -> server: bytes for a region.
+    WriteReq,
+    /// Server -> client: the bytes of a WriteReq are in place (or an error).
+    WriteAck,
+    /// Client -> server: send me bytes of a region.
+    ReadReq,
+    /// Server -> client: the bytes (or an error).
+    ReadResp,
+    /// Client -> server: a notification for the engine.
+    Notify,
+    /// Server -> client: the notification was delivered (or an error).
+    NotifyAck,
+}
+
+impl Kind {
+    fn tag(self) -> u8 {
+        match self {
+            Kind::WriteReq => 1,
+            Kind::WriteAck => 2,
+            Kind::ReadReq => 3,
+            Kind::ReadResp => 4,
+            Kind::Notify => 5,
+            Kind::NotifyAck => 6,
+        }
+    }
+    fn from_tag(t: u8) -> Result<Kind> {
+        Ok(match t {
+            1 => Kind::WriteReq,
+            2 => Kind::WriteAck,
+            3 => Kind::ReadReq,
+            4 => Kind::ReadResp,
+            5 => Kind::Notify,
+            6 => Kind::NotifyAck,
+            _ => return Err(Error::protocol(format!("tcp data: unknown frame kind {t}"))),
+        })
+    }
+    /// Whether the server sends this kind.
+    pub fn is_response(self) -> bool {
+        matches!(self, Kind::WriteAck | Kind::ReadResp | Kind::NotifyAck)
+    }
+}
+
+/// A data frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataHeader {
+    /// Frame kind.
+    pub kind: Kind,
+    /// Responses only: false when an encoded error follows.
+    pub ok: bool,
+    /// `FLAG_*` bits.
+    pub flags: u8,
+    /// Request id, echoed by the response.
+    pub id: u64,
+    /// Target region (requests).
+    pub region: RegionId,
+    /// Access key (requests).
+    pub key: AccessKey,
+    /// Offset in the region (requests).
+    pub offset: u64,
+    /// Byte count (see the module docs).
+    pub len: u64,
+    /// crc32c of the piece when `flags & FLAG_CRC`.
+    pub crc: u32,
+}
+
+impl DataHeader {
+    /// A request header.
+    pub fn request(
+        kind: Kind,
+        id: u64,
+        region: RegionId,
+        key: AccessKey,
+        offset: u64,
+        len: u64,
+    ) -> Self {
+        DataHeader { kind, ok: true, flags: 0, id, region, key, offset, len, crc: 0 }
+    }
+
+    /// A response header (`len` = payload length).
+    pub fn response(kind: Kind, id: u64, ok: bool, len: u64) -> Self {
+        DataHeader {
+            kind,
+            ok,
+            flags: 0,
+            id,
+            region: RegionId(0),
+            key: AccessKey::from_bits(0),
+            offset: 0,
+            len,
+            crc: 0,
+        }
+    }
+
+    /// With a checksum.
+    pub fn with_crc(mut self, crc: u32) -> Self {
+        self.flags |= FLAG_CRC;
+        self.crc = crc;
+        self
+    }
+
+    /// The checksum, if the header carries one.
+    pub fn crc(&self) -> Option<u32> {
+        (self.flags & FLAG_CRC != 0).then_some(self.crc)
+    }
+
+    /// Bytes of payload following this header on the stream.
+    pub fn payload_len(&self) -> u64 {
+        match (self.kind, self.ok) {
+            (Kind::ReadReq, _) => 0,
+            (Kind::WriteAck | Kind::NotifyAck, true) => 0,
+            _ => self.len,
+        }
+    }
+
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[..2].copy_from_slice(&MAGIC);
+        h[2] = VERSION;
+        h[3] = self.kind.tag();
+        h[4] = u8::from(!self.ok);
+        h[5] = self.flags;
+        h[8..16].copy_from_slice(&self.id.to_le_bytes());
+        h[16..24].copy_from_slice(&self.region.0.to_le_bytes());
+        h[24..40].copy_from_slice(&self.key.to_bits().to_le_bytes());
+        h[40..48].copy_from_slice(&self.offset.to_le_bytes());
+        h[48..56].copy_from_slice(&self.len.to_le_bytes());
+        h[56..60].copy_from_slice(&self.crc.to_le_bytes());
+        h
+    }
+
+    /// Decodes and validates a header: magic, version, kind, status, flags, and the payload bound of
+    /// its kind. Never panics.
+    pub fn decode(h: &[u8]) -> Result<DataHeader> {
+        let h: &[u8; HEADER_LEN] = h.try_into().map_err(|_| {
+            Error::protocol(format!("tcp data header is {} bytes, expected {HEADER_LEN}", h.len()))
+        })?;
+        if h[..2] != MAGIC {
+            return Err(Error::protocol(format!("tcp data: bad magic {:02x}{:02x}", h[0], h[1])));
+        }
+        if h[2] != VERSION {
+            return Err(Error::protocol(format!(
+                "tcp data protocol version {} not supported (this build speaks {VERSION})",
+                h[2]
+            )));
+        }
+        let kind = Kind::from_tag(h[3])?;
+        let ok = match h[4] {
+            0 => true,
+            1 if kind.is_response() => false,
+            s => return Err(Error::protocol(format!("tcp data: bad status {s} on {kind:?}"))),
+        };
+        if h[5] & !FLAG_CRC != 0 || h[6..8] != [0, 0] || h[60..64] != [0; 4] {
+            return Err(Error::protocol("tcp data: unknown flags or non-zero reserved bytes"));
+        }
+        let u64_at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[i..i + 8]);
+            u64::from_le_bytes(b)
+        };
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&h[24..40]);
+        let hdr = DataHeader {
+            kind,
+            ok,
+            flags: h[5],
+            id: u64_at(8),
+            region: RegionId(u64_at(16)),
+            key: AccessKey::from_bits(u128::from_le_bytes(key)),
+            offset: u64_at(40),
+            len: u64_at(48),
+            crc: u32::from_le_bytes([h[56], h[57], h[58], h[59]]),
+        };
+        let limit = match (kind, ok) {
+            (_, false) => MAX_ERROR_BYTES as u64,
+            (Kind::Notify, _) => MAX_NOTIFY_WIRE,
+            (Kind::WriteAck | Kind::NotifyAck, true) => 0,
+            _ => MAX_PIECE,
+        };
+        if hdr.len > limit && !matches!((kind, ok), (Kind::WriteAck | Kind::NotifyAck, true)) {
+            return Err(Error::Capacity {
+                what: format!("tcp data {kind:?} length"),
+                requested: hdr.len,
+                limit,
+            });
+        }
+        Ok(hdr)
+    }
+}
+
+/// Checks a peer's preamble.
+pub fn check_preamble(p: &[u8; 8]) -> Result<()> {
+    if p[..6] != PREAMBLE[..6] {
+        return Err(Error::protocol("tcp data: peer did not send the tensorwire data preamble"));
+    }
+    if p[6] != VERSION {
+        return Err(Error::protocol(format!(
+            "tcp data: peer speaks data protocol version {}, this build speaks {VERSION}",
+            p[6]
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip_and_bounds() {
+        let key = AccessKey::from_bits(0x0707);
+        let h =
+            DataHeader::request(Kind::WriteReq, 9, RegionId(3), key, 100, 4096).with_crc(0xdead);
+        let d = DataHeader::decode(&h.encode()).unwrap();
+        assert_eq!(d, h);
+        assert_eq!(d.crc(), Some(0xdead));
+        assert_eq!(d.payload_len(), 4096);
+        let r = DataHeader::request(Kind::ReadReq, 1, RegionId(3), key, 0, MAX_PIECE);
+        assert_eq!(DataHeader::decode(&r.encode()).unwrap().payload_len(), 0);
+        let big = DataHeader::request(Kind::WriteReq, 1, RegionId(3), key, 0, MAX_PIECE + 1);
+        assert!(matches!(DataHeader::decode(&big.encode()), Err(Error::Capacity { .. })));
+        let n = DataHeader::request(Kind::Notify, 1, RegionId(0), key, 0, 1 << 20);
+        assert!(matches!(DataHeader::decode(&n.encode()), Err(Error::Capacity { .. })));
+        let e = DataHeader::response(Kind::WriteAck, 1, false, 10);
+        assert_eq!(DataHeader::decode(&e.encode()).unwrap().payload_len(), 10);
+        let mut bad = h.encode();
+        bad[4] = 1; // error status on a request
+        assert!(DataHeader::decode(&bad).is_err());
+        let mut v = h.encode();
+        v[2] = 2;
+        assert!(DataHeader::decode(&v).unwrap_err().to_string().contains("version 2"));
+        assert!(check_preamble(&PREAMBLE).is_ok());
+        assert!(check_preamble(b"GET / HT").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn decode_is_total(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let _ = DataHeader::decode(&bytes);
+        }
+
+        #[test]
+        fn decoded_headers_respect_bounds(mut bytes in proptest::collection::vec(any::<u8>(), HEADER_LEN)) {
+            bytes[..2].copy_from_slice(&MAGIC);
+            bytes[2] = VERSION;
+            if let Ok(h) = DataHeader::decode(&bytes) {
+                prop_assert!(h.payload_len() <= MAX_PIECE);
+                prop_assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
+            }
+        }
+    }
+}
