@@ -100,6 +100,31 @@ struct Pending {
 struct StreamState {
     sock: TcpStream,
     pending: Mutex<Pending>,
+    /// Bytes of this stream's pieces sent and not yet answered.
+    inflight: AtomicU64,
+    /// Signalled when `inflight` drops.
+    room: Notify,
+}
+
+impl StreamState {
+    /// Waits until fewer than `window` bytes are outstanding on this stream, so pieces spread over
+    /// every stream instead of queueing on whichever writer is quickest (READ requests are tiny).
+    async fn wait_room(&self, window: u64, c: &ConnShared) {
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.inflight.load(Ordering::Acquire) < window || c.is_dead().is_some() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn answered(&self, len: u64) {
+        self.inflight.fetch_sub(len, Ordering::AcqRel);
+        self.room.notify_one();
+    }
 }
 
 /// Settings the client side needs.
@@ -153,6 +178,7 @@ impl ConnShared {
             unsafe { libc::shutdown(s.sock.as_raw_fd(), libc::SHUT_RDWR) };
         }
         self.work.notify_waiters();
+        self.streams.iter().for_each(|s| s.room.notify_waiters());
     }
 
     fn is_dead(&self) -> Option<Error> {
@@ -247,7 +273,12 @@ impl TcpConnection {
             work: Notify::new(),
             streams: socks
                 .into_iter()
-                .map(|sock| StreamState { sock, pending: Mutex::new(Pending::default()) })
+                .map(|sock| StreamState {
+                    sock,
+                    pending: Mutex::new(Pending::default()),
+                    inflight: AtomicU64::new(0),
+                    room: Notify::new(),
+                })
                 .collect(),
             next_id: AtomicU64::new(1),
             fence: OpFence::new(),
@@ -265,7 +296,10 @@ impl TcpConnection {
 async fn writer(c: Arc<ConnShared>, i: usize) {
     let s = &c.streams[i];
     let mut dog = Watchdog::new(c.cfg.stall);
-    while let Some(p) = c.next_piece().await {
+    let window = 4 * c.cfg.piece;
+    loop {
+        s.wait_room(window, &c).await;
+        let Some(p) = c.next_piece().await else { return };
         if p.op.gate.is_cancelled() {
             p.op.finish(Ok(())); // nobody waits; do not spend the wire on it
             continue;
@@ -306,6 +340,7 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
                 p.op.finish(Err(e));
                 continue;
             }
+            s.inflight.fetch_add(p.len, Ordering::AcqRel);
             pend.q.push_back((id, p));
         }
         // SAFETY: `hb` and `notify_body` are locals; a WRITE's source is registered memory held
@@ -316,6 +351,15 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
             c.kill(e);
             return;
         }
+    }
+}
+
+/// Returns a piece's bytes to its stream's window when the reader is done with it.
+struct Answered<'a>(&'a StreamState, u64);
+
+impl Drop for Answered<'_> {
+    fn drop(&mut self) {
+        self.0.answered(self.1);
     }
 }
 
@@ -349,6 +393,7 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
             return c
                 .kill(Error::protocol(format!("tcp: unsolicited {:?} from {}", h.kind, c.peer)));
         };
+        let _answered = Answered(s, p.len);
         if h.id != id || !matches(&p.what, h.kind) {
             let e = Error::protocol(format!(
                 "tcp: response {:?} #{} does not answer request #{id}",

@@ -95,7 +95,6 @@ pub(crate) async unsafe fn send_parts<const N: usize>(
         if first == N {
             return Ok(());
         }
-        ready(sock, Interest::WRITABLE, dog, &|| true, what).await?;
         let res = sock.try_io(Interest::WRITABLE, || {
             let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; N];
             for (v, &(a, l)) in iov.iter_mut().zip(&parts[first..]) {
@@ -112,7 +111,10 @@ pub(crate) async unsafe fn send_parts<const N: usize>(
         });
         let mut n = match res {
             Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                ready(sock, Interest::WRITABLE, dog, &|| true, what).await?;
+                continue;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e.into()),
         };
@@ -168,7 +170,6 @@ pub(crate) async unsafe fn recv_into(
     let mut got = 0usize;
     dog.progress();
     while got < len {
-        ready(sock, Interest::READABLE, dog, &|| true, what).await?;
         let res = match gate {
             Some(g) => match g.run(|| recv_once(sock, addr + got, len - got)) {
                 Some(r) => r,
@@ -185,7 +186,9 @@ pub(crate) async unsafe fn recv_into(
                 got += n;
                 dog.progress();
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                ready(sock, Interest::READABLE, dog, &|| true, what).await?;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e.into()),
         }
@@ -204,11 +207,6 @@ pub(crate) async fn recv_buf(
 ) -> Result<bool> {
     let mut got = 0usize;
     while got < buf.len() {
-        if got == 0 {
-            ready(sock, Interest::READABLE, dog, busy, what).await?;
-        } else {
-            ready(sock, Interest::READABLE, dog, &|| true, what).await?;
-        }
         let rest = &mut buf[got..];
         match recv_once(sock, rest.as_mut_ptr() as usize, rest.len()) {
             Ok(0) if got == 0 => return Ok(false),
@@ -217,7 +215,11 @@ pub(crate) async fn recv_buf(
                 got += n;
                 dog.progress();
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                // Idle (nothing of this buffer yet) waits under `busy`; mid-buffer always counts.
+                let busy: &(dyn Fn() -> bool + Sync) = if got == 0 { busy } else { &|| true };
+                ready(sock, Interest::READABLE, dog, busy, what).await?;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e.into()),
         }

@@ -1,0 +1,132 @@
+//! The raw-socket baseline for tcp: `streams` plain tokio `TcpStream`s on loopback moving the same
+//! bytes with the same completion semantics as a tensorwire op. A WRITE sends a 9-byte header and
+//! its share of the bytes on every stream, and completes when every stream's receiver has read its
+//! share and answered one byte; a READ sends a 9-byte request on every stream and completes when
+//! every share has been read. Each stream is driven by its own task, as tensorwire's are.
+
+use tensorwire_core::{Error, Result};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const OP_WRITE: u8 = 1;
+const OP_READ: u8 = 2;
+
+fn io(e: std::io::Error) -> Error {
+    Error::from(e)
+}
+
+/// Connected stream pairs with a page-touched buffer on each end.
+#[derive(Debug)]
+pub struct RawTcp {
+    streams: Vec<Option<(TcpStream, Vec<u8>)>>,
+    servers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for RawTcp {
+    fn drop(&mut self) {
+        self.servers.iter().for_each(tokio::task::JoinHandle::abort);
+    }
+}
+
+async fn serve(mut s: TcpStream, mut buf: Vec<u8>) {
+    let mut hdr = [0u8; 9];
+    loop {
+        if s.read_exact(&mut hdr).await.is_err() {
+            return;
+        }
+        let len = u64::from_le_bytes(hdr[1..9].try_into().unwrap_or_default()) as usize;
+        let len = len.min(buf.len());
+        let r = match hdr[0] {
+            OP_WRITE => match s.read_exact(&mut buf[..len]).await {
+                Ok(_) => s.write_all(&[1]).await,
+                Err(e) => Err(e),
+            },
+            _ => s.write_all(&buf[..len]).await,
+        };
+        if r.is_err() {
+            return;
+        }
+    }
+}
+
+/// Splits `size` into `n` contiguous shares.
+fn shares(size: u64, n: usize) -> Vec<u64> {
+    let n64 = n as u64;
+    (0..n64).map(|i| size / n64 + u64::from(i < size % n64)).collect()
+}
+
+impl RawTcp {
+    /// Opens `streams` connected pairs able to move up to `max` bytes per op.
+    pub async fn new(streams: usize, max: u64) -> Result<RawTcp> {
+        let l = TcpListener::bind("127.0.0.1:0").await.map_err(io)?;
+        let addr = l.local_addr().map_err(io)?;
+        let per = max.div_ceil(streams as u64) as usize;
+        let mut out = RawTcp { streams: Vec::new(), servers: Vec::new() };
+        for _ in 0..streams {
+            let c = TcpStream::connect(addr).await.map_err(io)?;
+            let (s, _) = l.accept().await.map_err(io)?;
+            c.set_nodelay(true).map_err(io)?;
+            s.set_nodelay(true).map_err(io)?;
+            out.servers.push(tokio::spawn(serve(s, vec![3u8; per])));
+            out.streams.push(Some((c, vec![4u8; per])));
+        }
+        Ok(out)
+    }
+
+    /// One op of `size` bytes in direction `op`, striped over every stream.
+    pub async fn op(&mut self, write: bool, size: u64) -> Result<()> {
+        let parts = shares(size, self.streams.len());
+        let mut tasks = Vec::with_capacity(parts.len());
+        for (slot, share) in self.streams.iter_mut().zip(parts) {
+            let (mut s, mut buf) = slot.take().ok_or_else(|| Error::protocol("raw stream lost"))?;
+            tasks.push(tokio::spawn(async move {
+                let n = share as usize;
+                let mut hdr = [0u8; 9];
+                hdr[0] = if write { OP_WRITE } else { OP_READ };
+                hdr[1..].copy_from_slice(&share.to_le_bytes());
+                let r: std::io::Result<()> = async {
+                    s.write_all(&hdr).await?;
+                    if write {
+                        s.write_all(&buf[..n]).await?;
+                        let mut ack = [0u8; 1];
+                        s.read_exact(&mut ack).await?;
+                    } else {
+                        s.read_exact(&mut buf[..n]).await?;
+                    }
+                    Ok(())
+                }
+                .await;
+                (s, buf, r)
+            }));
+        }
+        let mut result = Ok(());
+        for (slot, t) in self.streams.iter_mut().zip(tasks) {
+            let (s, buf, r) = t.await.map_err(|e| Error::protocol(e.to_string()))?;
+            *slot = Some((s, buf));
+            if let Err(e) = r {
+                result = Err(io(e));
+            }
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_cover_the_size() {
+        assert_eq!(shares(10, 3), vec![4, 3, 3]);
+        assert_eq!(shares(2, 4), vec![1, 1, 0, 0]);
+        assert_eq!(shares(1 << 20, 2).iter().sum::<u64>(), 1 << 20);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn moves_bytes_both_ways() {
+        let mut r = RawTcp::new(2, 1 << 20).await.unwrap();
+        r.op(true, 1 << 20).await.unwrap();
+        r.op(false, 1 << 20).await.unwrap();
+        r.op(false, 3).await.unwrap();
+    }
+}

@@ -1,0 +1,67 @@
+//! The JSON lines the harness prints: one per measurement, then one summary.
+
+use serde::Serialize;
+
+/// One measurement: tensorwire against the raw medium, medians over interleaved runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Line {
+    /// Backend (or mode) measured.
+    pub backend: String,
+    /// "read" or "write".
+    pub op: String,
+    /// Bytes per op.
+    pub size: u64,
+    /// Streams (connections) used by both sides.
+    pub streams: usize,
+    /// Median tensorwire GB/s (10^9 bytes/s).
+    pub gbps: f64,
+    /// What the baseline is.
+    pub baseline: String,
+    /// Median baseline GB/s.
+    pub baseline_gbps: f64,
+    /// gbps / baseline_gbps.
+    pub ratio: f64,
+    /// Interleaved runs behind the medians.
+    pub runs: usize,
+    /// Every run's tensorwire GB/s.
+    pub samples: Vec<f64>,
+    /// Every run's baseline GB/s.
+    pub baseline_samples: Vec<f64>,
+}
+
+/// The final line.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// Always true (tells it apart from measurement lines).
+    pub summary: bool,
+    /// Backend measured.
+    pub backend: String,
+    /// Measurement lines printed.
+    pub measurements: usize,
+    /// Lowest ratio.
+    pub min_ratio: f64,
+    /// Median ratio.
+    pub median_ratio: f64,
+    /// Lines with the lowest ratio, as "op@size".
+    pub worst: String,
+    /// CPU cores of this machine.
+    pub cores: usize,
+    /// Wall time of the whole run, seconds.
+    pub seconds: f64,
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+impl Line {
+    /// Rounds the floats for printing.
+    pub fn rounded(mut self) -> Self {
+        self.gbps = round3(self.gbps);
+        self.baseline_gbps = round3(self.baseline_gbps);
+        self.ratio = round3(self.ratio);
+        self.samples = self.samples.iter().copied().map(round3).collect();
+        self.baseline_samples = self.baseline_samples.iter().copied().map(round3).collect();
+        self
+    }
+}

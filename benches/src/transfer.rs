@@ -1,0 +1,79 @@
+//! The tensorwire side of a measurement: two engines on this host joined by the backend under test,
+//! a source and a destination region of the largest size, and one session.
+
+use std::sync::Arc;
+
+use tensorwire_core::{
+    Backend, Engine, Error, MemBackend, Permissions, Region, Result, Session, TransferOp,
+};
+use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+/// Backends the harness can build.
+pub const BACKENDS: &[&str] = &["tcp", "mem"];
+
+/// Makes one backend instance of `name`.
+pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
+    match name {
+        "tcp" => Ok(TcpBackend::new(TcpConfig { streams, ..TcpConfig::default() })?),
+        "mem" => Ok(MemBackend::new()),
+        other => Err(Error::InvalidArgument(format!(
+            "unknown backend {other:?}; this harness knows {BACKENDS:?}"
+        ))),
+    }
+}
+
+/// Two connected engines with `max`-byte regions on each side.
+#[derive(Debug)]
+pub struct EnginePair {
+    /// The initiator (owns `local`).
+    pub a: Engine,
+    /// The peer (owns `remote`).
+    pub b: Engine,
+    /// Initiator memory: WRITE source, READ destination.
+    pub local: Region,
+    /// Peer memory, readable and writable by `a`.
+    pub remote: Region,
+    /// Session a -> b.
+    pub session: Session,
+}
+
+impl EnginePair {
+    /// Starts both engines and touches every page of both regions.
+    pub async fn new(backend: &str, streams: usize, max: u64) -> Result<EnginePair> {
+        let a = Engine::builder().backend(make_backend(backend, streams)?).start().await?;
+        let b = Engine::builder().backend(make_backend(backend, streams)?).start().await?;
+        let local = a.alloc(max, Permissions::NONE).await?;
+        let remote = b.alloc(max, Permissions::READ_WRITE).await?;
+        touch(&local, 5)?;
+        touch(&remote, 6)?;
+        let session = a.connect(b.local_addr()).await?;
+        Ok(EnginePair { a, b, local, remote, session })
+    }
+
+    /// One op of `size` bytes; checks that the engine used the backend under test.
+    pub async fn op(&self, write: bool, size: u64, backend: &str) -> Result<()> {
+        let remote = self.remote.remote();
+        let op = if write {
+            TransferOp::write(&self.local, 0, &remote, 0, size)
+        } else {
+            TransferOp::read(&self.local, 0, &remote, 0, size)
+        };
+        let report = self.session.transfer(op).await?;
+        if report.backend != backend {
+            return Err(Error::protocol(format!("engine moved it with {}", report.backend)));
+        }
+        Ok(())
+    }
+}
+
+/// Writes every page of `r` once.
+fn touch(r: &Region, v: u8) -> Result<()> {
+    let page = vec![v; 1 << 20];
+    let mut at = 0;
+    while at < r.len() {
+        let n = (r.len() - at).min(page.len() as u64);
+        r.write_bytes(at, &page[..n as usize])?;
+        at += n;
+    }
+    Ok(())
+}
