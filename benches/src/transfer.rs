@@ -6,15 +6,17 @@ use std::sync::Arc;
 use tensorwire_core::{
     Backend, Engine, Error, MemBackend, Permissions, Region, Result, Session, TransferOp,
 };
+use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 /// Backends the harness can build.
-pub const BACKENDS: &[&str] = &["tcp", "mem"];
+pub const BACKENDS: &[&str] = &["tcp", "shm", "mem"];
 
 /// Makes one backend instance of `name`.
 pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
     match name {
         "tcp" => Ok(TcpBackend::new(TcpConfig { streams, ..TcpConfig::default() })?),
+        "shm" => Ok(ShmBackend::new()?),
         "mem" => Ok(MemBackend::new()),
         other => Err(Error::InvalidArgument(format!(
             "unknown backend {other:?}; this harness knows {BACKENDS:?}"

@@ -148,6 +148,13 @@ pub trait Backend: Send + Sync + Debug + 'static {
     async fn register(&self, region: &RegionInfo) -> Result<Bytes>;
     /// Forgets a region.
     async fn deregister(&self, id: RegionId) -> Result<()>;
+    /// Whether this backend can reach a remote region, given the blob the peer's instance of this
+    /// backend registered for it (`None`: the region carries none). The engine skips to the next
+    /// backend when this is false (e.g. shared memory cannot reach caller-registered memory).
+    fn reaches(&self, blob: Option<&Bytes>) -> bool {
+        let _ = blob;
+        true
+    }
     /// Opens a connection to a peer's backend.
     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>>;
     /// Stops serving: pending and later ops on either side fail with `PeerClosed`.

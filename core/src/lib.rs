@@ -61,6 +61,8 @@ pub mod backend;
 #[cfg(not(loom))]
 pub mod completion;
 #[cfg(not(loom))]
+pub mod copy;
+#[cfg(not(loom))]
 mod engine;
 #[cfg(not(loom))]
 pub mod fence;

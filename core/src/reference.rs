@@ -16,6 +16,7 @@ use crate::backend::{
 };
 use crate::cancel::CancelGate;
 use crate::completion::spawn_cancellable;
+use crate::copy::gated_copy;
 use crate::error::{Error, Missing, Result};
 use crate::fence::OpFence;
 use crate::ids::RegionId;
@@ -23,8 +24,6 @@ use crate::memory::MemoryKinds;
 use crate::wire::codec::{Reader, Writer};
 
 const NAME: &str = "mem";
-/// Bytes copied between checks for cancellation and peer shutdown.
-const SEGMENT: u64 = 1 << 20;
 
 static REGISTRY: LazyLock<Mutex<HashMap<u64, Weak<MemShared>>>> = LazyLock::new(Default::default);
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -172,27 +171,10 @@ async fn run_op(
         Direction::Read => (remote.ptr() as usize, op.local.ptr() as usize),
         Direction::Write => (op.local.ptr() as usize, remote.ptr() as usize),
     };
-    let mut done = 0u64;
-    while done < len {
-        both_alive(&local, &peer)?;
-        let n = SEGMENT.min(len - done);
-        let at = done as usize;
-        let copied = gate.run(|| {
-            // SAFETY: `remote` and `op.local` are bounds-checked slices of `len` bytes of live
-            // registered host memory, held open by their in-flight gates until this function
-            // returns; `done + n <= len`. `ptr::copy` tolerates overlap (an engine may address its
-            // own region).
-            unsafe { std::ptr::copy((src + at) as *const u8, (dst + at) as *mut u8, n as usize) }
-        });
-        if copied.is_none() {
-            return Ok(()); // cancelled: nobody is waiting for the result
-        }
-        done += n;
-        if done < len {
-            tokio::task::yield_now().await;
-        }
-    }
-    Ok(())
+    // SAFETY: `remote` and `op.local` are bounds-checked slices of `len` bytes of live registered
+    // host memory, held open by their in-flight gates until this function returns.
+    unsafe { gated_copy(src, dst, len, &gate, || both_alive(&local, &peer).map(drop)) }.await?;
+    Ok(()) // complete, or cancelled (nobody is waiting for the result)
 }
 
 impl Connection for MemConnection {

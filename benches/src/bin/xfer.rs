@@ -25,7 +25,8 @@ enum OpArg {
 }
 
 /// Measure tensorwire transfers against the raw medium (tcp: a plain tokio socket pair with the
-/// same stream count; mem: memcpy), interleaved, one JSON line per measurement.
+/// same stream count; shm and mem: memcpy in one process), interleaved, one JSON line per
+/// measurement.
 #[derive(Debug, Parser)]
 #[command(name = "xfer")]
 struct Args {
@@ -182,7 +183,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(args)) {
+    // Measure from a runtime task, not from `block_on`'s thread: completions then wake a worker
+    // that is already running, as in a server, instead of a parked foreign thread.
+    let r = rt.block_on(async {
+        tokio::spawn(run(args)).await.unwrap_or_else(|e| Err(Error::protocol(e.to_string())))
+    });
+    match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("xfer: {e}");

@@ -121,6 +121,7 @@ impl Session {
         engine: &EngineShared,
         peer: &EngineDescriptor,
         kinds: Option<(MemoryKind, MemoryKind, Direction)>,
+        remote: Option<&RemoteRegion>,
     ) -> Result<usize> {
         let same_host = peer.host == engine.host;
         engine
@@ -141,7 +142,8 @@ impl Session {
                     }
                     None => c.notify,
                 };
-                shared && host_ok && op_ok
+                let reaches = remote.is_none_or(|r| b.reaches(r.blob(b.name())));
+                shared && host_ok && op_ok && reaches
             })
             .ok_or_else(|| Error::Unsupported {
                 backend: "engine",
@@ -208,7 +210,12 @@ impl Session {
             });
         }
         let local = op.local.slice(op.local_offset, op.len, "local")?;
-        let backend = Self::select(engine, peer, Some((op.local.kind, op.remote.kind, op.dir)))?;
+        let backend = Self::select(
+            engine,
+            peer,
+            Some((op.local.kind, op.remote.kind, op.dir)),
+            Some(&op.remote),
+        )?;
         let b = &engine.backends[backend];
         let blob = op.remote.blob(b.name()).cloned().unwrap_or_default();
         let max = b.capabilities().max_request_bytes.max(1);
@@ -298,7 +305,7 @@ impl Session {
         let engine = self.engine()?;
         let peer = self.descriptor();
         let bytes = Envelope { from: engine.id, msg }.encode()?;
-        let b = engine.backends[Self::select(&engine, &peer, None)?].clone();
+        let b = engine.backends[Self::select(&engine, &peer, None, None)?].clone();
         let conn = self.connection(&engine, &b).await?;
         let limit = engine.config.transfer_timeout;
         tokio::time::timeout(limit, conn.notify(bytes))

@@ -1,0 +1,308 @@
+//! `tensorwire-shm`: the same-host backend. Between two engines on one host a transfer is one
+//! memcpy between the two processes' mappings of the same memory.
+//!
+//! - **Sharing.** Engine-allocated regions are memfd-backed. When a peer first touches a region,
+//!   this backend passes it the region's memfd over a Unix socket (`SCM_RIGHTS`, abstract
+//!   namespace, same-uid peers only) after the engine checked the op's key, permission and bounds.
+//!   Regions peers may only read are passed as read-only descriptors (mapped `PROT_READ`). A
+//!   writable grant is also readable: `mmap` cannot express write-only.
+//! - **One copy.** The initiator copies between its local slice and its mapping of the peer's
+//!   region; the control messages around it (Begin/Granted/End, 56-byte frames) make the peer hold
+//!   the region open while the copy runs, so deregistration waits for remote copies too. Waiting is
+//!   on the socket (epoll), never a spinning poll.
+//! - **Fallback.** Caller-registered (raw) memory has no memfd; such regions carry no shm blob, so
+//!   [`Backend::reaches`] is false and the engine picks its next backend (tcp).
+//! - **Cleanup.** Mappings of a peer's memory are dropped when the peer deregisters the region
+//!   (Forget), when the connection closes, or when the peer dies (end of stream); descriptors are
+//!   closed right after mapping; nothing is created in `/dev/shm` or on the file system.
+
+mod client;
+mod mapping;
+mod server;
+mod uds;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tensorwire_core::backend::{
+    Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
+};
+use tensorwire_core::sync::lock;
+use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
+use tokio::task::AbortHandle;
+
+use client::{ClientShared, ShmConnection};
+use server::ServerConn;
+use uds::{FrameReader, FrameWriter};
+
+/// The backend's name.
+pub const NAME: &str = "shm";
+/// Region blob marking a region as shareable.
+const SHAREABLE: &[u8] = b"memfd";
+
+/// A registered region's descriptor, as peers receive it.
+#[derive(Debug)]
+pub(crate) struct Share {
+    fd: OwnedFd,
+    pub(crate) len: u64,
+    pub(crate) writable: bool,
+}
+
+impl Share {
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// Shareable regions by id.
+#[derive(Debug, Default)]
+pub(crate) struct Table {
+    regions: Mutex<HashMap<RegionId, Arc<Share>>>,
+}
+
+impl Table {
+    pub(crate) fn get(&self, id: RegionId) -> Option<Arc<Share>> {
+        lock(&self.regions).get(&id).cloned()
+    }
+}
+
+/// Reopens `fd` read-only through /proc, so a peer cannot map it writable.
+fn reopen_read_only(fd: RawFd) -> Result<OwnedFd> {
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}"))
+        .map_err(|_| Error::protocol("shm: bad /proc path"))?;
+    // SAFETY: opening a NUL-terminated path; the result is checked.
+    let ro = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if ro < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `ro` is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(ro) })
+}
+
+fn dup(fd: RawFd) -> Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC on a descriptor the caller guarantees open; the result is checked.
+    let d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if d < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `d` is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(d) })
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    host: OnceLock<Arc<dyn BackendHost>>,
+    table: Arc<Table>,
+    closed: AtomicBool,
+    next_task: AtomicU64,
+    tasks: Mutex<HashMap<u64, AbortHandle>>,
+    served: Mutex<Vec<Weak<ServerConn>>>,
+    clients: Mutex<Vec<Weak<ClientShared>>>,
+}
+
+impl Inner {
+    fn track(self: &Arc<Self>, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        let id = self.next_task.fetch_add(1, Ordering::Relaxed);
+        let me = Arc::downgrade(self);
+        let mut tasks = lock(&self.tasks);
+        let h = tokio::spawn(async move {
+            fut.await;
+            if let Some(me) = me.upgrade() {
+                lock(&me.tasks).remove(&id);
+            }
+        });
+        if !h.is_finished() {
+            tasks.insert(id, h.abort_handle());
+        }
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        let tasks: Vec<_> = lock(&self.tasks).drain().map(|(_, h)| h).collect();
+        tasks.iter().for_each(AbortHandle::abort);
+        lock(&self.served).clear();
+        let clients: Vec<_> = lock(&self.clients).drain(..).collect();
+        for c in clients.iter().filter_map(Weak::upgrade) {
+            c.kill(Error::PeerClosed("local shm backend shut down".into()));
+        }
+        lock(&self.table.regions).clear();
+    }
+}
+
+/// Shared-memory backend settings.
+#[derive(Debug, Clone)]
+pub struct ShmConfig {
+    /// A peer that leaves a request unanswered this long is declared dead: every op pending on
+    /// the connection fails with `Timeout` (a stopped or hung process).
+    pub answer_timeout: Duration,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig { answer_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// The shared-memory backend (one per engine).
+#[derive(Debug)]
+pub struct ShmBackend {
+    cfg: ShmConfig,
+    name: String,
+    listener: Mutex<Option<std::os::unix::net::UnixListener>>,
+    inner: Arc<Inner>,
+}
+
+impl ShmBackend {
+    /// A backend with the default settings.
+    pub fn new() -> Result<Arc<ShmBackend>> {
+        Self::with_config(ShmConfig::default())
+    }
+
+    /// Binds the backend's Unix socket (abstract namespace, unguessable name).
+    pub fn with_config(cfg: ShmConfig) -> Result<Arc<ShmBackend>> {
+        use std::os::linux::net::SocketAddrExt;
+        let name = format!("tensorwire-shm-{}-{:016x}", std::process::id(), rand::random::<u64>());
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+        let listener = std::os::unix::net::UnixListener::bind_addr(&addr)?;
+        listener.set_nonblocking(true)?;
+        Ok(Arc::new(ShmBackend {
+            cfg,
+            name,
+            listener: Mutex::new(Some(listener)),
+            inner: Arc::new(Inner::default()),
+        }))
+    }
+}
+
+impl Drop for ShmBackend {
+    fn drop(&mut self) {
+        self.inner.close();
+    }
+}
+
+async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let me = unsafe { libc::getuid() };
+    loop {
+        let sock = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "shm: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        match sock.peer_cred() {
+            Ok(c) if c.uid() == me => {}
+            other => {
+                tracing::warn!(?other, "shm: refusing a peer running as another user");
+                continue;
+            }
+        }
+        let Some(host) = inner.host.get().cloned() else { continue };
+        let sock = Arc::new(sock);
+        let conn = Arc::new(ServerConn {
+            writer: FrameWriter::new(sock.clone()),
+            mapped: Mutex::new(Default::default()),
+        });
+        {
+            let mut served = lock(&inner.served);
+            served.retain(|w| w.strong_count() > 0);
+            served.push(Arc::downgrade(&conn));
+        }
+        let reader = FrameReader::new(sock);
+        inner.track(server::serve(conn, reader, host, inner.table.clone()));
+    }
+}
+
+#[async_trait]
+impl Backend for ShmBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            local: MemoryKinds::HOST,
+            remote: MemoryKinds::HOST,
+            read: true,
+            write: true,
+            notify: true,
+            same_host_only: true,
+            max_request_bytes: 1 << 40,
+        }
+    }
+
+    fn attach(&self, host: Arc<dyn BackendHost>) {
+        if self.inner.host.set(host).is_err() {
+            return;
+        }
+        let Some(std_listener) = lock(&self.listener).take() else { return };
+        match tokio::net::UnixListener::from_std(std_listener) {
+            Ok(l) => self.inner.track(accept_loop(l, Arc::downgrade(&self.inner))),
+            Err(e) => tracing::error!(error = %e, "shm: cannot serve (attach outside a runtime?)"),
+        }
+    }
+
+    fn endpoint(&self) -> Bytes {
+        Bytes::from(self.name.clone().into_bytes())
+    }
+
+    async fn register(&self, region: &RegionInfo) -> Result<Bytes> {
+        let Some(fd) = region.fd.filter(|_| region.kind.is_host() && region.len > 0) else {
+            return Ok(Bytes::new()); // not shareable: peers reach it through another backend
+        };
+        let fd = if region.perms.write { dup(fd)? } else { reopen_read_only(fd)? };
+        let share = Arc::new(Share { fd, len: region.len, writable: region.perms.write });
+        lock(&self.inner.table.regions).insert(region.id, share);
+        Ok(Bytes::from_static(SHAREABLE))
+    }
+
+    async fn deregister(&self, id: RegionId) -> Result<()> {
+        lock(&self.inner.table.regions).remove(&id);
+        let served: Vec<_> = lock(&self.inner.served).iter().filter_map(Weak::upgrade).collect();
+        for conn in served {
+            conn.forget(id).await;
+        }
+        Ok(())
+    }
+
+    fn reaches(&self, blob: Option<&Bytes>) -> bool {
+        blob.is_some_and(|b| b.as_ref() == SHAREABLE)
+    }
+
+    async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
+        use std::os::linux::net::SocketAddrExt;
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(Error::PeerClosed("local shm backend shut down".into()));
+        }
+        if peer.endpoint.len() > 100 {
+            return Err(Error::protocol("shm endpoint: name too long"));
+        }
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(&peer.endpoint)?;
+        let sock = std::os::unix::net::UnixStream::connect_addr(&addr).map_err(|e| {
+            Error::PeerClosed(format!("shm: cannot reach {}'s shm backend: {e}", peer.engine))
+        })?;
+        sock.set_nonblocking(true)?;
+        let sock = tokio::net::UnixStream::from_std(sock)?;
+        let (conn, shared) = ShmConnection::new(sock, self.cfg.answer_timeout);
+        let mut clients = lock(&self.inner.clients);
+        clients.retain(|w| w.strong_count() > 0);
+        clients.push(Arc::downgrade(&shared));
+        Ok(Arc::new(conn))
+    }
+
+    async fn shutdown(&self) {
+        self.inner.close();
+    }
+}

@@ -1,0 +1,126 @@
+//! The serving side of one peer connection. A Begin is checked through the engine's
+//! `BackendHost::resolve` (region, key, permission, bounds, deregistration) and the resolved slice
+//! is held until the peer's End, so deregistration waits for the peer's copy exactly as it waits
+//! for local ones. The region's memfd goes with the first grant (read-only unless peers may write).
+//! When the peer goes away, everything it held is released.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use tensorwire_core::sync::lock;
+use tensorwire_core::wire::error::encode_error;
+use tensorwire_core::{Access, BackendHost, Error, MemSlice, RegionId, Result};
+
+use crate::Table;
+use crate::uds::{FrameReader, FrameWriter};
+use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, WANT_FD, WRITABLE};
+
+/// Most ops one peer may hold open at once.
+const MAX_HELD: usize = 1 << 16;
+
+/// One accepted peer connection.
+#[derive(Debug)]
+pub(crate) struct ServerConn {
+    pub(crate) writer: FrameWriter,
+    /// Regions whose descriptor this peer received (it gets a Forget when they go).
+    pub(crate) mapped: Mutex<HashSet<RegionId>>,
+}
+
+impl ServerConn {
+    /// Tells the peer to drop its mapping of `region`, if it has one.
+    pub(crate) async fn forget(&self, region: RegionId) {
+        if lock(&self.mapped).remove(&region) {
+            let mut h = Header::new(Kind::Forget, 0);
+            h.region = region;
+            let _ = self.writer.send(&h, &[], None).await;
+        }
+    }
+}
+
+async fn reply(conn: &ServerConn, kind: Kind, req: u64, r: Result<()>) -> Result<()> {
+    let mut h = Header::new(kind, req);
+    match r {
+        Ok(()) => conn.writer.send(&h, &[], None).await,
+        Err(e) => {
+            let body = encode_error(&e);
+            h.ok = false;
+            h.len = body.len() as u64;
+            conn.writer.send(&h, &body, None).await
+        }
+    }
+}
+
+/// Serves `conn` until the peer closes it or breaks the protocol.
+pub(crate) async fn serve(
+    conn: Arc<ServerConn>,
+    mut reader: FrameReader,
+    host: Arc<dyn BackendHost>,
+    table: Arc<Table>,
+) {
+    let mut held: HashMap<u64, MemSlice> = HashMap::new();
+    if let Err(e) = serve_inner(&conn, &mut reader, &*host, &table, &mut held).await {
+        if !matches!(e, Error::PeerClosed(_)) {
+            tracing::warn!(error = %e, "shm: peer connection closed");
+        }
+    }
+    // `held` drops here: a peer that vanished mid-copy no longer blocks deregistration.
+}
+
+async fn serve_inner(
+    conn: &ServerConn,
+    reader: &mut FrameReader,
+    host: &dyn BackendHost,
+    table: &Table,
+    held: &mut HashMap<u64, MemSlice>,
+) -> Result<()> {
+    while let Some(f) = reader.next().await? {
+        let h = f.h;
+        if f.fd.is_some() {
+            return Err(Error::protocol("shm: the client sent a descriptor"));
+        }
+        match h.kind {
+            Kind::Begin => {
+                let access = if h.flags & ACCESS_WRITE != 0 { Access::Write } else { Access::Read };
+                let slice = match host.resolve(h.region, h.key, h.offset, h.len, access) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        reply(conn, Kind::Granted, h.req, Err(e)).await?;
+                        continue;
+                    }
+                };
+                let Some(share) = table.get(h.region) else {
+                    let e = Error::Unsupported {
+                        backend: crate::NAME,
+                        what: format!("region {} is not shareable (caller memory)", h.region.0),
+                    };
+                    reply(conn, Kind::Granted, h.req, Err(e)).await?;
+                    continue;
+                };
+                if held.len() >= MAX_HELD || held.contains_key(&h.req) {
+                    return Err(Error::protocol("shm: too many open ops, or a reused request id"));
+                }
+                held.insert(h.req, slice);
+                let mut g = Header::new(Kind::Granted, h.req);
+                g.region = h.region;
+                g.len = share.len;
+                let mut fd = None;
+                if h.flags & WANT_FD != 0 {
+                    g.flags |= HAS_FD | if share.writable { WRITABLE } else { 0 };
+                    fd = Some(share.fd());
+                    lock(&conn.mapped).insert(h.region);
+                }
+                conn.writer.send(&g, &[], fd).await?;
+            }
+            Kind::End => {
+                held.remove(&h.req);
+            }
+            Kind::Notify => {
+                let r = host.deliver(Bytes::from(f.body));
+                reply(conn, Kind::NotifyAck, h.req, r).await?;
+            }
+            k => return Err(Error::protocol(format!("shm: the client sent a {k:?}"))),
+        }
+    }
+    Ok(())
+}

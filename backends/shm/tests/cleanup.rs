@@ -1,0 +1,111 @@
+//! Nothing outlives its engine: after a normal run and after a peer process is killed, this
+//! process's descriptor table and its memfd mappings are back where they started, and /dev/shm
+//! never saw a file. One test (plus the child entry point), so no other test in this binary moves
+//! the counts while it runs.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorwire_conformance::multiprocess::{child, spawn_child};
+use tensorwire_core::{Backend, Engine, Permissions, TransferOp};
+use tensorwire_shm::ShmBackend;
+
+fn shm() -> Arc<dyn Backend> {
+    ShmBackend::new().expect("bind shm backend")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_engine() {
+    child(shm()).await
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Counts {
+    fds: usize,
+    memfd_maps: usize,
+}
+
+fn counts() -> Counts {
+    // Sockets and memfds are what engines and backends open; other descriptors (a test runtime's
+    // epoll) come and go with libtest's threads.
+    let fds =
+        open_fds().iter().filter(|l| l.starts_with("socket:") || l.contains("memfd:")).count();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    Counts { fds, memfd_maps: maps.lines().filter(|l| l.contains("memfd:tensorwire")).count() }
+}
+
+fn open_fds() -> Vec<String> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|p| p.display().to_string())
+        .collect()
+}
+
+fn dev_shm() -> usize {
+    std::fs::read_dir("/dev/shm").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Waits (bounded) until `counts()` satisfies `ok`.
+async fn settle(what: &str, ok: impl Fn(Counts) -> bool) -> Counts {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let c = counts();
+        if ok(c) {
+            return c;
+        }
+        if Instant::now() >= deadline {
+            panic!("{what}: still {c:?}; open: {:?}", open_fds());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_outlives_its_engine() {
+    if std::env::var(tensorwire_conformance::multiprocess::CHILD_ENV).is_ok() {
+        return;
+    }
+    let shm_files = dev_shm();
+    let base = counts();
+
+    // Normal ending: two engines map each other's regions, move bytes both ways, shut down.
+    {
+        let a = Engine::builder().backend(shm()).start().await.unwrap();
+        let b = Engine::builder().backend(shm()).start().await.unwrap();
+        let la = a.alloc(1 << 20, Permissions::READ_WRITE).await.unwrap();
+        let lb = b.alloc(1 << 20, Permissions::READ_WRITE).await.unwrap();
+        let s = a.connect(b.local_addr()).await.unwrap();
+        s.transfer(TransferOp::write(&la, 0, &lb.remote(), 0, 1 << 20)).await.unwrap();
+        s.transfer(TransferOp::read(&la, 0, &lb.remote(), 0, 1 << 20)).await.unwrap();
+        let during = counts();
+        assert!(during.memfd_maps >= base.memfd_maps + 3, "a's mapping of b's region: {during:?}");
+        drop(s);
+        la.deregister().await.unwrap();
+        lb.deregister().await.unwrap();
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+    settle("after a normal ending", |c| c == base).await;
+
+    // Killed peer: we map the child's region, the child dies, our mapping must go.
+    let kid = spawn_child("hold");
+    let a = Engine::builder().backend(shm()).start().await.unwrap();
+    let src = a.alloc(1 << 20, Permissions::NONE).await.unwrap();
+    let own = counts();
+    let s = a.connect(kid.addr).await.unwrap();
+    let remote = s.remote_region(kid.region).unwrap();
+    s.transfer(TransferOp::write(&src, 0, &remote, 0, 1 << 20)).await.unwrap();
+    let mapped = counts();
+    assert_eq!(mapped.memfd_maps, own.memfd_maps + 1, "we map the child's region");
+    drop(kid); // SIGKILL and reap
+    settle("after the peer was killed", |c| c.memfd_maps == own.memfd_maps).await;
+    let e = s.transfer(TransferOp::write(&src, 0, &remote, 0, 4096)).await.unwrap_err();
+    assert!(e.is_peer_failure(), "{e}");
+    drop(s);
+    src.deregister().await.unwrap();
+    a.shutdown().await;
+    drop(a);
+    settle("after the engine shut down", |c| c == base).await;
+    assert_eq!(dev_shm(), shm_files, "/dev/shm changed");
+}

@@ -1,0 +1,237 @@
+//! Tests across two OS processes, written once for every backend. The test binary re-runs itself
+//! as the child (its `child_engine` test, active only when [`CHILD_ENV`] is set); the child owns a
+//! writable region, prints `READY <control addr> <region> <chunked transfer id>` and either
+//! receives a chunked 64 MiB tensor (checking every byte) or just holds still to be stopped and
+//! killed. A backend's `tests/two_process.rs` is one line:
+//!
+//! ```ignore
+//! tensorwire_conformance::multiprocess_tests!(|| my_backend());
+//! ```
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorwire_core::{
+    Backend, ChunkPlan, DType, Engine, EngineConfig, Permissions, RegionId, TensorMeta, TransferOp,
+};
+
+/// Environment variable that turns the `child_engine` test into the child.
+pub const CHILD_ENV: &str = "TENSORWIRE_CHILD";
+
+/// [8, 32, 256, 512] bf16 = 64 MiB, chunked in 8 along dim 1.
+fn meta() -> TensorMeta {
+    TensorMeta::contiguous(DType::BF16, &[8, 32, 256, 512])
+}
+
+fn byte_at(i: usize) -> u8 {
+    (i as u32).wrapping_mul(2_654_435_761).rotate_left(11) as u8
+}
+
+async fn engine(backend: Arc<dyn Backend>, transfer_timeout: Duration) -> Engine {
+    let cfg = EngineConfig { transfer_timeout, ..EngineConfig::default() };
+    Engine::builder().backend(backend).config(cfg).start().await.expect("start engine")
+}
+
+/// The child's body; returns at once unless [`CHILD_ENV`] is set.
+pub async fn child(backend: Arc<dyn Backend>) {
+    let Ok(mode) = std::env::var(CHILD_ENV) else { return };
+    let e = engine(backend, Duration::from_secs(30)).await;
+    let meta = meta();
+    let len = if mode == "hold" { 512 << 20 } else { meta.nbytes().unwrap() };
+    let dst = e.alloc(len, Permissions::WRITE).await.unwrap();
+    let plan = ChunkPlan::new(&meta, 1, 8).unwrap();
+    let mut stream = e.expect_chunks(plan, &dst, 0).unwrap();
+    println!("READY {} {} {}", e.local_addr(), dst.id().0, stream.transfer_id());
+    if mode == "hold" {
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        return;
+    }
+    let mut chunks = 0;
+    while let Some(c) = stream.next().await.unwrap() {
+        chunks += 1;
+        println!("CHUNK {} {}..{}", c.index, c.start, c.end);
+    }
+    assert_eq!(chunks, 8);
+    let got = dst.to_vec(0, len).unwrap();
+    let bad = got.iter().enumerate().position(|(i, &b)| b != byte_at(i));
+    assert_eq!(bad, None, "first wrong byte");
+    println!("VERIFIED {len}");
+}
+
+/// A running child; killed and reaped on drop.
+#[derive(Debug)]
+pub struct Spawned {
+    /// The process.
+    pub child: Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+    /// Its engine's control address.
+    pub addr: SocketAddr,
+    /// Its writable region.
+    pub region: RegionId,
+    /// Its expected chunked transfer.
+    pub transfer: u64,
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawns this test binary's `child_engine` test in `mode` ("receive" or "hold").
+pub fn spawn_child(mode: &str) -> Spawned {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_engine", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, mode)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child test process");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // libtest may print "test child_engine ... " on the same line first.
+    let ready = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find_map(|l| l.find("READY ").map(|at| l[at..].to_string()))
+        .expect("child never became ready");
+    let f: Vec<&str> = ready.split_whitespace().collect();
+    Spawned {
+        addr: f[1].parse().unwrap(),
+        region: RegionId(f[2].parse().unwrap()),
+        transfer: f[3].parse().unwrap(),
+        child,
+        lines,
+    }
+}
+
+/// Parent: sends the chunked 64 MiB tensor (chunks marked out of order) to a receiving child,
+/// which checks every byte.
+pub async fn chunked_tensor_to_child(backend: Arc<dyn Backend>) {
+    let mut child = spawn_child("receive");
+    let e = engine(backend.clone(), Duration::from_secs(20)).await;
+    let meta = meta();
+    let len = meta.nbytes().unwrap();
+    let src = e.alloc(len, Permissions::NONE).await.unwrap();
+    let data: Vec<u8> = (0..len as usize).map(byte_at).collect();
+    src.write_bytes(0, &data).unwrap();
+    let s = e.connect(child.addr).await.expect("connect to child");
+    let remote = s.remote_region(child.region).expect("child advertised its region");
+    let plan = ChunkPlan::new(&meta, 1, 8).unwrap();
+    let sender = s.chunk_sender(child.transfer, plan, &src, 0, &remote, 0).unwrap();
+    for i in (0..8).rev() {
+        sender.mark_ready(i).unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(60), sender.finish()).await.unwrap().unwrap();
+    let lines: Vec<String> = child.lines.by_ref().map_while(Result::ok).collect();
+    let status = child.child.wait().unwrap();
+    assert!(status.success(), "child failed: {lines:?}");
+    assert_eq!(lines.iter().filter(|l| l.contains("CHUNK ")).count(), 8, "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains(&format!("VERIFIED {len}"))), "{lines:?}");
+    assert_eq!(e.stats().bytes_written, len);
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: sending a signal to our own child process by pid; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+    assert_eq!(rc, 0, "kill({sig})");
+}
+
+fn alive_tasks() -> usize {
+    tokio::runtime::Handle::current().metrics().num_alive_tasks()
+}
+
+/// Parent: stops the child with ops in flight (each must fail as a peer failure within the
+/// engine's bounds), kills it (later ops fail soon after), and checks nothing is left: no
+/// connection task, no op holding the source region.
+pub async fn child_stopped_then_killed(backend: Arc<dyn Backend>) {
+    let child = spawn_child("hold");
+    let e = engine(backend, Duration::from_secs(3)).await;
+    let (n, size) = (32u64, 16u64 << 20);
+    let src = e.alloc(n * size, Permissions::NONE).await.unwrap();
+    let tasks_before = alive_tasks(); // the engine's listeners, before any session or stream
+    let s = e.connect(child.addr).await.unwrap();
+    let remote = s.remote_region(child.region).unwrap();
+    s.transfer(TransferOp::write(&src, 0, &remote, 0, 4096)).await.expect("warm-up write");
+    assert!(alive_tasks() > tasks_before, "the connection's tasks are running");
+
+    signal(&child.child, libc::SIGSTOP);
+    let ops = (0..n).map(|i| TransferOp::write(&src, i * size, &remote, i * size, size)).collect();
+    let started = Instant::now();
+    let handles = s.submit(ops).await;
+    for (i, h) in handles.into_iter().enumerate() {
+        let r = tokio::time::timeout(Duration::from_secs(30), h).await.expect("op hung");
+        if let Err(e) = r {
+            assert!(e.is_peer_failure(), "op {i}: {e}");
+        }
+    }
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(25), "failure detection took {waited:?}");
+
+    signal(&child.child, libc::SIGKILL);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = s.transfer(TransferOp::write(&src, 0, &remote, 0, size)).await;
+        match r {
+            Err(e) if e.is_peer_failure() => break,
+            other => assert!(Instant::now() < deadline, "a killed peer still answers: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive_tasks() > tasks_before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        alive_tasks() <= tasks_before,
+        "tasks alive: {} (before connecting: {tasks_before})",
+        alive_tasks()
+    );
+    tokio::time::timeout(Duration::from_secs(5), src.deregister())
+        .await
+        .expect("deregister waited on a leaked op")
+        .unwrap();
+    drop(child);
+}
+
+/// Expands to the three two-process tests (`child_engine`, `chunked_tensor_to_child`,
+/// `child_stopped_then_killed`) for backends made by `$make`.
+#[macro_export]
+macro_rules! multiprocess_tests {
+    ($make:expr) => {
+        #[$crate::__private::tokio::test(
+            flavor = "multi_thread",
+            worker_threads = 2,
+            crate = "tensorwire_conformance::__private::tokio"
+        )]
+        async fn child_engine() {
+            $crate::multiprocess::child(($make)()).await
+        }
+
+        #[$crate::__private::tokio::test(
+            flavor = "multi_thread",
+            worker_threads = 2,
+            crate = "tensorwire_conformance::__private::tokio"
+        )]
+        async fn chunked_tensor_to_child() {
+            if std::env::var($crate::multiprocess::CHILD_ENV).is_ok() {
+                return;
+            }
+            $crate::multiprocess::chunked_tensor_to_child(($make)()).await
+        }
+
+        #[$crate::__private::tokio::test(
+            flavor = "multi_thread",
+            worker_threads = 2,
+            crate = "tensorwire_conformance::__private::tokio"
+        )]
+        async fn child_stopped_then_killed() {
+            if std::env::var($crate::multiprocess::CHILD_ENV).is_ok() {
+                return;
+            }
+            $crate::multiprocess::child_stopped_then_killed(($make)()).await
+        }
+    };
+}
