@@ -1,0 +1,167 @@
+//! The `Store` API every store implements, embedded or remote: callers do not care which.
+
+use std::fmt::Debug;
+
+use async_trait::async_trait;
+use tensorwire_core::{Error, MemoryKind, Region, Result, TensorMeta};
+
+/// Longest key in bytes.
+pub const MAX_KEY: usize = 256;
+
+/// How an object may be evicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Retention {
+    /// Evicted in LRU order above the high watermark.
+    #[default]
+    Normal,
+    /// Evicted only after every `Normal` object.
+    Soft,
+    /// Never evicted (removed only explicitly).
+    Pinned,
+}
+
+impl Retention {
+    pub(crate) fn tag(self) -> u8 {
+        match self {
+            Retention::Normal => 0,
+            Retention::Soft => 1,
+            Retention::Pinned => 2,
+        }
+    }
+    pub(crate) fn from_tag(t: u8) -> Result<Retention> {
+        Ok(match t {
+            0 => Retention::Normal,
+            1 => Retention::Soft,
+            2 => Retention::Pinned,
+            _ => return Err(Error::protocol(format!("unknown retention {t}"))),
+        })
+    }
+}
+
+/// Store counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Pool bytes.
+    pub capacity: u64,
+    /// Bytes in allocated blocks (objects and pending puts).
+    pub used: u64,
+    /// Objects in the pool.
+    pub objects: u64,
+    /// Objects in the spill tier.
+    pub spilled_objects: u64,
+    /// Objects evicted from the pool (dropped or spilled) since start.
+    pub evictions: u64,
+    /// Largest block a put could get right now without evicting.
+    pub largest_free: u64,
+}
+
+/// An object store of tensors in registered memory.
+#[async_trait]
+pub trait Store: Send + Sync + Debug {
+    /// Stores a copy of `bytes` under `key`; `meta` must fit in `bytes.len()`.
+    async fn put(&self, key: &[u8], meta: &TensorMeta, bytes: &[u8], r: Retention) -> Result<()>;
+    /// Stores `len` bytes of a registered region (no intermediate buffer).
+    async fn put_from(
+        &self,
+        key: &[u8],
+        meta: &TensorMeta,
+        src: &Region,
+        offset: u64,
+        len: u64,
+        r: Retention,
+    ) -> Result<()>;
+    /// The object's metadata and a copy of its bytes.
+    async fn get(&self, key: &[u8]) -> Result<(TensorMeta, Vec<u8>)>;
+    /// Copies the object into a registered region at `offset` (no intermediate buffer); returns
+    /// its metadata and length.
+    async fn get_into(&self, key: &[u8], dst: &Region, offset: u64) -> Result<(TensorMeta, u64)>;
+    /// Whether `key` is stored (in the pool or the spill tier).
+    async fn exists(&self, key: &[u8]) -> Result<bool>;
+    /// Removes `key`; false if it was not there.
+    async fn remove(&self, key: &[u8]) -> Result<bool>;
+    /// Adds a pin: a pinned object is never evicted. Pins count.
+    async fn pin(&self, key: &[u8]) -> Result<()>;
+    /// Drops one pin.
+    async fn unpin(&self, key: &[u8]) -> Result<()>;
+    /// Counters.
+    async fn stats(&self) -> Result<StoreStats>;
+
+    /// `put_from` for many objects, concurrently; one result per item, in order.
+    async fn put_from_batch(&self, items: &[PutFrom<'_>]) -> Vec<Result<()>> {
+        let futs =
+            items.iter().map(|p| self.put_from(p.key, p.meta, p.src, p.offset, p.len, p.retention));
+        futures::future::join_all(futs).await
+    }
+    /// `get_into` for many objects, concurrently; one result per item, in order.
+    async fn get_into_batch(&self, items: &[GetInto<'_>]) -> Vec<Result<(TensorMeta, u64)>> {
+        let futs = items.iter().map(|g| self.get_into(g.key, g.dst, g.offset));
+        futures::future::join_all(futs).await
+    }
+    /// `exists` for many keys.
+    async fn exists_batch(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
+        futures::future::join_all(keys.iter().map(|k| self.exists(k))).await
+    }
+    /// `remove` for many keys.
+    async fn remove_batch(&self, keys: &[&[u8]]) -> Vec<Result<bool>> {
+        futures::future::join_all(keys.iter().map(|k| self.remove(k))).await
+    }
+}
+
+/// One item of [`Store::put_from_batch`].
+#[derive(Debug)]
+pub struct PutFrom<'a> {
+    /// Key.
+    pub key: &'a [u8],
+    /// Metadata.
+    pub meta: &'a TensorMeta,
+    /// Source region.
+    pub src: &'a Region,
+    /// Offset in it.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Retention.
+    pub retention: Retention,
+}
+
+/// One item of [`Store::get_into_batch`].
+#[derive(Debug)]
+pub struct GetInto<'a> {
+    /// Key.
+    pub key: &'a [u8],
+    /// Destination region.
+    pub dst: &'a Region,
+    /// Offset in it.
+    pub offset: u64,
+}
+
+/// Checks a key's length.
+pub fn check_key(key: &[u8]) -> Result<()> {
+    if key.is_empty() || key.len() > MAX_KEY {
+        return Err(Error::InvalidArgument(format!(
+            "store key is {} bytes; keys are 1..={MAX_KEY} bytes",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `meta` describes a host tensor lying inside `len` bytes.
+pub fn check_meta(meta: &TensorMeta, len: u64) -> Result<()> {
+    meta.validate_for(len, MemoryKind::Host).map_err(|e| {
+        Error::InvalidTensor(format!("metadata does not fit the object's {len} bytes: {e}"))
+    })
+}
+
+/// A printable form of a key for messages.
+pub(crate) fn show_key(key: &[u8]) -> String {
+    match std::str::from_utf8(key) {
+        Ok(s) => format!("{s:?}"),
+        Err(_) => format!("0x{}", key.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+    }
+}
+
+/// The error for a key that is not stored.
+pub(crate) fn missing(key: &[u8]) -> Error {
+    Error::NotFound(tensorwire_core::Missing::Other(format!("store key {}", show_key(key))))
+}

@@ -1,0 +1,337 @@
+//! The client of a [`crate::StoreNode`]: the same [`Store`] API, with object bytes moved by engine
+//! transfers straight between the caller's regions and the node's pool.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tensorwire_core::sync::lock;
+use tensorwire_core::{
+    Engine, Error, Permissions, Region, RemoteRegion, Result, Session, TensorMeta, TransferOp,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::oneshot;
+
+use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
+use crate::embedded::PendingPut;
+use crate::node::read_frame;
+use crate::rpc::{self, Request, Response};
+
+type Waiters = Mutex<(HashMap<u64, oneshot::Sender<Result<Response>>>, Option<Error>)>;
+
+#[derive(Debug)]
+struct Rpc {
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    waiters: Arc<Waiters>,
+    next: AtomicU64,
+    timeout: Duration,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Rpc {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+fn fail_all(w: &Waiters, e: Error) {
+    let pending = {
+        let mut g = lock(w);
+        g.1.get_or_insert(e.clone());
+        std::mem::take(&mut g.0)
+    };
+    for (_, tx) in pending {
+        let _ = tx.send(Err(e.clone()));
+    }
+}
+
+impl Rpc {
+    async fn connect(addr: SocketAddr, timeout: Duration) -> Result<Rpc> {
+        let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| Error::timeout(format!("connect to store node {addr}"), timeout))?
+            .map_err(|e| Error::PeerClosed(format!("store node {addr}: {e}")))?;
+        sock.set_nodelay(true)?;
+        let (mut rd, wr) = sock.into_split();
+        let waiters: Arc<Waiters> = Arc::default();
+        let w = waiters.clone();
+        let reader = tokio::spawn(async move {
+            let e = loop {
+                match read_frame(&mut rd).await {
+                    Ok(Some((h, p))) => {
+                        let r = Response::decode(h.kind, &p);
+                        let tx = lock(&w).0.remove(&h.req);
+                        match (r, tx) {
+                            (Ok(r), Some(tx)) => {
+                                let _ = tx.send(r);
+                            }
+                            (Err(e), _) => break e,
+                            (Ok(_), None) => {
+                                break Error::protocol("store rpc: unsolicited response");
+                            }
+                        }
+                    }
+                    Ok(None) => break Error::PeerClosed("store node closed the connection".into()),
+                    Err(e) => break e,
+                }
+            };
+            fail_all(&w, e);
+        });
+        Ok(Rpc {
+            writer: tokio::sync::Mutex::new(wr),
+            waiters,
+            next: AtomicU64::new(1),
+            timeout,
+            reader,
+        })
+    }
+
+    async fn call(&self, req: Request) -> Result<Response> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut g = lock(&self.waiters);
+            if let Some(e) = &g.1 {
+                return Err(e.clone());
+            }
+            g.0.insert(id, tx);
+        }
+        let (kind, payload) = req.encode();
+        let frame = rpc::frame(kind, id, &payload);
+        if let Err(e) = self.writer.lock().await.write_all(&frame).await {
+            let e = Error::from(e);
+            fail_all(&self.waiters, e.clone());
+            return Err(e);
+        }
+        match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::PeerClosed("store rpc connection closed".into())),
+            Err(_) => {
+                lock(&self.waiters).0.remove(&id);
+                Err(Error::timeout("store node did not answer", self.timeout))
+            }
+        }
+    }
+}
+
+fn unexpected(r: Response) -> Error {
+    Error::protocol(format!("store rpc: unexpected response {r:?}"))
+}
+
+/// A remote store: the [`Store`] API over a store node.
+#[derive(Debug)]
+pub struct RemoteStore {
+    engine: Engine,
+    session: Session,
+    pool: RemoteRegion,
+    rpc: Rpc,
+}
+
+impl RemoteStore {
+    /// Connects `engine` to the node's engine (control address) and its store RPC, and
+    /// authenticates with the pool's access key learned in the engine handshake.
+    pub async fn connect(
+        engine: &Engine,
+        node_engine: SocketAddr,
+        node_rpc: SocketAddr,
+    ) -> Result<RemoteStore> {
+        let session = engine.connect(node_engine).await?;
+        let timeout = engine.config().transfer_timeout;
+        let rpc = Rpc::connect(node_rpc, timeout).await?;
+        let pool_id = match rpc.call(Request::Hello).await? {
+            Response::Pool(id) => id,
+            r => return Err(unexpected(r)),
+        };
+        let pool = session.remote_region(pool_id).map_err(|_| {
+            Error::AccessDenied(format!(
+                "store node pool region {} is not visible to this engine (is the store shared?)",
+                pool_id.0
+            ))
+        })?;
+        rpc.call(Request::Auth { region: pool.id, key: pool.key }).await?;
+        Ok(RemoteStore { engine: engine.clone(), session, pool, rpc })
+    }
+
+    /// Reserves space on the node for `key`: write the bytes to [`RemoteStore::pool`] at the
+    /// returned offset with any engine transfer, then [`RemoteStore::commit_put`]. If this client
+    /// goes away first, the node reclaims the space.
+    pub async fn begin_put(
+        &self,
+        key: &[u8],
+        meta: &TensorMeta,
+        len: u64,
+        r: Retention,
+    ) -> Result<PendingPut> {
+        let (ticket, offset) = self.reserve(key, meta, len, r).await?;
+        Ok(PendingPut { ticket, offset })
+    }
+
+    /// Publishes a put begun with [`RemoteStore::begin_put`].
+    pub async fn commit_put(&self, p: PendingPut) -> Result<()> {
+        self.done(Request::Commit { ticket: p.ticket }).await
+    }
+
+    /// The node's pool region.
+    pub fn pool(&self) -> &RemoteRegion {
+        &self.pool
+    }
+
+    /// The session with the node's engine.
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    async fn reserve(
+        &self,
+        key: &[u8],
+        meta: &TensorMeta,
+        len: u64,
+        r: Retention,
+    ) -> Result<(u64, u64)> {
+        check_key(key)?;
+        check_meta(meta, len)?;
+        let req = Request::Reserve { key: key.to_vec(), meta: meta.clone(), len, retention: r };
+        match self.rpc.call(req).await? {
+            Response::Reserved { ticket, offset } => Ok((ticket, offset)),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    async fn open(&self, key: &[u8]) -> Result<(u64, u64, u64, TensorMeta)> {
+        check_key(key)?;
+        match self.rpc.call(Request::Open { key: key.to_vec() }).await? {
+            Response::Opened { ticket, offset, len, meta } => Ok((ticket, offset, len, meta)),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    async fn done(&self, req: Request) -> Result<()> {
+        match self.rpc.call(req).await? {
+            Response::Done => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    async fn flag(&self, req: Request) -> Result<bool> {
+        match self.rpc.call(req).await? {
+            Response::Flag(b) => Ok(b),
+            r => Err(unexpected(r)),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for RemoteStore {
+    async fn put(&self, key: &[u8], meta: &TensorMeta, bytes: &[u8], r: Retention) -> Result<()> {
+        let len = bytes.len() as u64;
+        let staging = self.engine.alloc(len.max(1), Permissions::NONE).await?;
+        staging.write_bytes(0, bytes)?;
+        self.put_from(key, meta, &staging, 0, len, r).await
+    }
+
+    async fn put_from(
+        &self,
+        key: &[u8],
+        meta: &TensorMeta,
+        src: &Region,
+        offset: u64,
+        len: u64,
+        r: Retention,
+    ) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > src.len()) {
+            return Err(Error::OutOfBounds {
+                what: format!("source region {}", src.id().0),
+                offset,
+                len,
+                limit: src.len(),
+            });
+        }
+        let (ticket, at) = self.reserve(key, meta, len, r).await?;
+        let moved = if len == 0 {
+            Ok(())
+        } else {
+            self.session
+                .transfer(TransferOp::write(src, offset, &self.pool, at, len))
+                .await
+                .map(drop)
+        };
+        match moved {
+            Ok(()) => self.done(Request::Commit { ticket }).await,
+            Err(e) => {
+                let _ = self.done(Request::Abort { ticket }).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn get(&self, key: &[u8]) -> Result<(TensorMeta, Vec<u8>)> {
+        let (ticket, at, len, meta) = self.open(key).await?;
+        let r = async {
+            let staging = self.engine.alloc(len.max(1), Permissions::NONE).await?;
+            if len > 0 {
+                self.session.transfer(TransferOp::read(&staging, 0, &self.pool, at, len)).await?;
+            }
+            staging.to_vec(0, len)
+        }
+        .await;
+        let closed = self.done(Request::Close { ticket }).await;
+        let bytes = r?;
+        closed?;
+        Ok((meta, bytes))
+    }
+
+    async fn get_into(&self, key: &[u8], dst: &Region, offset: u64) -> Result<(TensorMeta, u64)> {
+        let (ticket, at, len, meta) = self.open(key).await?;
+        let r = if offset.checked_add(len).is_none_or(|e| e > dst.len()) {
+            Err(Error::OutOfBounds {
+                what: format!("destination region {}", dst.id().0),
+                offset,
+                len,
+                limit: dst.len(),
+            })
+        } else if len == 0 {
+            Ok(())
+        } else {
+            self.session
+                .transfer(TransferOp::read(dst, offset, &self.pool, at, len))
+                .await
+                .map(drop)
+        };
+        let closed = self.done(Request::Close { ticket }).await;
+        r?;
+        closed?;
+        Ok((meta, len))
+    }
+
+    async fn exists(&self, key: &[u8]) -> Result<bool> {
+        check_key(key)?;
+        self.flag(Request::Exists { key: key.to_vec() }).await
+    }
+
+    async fn remove(&self, key: &[u8]) -> Result<bool> {
+        check_key(key)?;
+        self.flag(Request::Remove { key: key.to_vec() }).await
+    }
+
+    async fn pin(&self, key: &[u8]) -> Result<()> {
+        check_key(key)?;
+        self.done(Request::Pin { key: key.to_vec(), up: true }).await
+    }
+
+    async fn unpin(&self, key: &[u8]) -> Result<()> {
+        check_key(key)?;
+        self.done(Request::Pin { key: key.to_vec(), up: false }).await
+    }
+
+    async fn stats(&self) -> Result<StoreStats> {
+        match self.rpc.call(Request::Stats).await? {
+            Response::Stats(s) => Ok(s),
+            r => Err(unexpected(r)),
+        }
+    }
+}
