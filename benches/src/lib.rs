@@ -1,10 +1,11 @@
 //! The tensorwire bench harness: every figure is a ratio against the raw medium measured in the
 //! same run, interleaved with the tensorwire measurement (a plain tokio socket pair for tcp,
-//! memcpy for in-process and same-host backends). The `xfer` binary drives it and prints one JSON
-//! line per measurement.
+//! memcpy for in-process and same-host backends; for the store, memcpy or a raw engine transfer).
+//! The `xfer` binary drives it and prints one JSON line per measurement.
 
 pub mod measure;
 pub mod memcpy;
 pub mod raw_tcp;
 pub mod report;
+pub mod store;
 pub mod transfer;

@@ -37,6 +37,35 @@ where
     Ok((bytes * n) as f64 / secs / 1e9)
 }
 
+/// Runs `runs` interleaved samples of `a` (tensorwire) and `b` (the baseline), each moving `bytes`
+/// per call, alternating which goes first; returns both sample lists in GB/s.
+pub async fn interleaved<A, FA, B, FB>(
+    runs: usize,
+    budget: Budget,
+    bytes: u64,
+    mut a: A,
+    mut b: B,
+) -> Result<(Vec<f64>, Vec<f64>)>
+where
+    A: FnMut() -> FA,
+    FA: Future<Output = Result<()>>,
+    B: FnMut() -> FB,
+    FB: Future<Output = Result<()>>,
+{
+    let (mut xs, mut ys) = (Vec::new(), Vec::new());
+    for run in 0..runs.max(1) {
+        // Alternate which goes first, so neither always gets the warmer caches.
+        if run % 2 == 0 {
+            ys.push(gbps(budget, bytes, &mut b).await?);
+            xs.push(gbps(budget, bytes, &mut a).await?);
+        } else {
+            xs.push(gbps(budget, bytes, &mut a).await?);
+            ys.push(gbps(budget, bytes, &mut b).await?);
+        }
+    }
+    Ok((xs, ys))
+}
+
 /// Median of `v` (mean of the middle two for even lengths); 0 for an empty slice.
 pub fn median(v: &[f64]) -> f64 {
     if v.is_empty() {

@@ -55,6 +55,47 @@ fn round3(x: f64) -> f64 {
 }
 
 impl Line {
+    /// A line from the samples of one interleaved measurement.
+    pub fn from_samples(
+        backend: &str,
+        op: &str,
+        size: u64,
+        streams: usize,
+        baseline: &str,
+        samples: Vec<f64>,
+        baseline_samples: Vec<f64>,
+    ) -> Line {
+        let (g, b) = (crate::measure::median(&samples), crate::measure::median(&baseline_samples));
+        Line {
+            backend: backend.into(),
+            op: op.into(),
+            size,
+            streams,
+            gbps: g,
+            baseline: baseline.into(),
+            baseline_gbps: b,
+            ratio: if b > 0.0 { g / b } else { 0.0 },
+            runs: samples.len(),
+            samples,
+            baseline_samples,
+        }
+        .rounded()
+    }
+
+    /// Prints the line: JSON on stdout, a readable form on stderr.
+    pub fn emit(&self) {
+        eprintln!(
+            "{:>8} {:>7}: tensorwire {:>7.3} GB/s   {} {:>7.3} GB/s   ratio {:.3}",
+            self.op,
+            crate::measure::fmt_size(self.size),
+            self.gbps,
+            self.baseline,
+            self.baseline_gbps,
+            self.ratio
+        );
+        println!("{}", serde_json::to_string(self).unwrap_or_default());
+    }
+
     /// Rounds the floats for printing.
     pub fn rounded(mut self) -> Self {
         self.gbps = round3(self.gbps);

@@ -8,6 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 /// Block granularity and alignment.
 pub const ALIGN: u64 = 4096;
 
+/// Requests below this size are placed from the top of the pool.
+pub const SMALL: u64 = 1 << 20;
+
 /// A best-fit extent allocator over `[0, capacity)`.
 #[derive(Debug, Clone)]
 pub struct Allocator {
@@ -65,8 +68,21 @@ impl Allocator {
     }
 
     /// Allocates a block for `len` bytes; returns its offset and block length.
+    ///
+    /// Large requests take the best-fitting extent from its low end; small ones (under
+    /// [`SMALL`]) take the highest-addressed extent that fits, from its high end. Small objects
+    /// thus gather at the top of the pool and stop punching holes between large ones.
     pub fn alloc(&mut self, len: u64) -> Option<(u64, u64)> {
         let need = block_len(len)?;
+        if need < SMALL {
+            let (&off, &flen) = self.by_offset.iter().rev().find(|&(_, &l)| l >= need)?;
+            self.remove_free(off, flen);
+            if flen > need {
+                self.insert_free(off, flen - need);
+            }
+            self.used += need;
+            return Some((off + flen - need, need));
+        }
         let &(flen, off) = self.by_size.range((need, 0)..).next()?;
         self.remove_free(off, flen);
         if flen > need {
@@ -102,22 +118,27 @@ mod tests {
 
     #[test]
     fn best_fit_and_coalescing() {
-        let mut a = Allocator::new(16 * ALIGN);
-        let x = a.alloc(1).unwrap();
-        let y = a.alloc(3 * ALIGN).unwrap();
-        let z = a.alloc(ALIGN + 1).unwrap();
-        assert_eq!((x, y, z), ((0, ALIGN), (ALIGN, 3 * ALIGN), (4 * ALIGN, 2 * ALIGN)));
+        const U: u64 = SMALL; // large requests: best fit from the bottom
+        let mut a = Allocator::new(16 * U);
+        let x = a.alloc(U).unwrap();
+        let y = a.alloc(3 * U).unwrap();
+        let z = a.alloc(U + 1).unwrap();
+        assert_eq!((x, y, z), ((0, U), (U, 3 * U), (4 * U, U + ALIGN)));
         a.free(y.0, y.1);
-        // A 1-block request takes the 3-block hole (best fit is the smallest that fits).
-        let w = a.alloc(ALIGN).unwrap();
-        assert_eq!(w.0, ALIGN);
+        // A 1-unit request takes the 3-unit hole (best fit is the smallest that fits).
+        let w = a.alloc(U).unwrap();
+        assert_eq!(w.0, U);
+        // Small requests come from the top.
+        let s = a.alloc(1).unwrap();
+        assert_eq!(s, (16 * U - ALIGN, ALIGN));
+        a.free(s.0, s.1);
         a.free(w.0, w.1);
         a.free(x.0, x.1);
         a.free(z.0, z.1);
         assert_eq!(a.free_extents(), 1);
-        assert_eq!(a.largest_free(), 16 * ALIGN);
+        assert_eq!(a.largest_free(), 16 * U);
         assert_eq!(a.used(), 0);
-        assert!(a.alloc(17 * ALIGN).is_none());
+        assert!(a.alloc(17 * U).is_none());
     }
 
     proptest! {

@@ -1,7 +1,8 @@
-//! `xfer`: tensorwire transfers against the raw medium, interleaved in one run.
+//! `xfer`: tensorwire against the raw medium, interleaved in one run.
 //!
 //! ```text
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend tcp --sizes 64M,256M --runs 5
+//! cargo run --release -p tensorwire-benches --bin xfer -- --store remote --sizes 64M
 //! ```
 //! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs, then a
 //! summary line. Progress goes to stderr.
@@ -10,10 +11,11 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use tensorwire_benches::measure::{Budget, fmt_size, gbps, median, parse_size};
+use tensorwire_benches::measure::{Budget, fmt_size, interleaved, median, parse_size};
 use tensorwire_benches::memcpy::Memcpy;
 use tensorwire_benches::raw_tcp::RawTcp;
 use tensorwire_benches::report::{Line, Summary};
+use tensorwire_benches::store::{StoreBench, StoreMode};
 use tensorwire_benches::transfer::{BACKENDS, EnginePair};
 use tensorwire_core::{Error, Result};
 
@@ -24,19 +26,23 @@ enum OpArg {
     Both,
 }
 
-/// Measure tensorwire transfers against the raw medium (tcp: a plain tokio socket pair with the
-/// same stream count; shm and mem: memcpy in one process), interleaved, one JSON line per
-/// measurement.
+/// Measure tensorwire against the raw medium, interleaved, one JSON line per measurement.
+/// Transfers: tcp against a plain tokio socket pair with the same stream count; shm and mem
+/// against memcpy in one process. `--store`: put_from / get_into against memcpy (embedded) or a
+/// raw tcp engine transfer of the same bytes (remote).
 #[derive(Debug, Parser)]
 #[command(name = "xfer")]
 struct Args {
     /// Backend to measure.
     #[arg(long, default_value = "tcp")]
     backend: String,
+    /// Measure the store instead of raw transfers.
+    #[arg(long, value_enum)]
+    store: Option<StoreMode>,
     /// Op sizes, comma-separated (4096, 64K, 16M, 1G).
     #[arg(long, default_value = "4K,64K,1M,4M,16M,64M,256M,1G", value_delimiter = ',')]
     sizes: Vec<String>,
-    /// Which ops.
+    /// Which ops (write = put_from, read = get_into with --store).
     #[arg(long, value_enum, default_value = "both")]
     op: OpArg,
     /// Streams per connection (tcp), for tensorwire and the baseline alike.
@@ -50,38 +56,92 @@ struct Args {
     min_time_ms: u64,
 }
 
-enum Baseline {
-    Tcp(RawTcp),
-    Memcpy(Memcpy),
-}
-
-impl Baseline {
-    fn name(&self) -> &'static str {
-        match self {
-            Baseline::Tcp(_) => "tokio-socket",
-            Baseline::Memcpy(_) => "memcpy",
-        }
-    }
-
-    async fn gbps(&mut self, write: bool, size: u64, budget: Budget) -> Result<f64> {
-        match self {
-            Baseline::Tcp(raw) => {
-                // The closure re-borrows `raw` per iteration (uncontended lock).
-                let raw = tokio::sync::Mutex::new(raw);
-                gbps(budget, size, || async { raw.lock().await.op(write, size).await }).await
-            }
-            Baseline::Memcpy(m) => Ok(m.gbps(size, budget)),
-        }
-    }
-}
-
-async fn run(args: Args) -> Result<()> {
+/// One measurement of tensorwire against the raw medium for each (size, op).
+async fn transfers(args: &Args, sizes: &[u64], ops: &[bool], budget: Budget) -> Result<Vec<Line>> {
     if !BACKENDS.contains(&args.backend.as_str()) {
         return Err(Error::InvalidArgument(format!(
             "--backend {}: this harness knows {BACKENDS:?}",
             args.backend
         )));
     }
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let streams = if args.backend == "tcp" { args.streams.max(1) } else { 1 };
+    let pair = EnginePair::new(&args.backend, streams, max).await?;
+    let raw = if args.backend == "tcp" { Some(RawTcp::new(streams, max).await?) } else { None };
+    let raw = tokio::sync::Mutex::new(raw);
+    let copy = std::sync::Mutex::new(Memcpy::new(if args.backend == "tcp" { 0 } else { max }));
+    let baseline = if args.backend == "tcp" { "tokio-socket" } else { "memcpy" };
+    let mut lines = Vec::new();
+    for &size in sizes {
+        for &write in ops {
+            let (tw, base) = interleaved(
+                args.runs,
+                budget,
+                size,
+                || pair.op(write, size, &args.backend),
+                || async {
+                    match raw.lock().await.as_mut() {
+                        Some(r) => r.op(write, size).await,
+                        None => {
+                            copy.lock()
+                                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                                .copy(size);
+                            Ok(())
+                        }
+                    }
+                },
+            )
+            .await?;
+            let op = if write { "write" } else { "read" };
+            let line = Line::from_samples(&args.backend, op, size, streams, baseline, tw, base);
+            line.emit();
+            lines.push(line);
+        }
+    }
+    pair.a.shutdown().await;
+    pair.b.shutdown().await;
+    Ok(lines)
+}
+
+/// put_from / get_into against memcpy (embedded) or a raw engine transfer (remote).
+async fn store(
+    mode: StoreMode,
+    args: &Args,
+    sizes: &[u64],
+    ops: &[bool],
+    budget: Budget,
+) -> Result<Vec<Line>> {
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let bench = StoreBench::new(mode, max, args.streams.max(1)).await?;
+    let mut lines = Vec::new();
+    for &size in sizes {
+        for &write in ops {
+            let (tw, base) = interleaved(
+                args.runs,
+                budget,
+                size,
+                || bench.store_op(write, size),
+                || bench.baseline_op(write, size),
+            )
+            .await?;
+            let op = if write { "put_from" } else { "get_into" };
+            let line = Line::from_samples(
+                bench.name(),
+                op,
+                size,
+                bench.streams(),
+                bench.baseline(),
+                tw,
+                base,
+            );
+            line.emit();
+            lines.push(line);
+        }
+    }
+    Ok(lines)
+}
+
+async fn run(args: Args) -> Result<()> {
     let mut sizes = Vec::new();
     for s in &args.sizes {
         let n = parse_size(s)
@@ -89,67 +149,19 @@ async fn run(args: Args) -> Result<()> {
             .ok_or_else(|| Error::InvalidArgument(format!("--sizes: cannot read {s:?}")))?;
         sizes.push(n);
     }
-    let max = sizes.iter().copied().max().unwrap_or(4096);
-    let streams = if args.backend == "tcp" { args.streams.max(1) } else { 1 };
     let ops: Vec<bool> = match args.op {
         OpArg::Read => vec![false],
         OpArg::Write => vec![true],
         OpArg::Both => vec![true, false],
     };
     let budget = Budget { min_time: Duration::from_millis(args.min_time_ms), ..Budget::default() };
-    let runs = args.runs.max(1);
     let started = Instant::now();
-
-    let pair = EnginePair::new(&args.backend, streams, max).await?;
-    let mut base = match args.backend.as_str() {
-        "tcp" => Baseline::Tcp(RawTcp::new(streams, max).await?),
-        _ => Baseline::Memcpy(Memcpy::new(max)),
-    };
-    let mut lines = Vec::new();
-    for &size in &sizes {
-        for &write in &ops {
-            let (mut tw, mut raw) = (Vec::new(), Vec::new());
-            for run in 0..runs {
-                // Alternate which goes first, so neither always gets the warmer caches.
-                if run % 2 == 0 {
-                    raw.push(base.gbps(write, size, budget).await?);
-                    tw.push(gbps(budget, size, || pair.op(write, size, &args.backend)).await?);
-                } else {
-                    tw.push(gbps(budget, size, || pair.op(write, size, &args.backend)).await?);
-                    raw.push(base.gbps(write, size, budget).await?);
-                }
-            }
-            let (g, b) = (median(&tw), median(&raw));
-            let line = Line {
-                backend: args.backend.clone(),
-                op: if write { "write" } else { "read" }.into(),
-                size,
-                streams,
-                gbps: g,
-                baseline: base.name().into(),
-                baseline_gbps: b,
-                ratio: if b > 0.0 { g / b } else { 0.0 },
-                runs,
-                samples: tw,
-                baseline_samples: raw,
-            }
-            .rounded();
-            eprintln!(
-                "{:>5} {:>7}: tensorwire {:>7.3} GB/s   {} {:>7.3} GB/s   ratio {:.3}",
-                line.op,
-                fmt_size(size),
-                line.gbps,
-                line.baseline,
-                line.baseline_gbps,
-                line.ratio
-            );
-            println!(
-                "{}",
-                serde_json::to_string(&line).map_err(|e| Error::protocol(e.to_string()))?
-            );
-            lines.push(line);
+    let (name, lines) = match args.store {
+        Some(mode) => {
+            (format!("store-{}", mode.name()), store(mode, &args, &sizes, &ops, budget).await?)
         }
-    }
+        None => (args.backend.clone(), transfers(&args, &sizes, &ops, budget).await?),
+    };
     let ratios: Vec<f64> = lines.iter().map(|l| l.ratio).collect();
     let min = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let worst = lines
@@ -160,7 +172,7 @@ async fn run(args: Args) -> Result<()> {
         .join(",");
     let summary = Summary {
         summary: true,
-        backend: args.backend.clone(),
+        backend: name,
         measurements: lines.len(),
         min_ratio: min,
         median_ratio: (median(&ratios) * 1000.0).round() / 1000.0,
@@ -169,8 +181,6 @@ async fn run(args: Args) -> Result<()> {
         seconds: (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
     };
     println!("{}", serde_json::to_string(&summary).map_err(|e| Error::protocol(e.to_string()))?);
-    pair.a.shutdown().await;
-    pair.b.shutdown().await;
     Ok(())
 }
 
