@@ -287,6 +287,28 @@ pub async fn abandoned_put_is_reclaimed(f: &dyn StoreFactory) {
     t.store.put(b"ghost", &meta(16), &[7; 16], Retention::Normal).await.unwrap();
 }
 
+/// Leases: an object with a consumer count goes with its last consumer; one with a TTL goes when
+/// it passes; neither is evicted before.
+pub async fn leases(f: &dyn StoreFactory) {
+    let t = f.make(cfg(8 << 20)).await;
+    let s = &t.store;
+    s.put(b"emb", &meta(100), &[5; 100], Retention::Pinned).await.unwrap();
+    let e = s.consumed(b"emb").await.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "consumed without a count: {e}");
+    s.set_lease(b"emb", 2, None).await.unwrap();
+    assert!(!s.consumed(b"emb").await.unwrap());
+    assert!(s.exists(b"emb").await.unwrap());
+    assert!(s.consumed(b"emb").await.unwrap(), "the last consumer removes it");
+    assert!(!s.exists(b"emb").await.unwrap());
+    assert!(matches!(s.consumed(b"emb").await, Err(Error::NotFound(_))));
+    s.put(b"ttl", &meta(100), &[6; 100], Retention::Pinned).await.unwrap();
+    s.set_lease(b"ttl", 0, Some(Duration::from_millis(200))).await.unwrap();
+    assert!(s.exists(b"ttl").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!s.exists(b"ttl").await.unwrap(), "expired lease removed");
+    assert_eq!(s.stats().await.unwrap().used, 0);
+}
+
 /// Batch forms answer per item.
 pub async fn batches(f: &dyn StoreFactory) {
     let t = f.make(cfg(16 << 20)).await;
@@ -337,6 +359,7 @@ macro_rules! __each_store_test {
         $crate::__one_store_test!($f, spill_and_reload);
         $crate::__one_store_test!($f, abandoned_put_is_reclaimed);
         $crate::__one_store_test!($f, batches);
+        $crate::__one_store_test!($f, leases);
     };
 }
 

@@ -85,6 +85,17 @@ pub trait Store: Send + Sync + Debug {
     async fn unpin(&self, key: &[u8]) -> Result<()>;
     /// Counters.
     async fn stats(&self) -> Result<StoreStats>;
+    /// Sets `key`'s lease: `consumers` > 0 makes the object go when that many [`Store::consumed`]
+    /// calls arrived; `ttl` removes it that long from now. Neither evicts it earlier (store
+    /// leased objects with `Retention::Pinned`).
+    async fn set_lease(
+        &self,
+        key: &[u8],
+        consumers: u32,
+        ttl: Option<std::time::Duration>,
+    ) -> Result<()>;
+    /// One consumer of `key` is done; true when it was the last and the object is gone.
+    async fn consumed(&self, key: &[u8]) -> Result<bool>;
 
     /// `put_from` for many objects, concurrently; one result per item, in order.
     async fn put_from_batch(&self, items: &[PutFrom<'_>]) -> Vec<Result<()>> {

@@ -103,11 +103,22 @@ impl EmbeddedStore {
         self.spill.as_ref().map(Spill::direct)
     }
 
-    /// The state, with expired puts and reads swept first.
+    /// The state, with expired puts, reads and leased objects swept first.
     fn locked(&self) -> std::sync::MutexGuard<'_, PoolState> {
         let mut st = lock(&self.state);
-        st.expire(Instant::now());
+        let now = Instant::now();
+        st.expire(now);
+        let gone = st.expire_objects(now);
+        self.drop_spilled(&gone);
         st
+    }
+
+    fn drop_spilled(&self, gone: &[crate::state::Obj]) {
+        if let Some(spill) = &self.spill {
+            for o in gone.iter().filter(|o| o.loc == Loc::Spilled) {
+                spill.remove(o.id);
+            }
+        }
     }
 
     fn base(&self) -> usize {
@@ -232,9 +243,9 @@ impl EmbeddedStore {
         lock(&self.state).close_read(ticket);
     }
 
-    /// Sweeps expired puts and reads now (a node calls this periodically).
+    /// Sweeps expired puts, reads and leased objects now (a node calls this periodically).
     pub fn expire(&self) {
-        lock(&self.state).expire(Instant::now());
+        drop(self.locked());
     }
 }
 
@@ -347,6 +358,19 @@ impl Store for EmbeddedStore {
 
     async fn stats(&self) -> Result<StoreStats> {
         Ok(self.locked().stats())
+    }
+
+    async fn set_lease(&self, key: &[u8], consumers: u32, ttl: Option<Duration>) -> Result<()> {
+        check_key(key)?;
+        self.locked().set_lease(key, consumers, ttl.map(deadline))
+    }
+
+    async fn consumed(&self, key: &[u8]) -> Result<bool> {
+        check_key(key)?;
+        let gone = self.locked().consumed(key)?;
+        let removed = gone.is_some();
+        self.drop_spilled(&gone.into_iter().collect::<Vec<_>>());
+        Ok(removed)
     }
 }
 

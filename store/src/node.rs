@@ -187,6 +187,12 @@ async fn handle(
             Response::Done
         }
         Request::Stats => Response::Stats(store.stats().await?),
+        Request::Lease { key, consumers, ttl_ms } => {
+            let ttl = (ttl_ms > 0).then(|| Duration::from_millis(ttl_ms));
+            store.set_lease(&key, consumers, ttl).await?;
+            Response::Done
+        }
+        Request::Consumed { key } => Response::Flag(store.consumed(&key).await?),
         Request::Hello | Request::Auth { .. } => Response::Done,
     })
 }

@@ -328,6 +328,17 @@ impl Store for RemoteStore {
         self.done(Request::Pin { key: key.to_vec(), up: false }).await
     }
 
+    async fn set_lease(&self, key: &[u8], consumers: u32, ttl: Option<Duration>) -> Result<()> {
+        check_key(key)?;
+        let ttl_ms = ttl.map_or(0, |t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1));
+        self.done(Request::Lease { key: key.to_vec(), consumers, ttl_ms }).await
+    }
+
+    async fn consumed(&self, key: &[u8]) -> Result<bool> {
+        check_key(key)?;
+        self.flag(Request::Consumed { key: key.to_vec() }).await
+    }
+
     async fn stats(&self) -> Result<StoreStats> {
         match self.rpc.call(Request::Stats).await? {
             Response::Stats(s) => Ok(s),

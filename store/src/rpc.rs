@@ -41,6 +41,10 @@ pub(crate) enum Request {
     Pin { key: Vec<u8>, up: bool },
     /// Counters.
     Stats,
+    /// Set a lease (ttl in milliseconds, 0 for none).
+    Lease { key: Vec<u8>, consumers: u32, ttl_ms: u64 },
+    /// One consumer is done.
+    Consumed { key: Vec<u8> },
 }
 
 /// A successful response (its shape follows the request).
@@ -161,6 +165,14 @@ impl Request {
                 10
             }
             Request::Stats => 11,
+            Request::Lease { key, consumers, ttl_ms } => {
+                w.bytes(key).u32(*consumers).u64(*ttl_ms);
+                12
+            }
+            Request::Consumed { key } => {
+                w.bytes(key);
+                13
+            }
         };
         (kind, w.finish())
     }
@@ -186,6 +198,8 @@ impl Request {
             9 => Request::Remove { key: key(&mut r)? },
             10 => Request::Pin { key: key(&mut r)?, up: r.u8()? != 0 },
             11 => Request::Stats,
+            12 => Request::Lease { key: key(&mut r)?, consumers: r.u32()?, ttl_ms: r.u64()? },
+            13 => Request::Consumed { key: key(&mut r)? },
             k => return Err(Error::protocol(format!("store rpc: unknown request kind {k}"))),
         };
         r.finish()?;

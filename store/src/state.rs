@@ -33,6 +33,10 @@ pub(crate) struct Obj {
     readers: u32,
     tick: u64,
     pub(crate) loc: Loc,
+    /// Consumers still expected (0: not counted).
+    consumers: u32,
+    /// Removed at this time, if set.
+    expires: Option<Instant>,
 }
 
 impl Obj {
@@ -267,6 +271,8 @@ impl PoolState {
             readers: 0,
             tick: self.tick,
             loc: Loc::Pool { off: p.off, block: p.block },
+            consumers: 0,
+            expires: None,
         };
         self.objs.insert(p.key.clone(), obj);
         self.relist(&p.key);
@@ -372,6 +378,44 @@ impl PoolState {
         }
         self.relist(key);
         Ok(())
+    }
+
+    /// Sets an object's lease: the number of consumers that will call `consumed` (0: not
+    /// counted) and a time after which it is removed.
+    pub(crate) fn set_lease(
+        &mut self,
+        key: &[u8],
+        consumers: u32,
+        expires: Option<Instant>,
+    ) -> Result<()> {
+        let o = self.objs.get_mut(key).ok_or_else(|| missing(key))?;
+        o.consumers = consumers;
+        o.expires = expires;
+        Ok(())
+    }
+
+    /// One consumer is done; returns the removed object when it was the last.
+    pub(crate) fn consumed(&mut self, key: &[u8]) -> Result<Option<Obj>> {
+        let o = self.objs.get_mut(key).ok_or_else(|| missing(key))?;
+        if o.consumers == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "store key {} has no consumer count (set a lease first)",
+                show_key(key)
+            )));
+        }
+        o.consumers -= 1;
+        if o.consumers == 0 { Ok(self.remove(key)) } else { Ok(None) }
+    }
+
+    /// Removes objects whose lease time has passed; returns them (their spill files must go).
+    pub(crate) fn expire_objects(&mut self, now: Instant) -> Vec<Obj> {
+        let dead: Vec<Vec<u8>> = self
+            .objs
+            .iter()
+            .filter(|(_, o)| o.expires.is_some_and(|t| t <= now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        dead.iter().filter_map(|k| self.remove(k)).collect()
     }
 
     /// Aborts pending puts and closes read leases past their deadline.
