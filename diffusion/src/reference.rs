@@ -1,0 +1,147 @@
+//! `PayloadRef`: everything a consumer needs to fetch a payload, small enough to ride in a queue
+//! message. Versioned codec; `decode` is total.
+
+use std::net::SocketAddr;
+
+use tensorwire_core::wire::codec::{Reader, Writer};
+use tensorwire_core::{AccessKey, EngineId, Error, RegionId, Result, TensorMeta};
+use tensorwire_store::MAX_KEY;
+
+use crate::payload::{Chunking, LeasePolicy, PayloadKind};
+
+const VERSION: u8 = 1;
+
+/// Where the bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// In the store under this key.
+    Store {
+        /// Store key.
+        key: Vec<u8>,
+    },
+    /// In the producer's registered buffer.
+    P2p {
+        /// Producer engine.
+        engine: EngineId,
+        /// Its control endpoint.
+        addr: SocketAddr,
+        /// The producer connector's payload id.
+        payload: u64,
+        /// Region holding the buffer.
+        region: RegionId,
+        /// Its access key.
+        key: AccessKey,
+        /// Offset of the tensor's buffer in the region.
+        offset: u64,
+    },
+}
+
+/// A reference to a published payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PayloadRef {
+    /// Request.
+    pub request: u64,
+    /// Kind.
+    pub kind: PayloadKind,
+    /// Where it is.
+    pub source: Source,
+    /// The tensor.
+    pub meta: TensorMeta,
+    /// Chunked handoff, if any.
+    pub chunking: Option<Chunking>,
+    /// Lifetime.
+    pub lease: LeasePolicy,
+    /// crc32c of the whole buffer (unchunked payloads published with checksums on).
+    pub checksum: Option<u32>,
+}
+
+impl PayloadRef {
+    /// Encodes.
+    pub fn encode(&self, w: &mut Writer) {
+        w.u8(VERSION).u64(self.request);
+        self.kind.encode(w);
+        match &self.source {
+            Source::Store { key } => {
+                w.u8(0).bytes(key);
+            }
+            Source::P2p { engine, addr, payload, region, key, offset } => {
+                w.u8(1)
+                    .u128(engine.0)
+                    .str(&addr.to_string())
+                    .u64(*payload)
+                    .u64(region.0)
+                    .u128(key.to_bits())
+                    .u64(*offset);
+            }
+        }
+        self.meta.encode(w);
+        match self.chunking {
+            Some(c) => w.u8(1).u32(c.dim).u32(c.count),
+            None => w.u8(0),
+        };
+        self.lease.encode(w);
+        match self.checksum {
+            Some(c) => w.u8(1).u32(c),
+            None => w.u8(0),
+        };
+    }
+
+    /// Decodes; never panics.
+    pub fn decode(r: &mut Reader<'_>) -> Result<PayloadRef> {
+        let v = r.u8()?;
+        if v != VERSION {
+            return Err(Error::protocol(format!(
+                "payload ref version {v} (this build: {VERSION})"
+            )));
+        }
+        let request = r.u64()?;
+        let kind = PayloadKind::decode(r)?;
+        let source = match r.u8()? {
+            0 => Source::Store { key: r.bytes(MAX_KEY, "store key")?.to_vec() },
+            1 => {
+                let engine = EngineId(r.u128()?);
+                let a = r.str(64, "address")?;
+                let addr = a
+                    .parse()
+                    .map_err(|_| Error::protocol(format!("payload ref: bad address {a:?}")))?;
+                Source::P2p {
+                    engine,
+                    addr,
+                    payload: r.u64()?,
+                    region: RegionId(r.u64()?),
+                    key: AccessKey::from_bits(r.u128()?),
+                    offset: r.u64()?,
+                }
+            }
+            t => return Err(Error::protocol(format!("payload ref: unknown source {t}"))),
+        };
+        let meta = TensorMeta::decode(r)?;
+        let chunking = match r.u8()? {
+            0 => None,
+            1 => Some(Chunking { dim: r.u32()?, count: r.u32()? }),
+            t => return Err(Error::protocol(format!("payload ref: bad chunking tag {t}"))),
+        };
+        let lease = LeasePolicy::decode(r)?;
+        let checksum = match r.u8()? {
+            0 => None,
+            1 => Some(r.u32()?),
+            t => return Err(Error::protocol(format!("payload ref: bad checksum tag {t}"))),
+        };
+        Ok(PayloadRef { request, kind, source, meta, chunking, lease, checksum })
+    }
+
+    /// Encoded as a standalone buffer.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        self.encode(&mut w);
+        w.finish()
+    }
+
+    /// Decodes a standalone buffer (trailing bytes are an error).
+    pub fn from_bytes(b: &[u8]) -> Result<PayloadRef> {
+        let mut r = Reader::new(b, "payload ref");
+        let p = PayloadRef::decode(&mut r)?;
+        r.finish()?;
+        Ok(p)
+    }
+}
