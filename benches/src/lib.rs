@@ -3,6 +3,7 @@
 //! memcpy for in-process and same-host backends; for the store, memcpy or a raw engine transfer).
 //! The `xfer` binary drives it and prints one JSON line per measurement.
 
+pub mod connector;
 pub mod measure;
 pub mod memcpy;
 pub mod raw_tcp;

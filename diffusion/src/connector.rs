@@ -119,7 +119,10 @@ struct Inner {
     cfg: ConnectorConfig,
     published: Mutex<HashMap<u64, Published>>,
     waiters: Mutex<HashMap<(EngineId, u64), mpsc::Sender<Control>>>,
-    sessions: tokio::sync::Mutex<HashMap<SocketAddr, Session>>,
+    /// Per producer: (data session, control session). Control messages get their own session so
+    /// they never wait behind data ops (a notification is ordered after earlier ops on its
+    /// connection).
+    sessions: tokio::sync::Mutex<HashMap<SocketAddr, (Session, Session)>>,
     next: AtomicU64,
 }
 
@@ -587,12 +590,12 @@ fn view(plan: &ChunkPlan, index: u32, offset: u64) -> Result<ChunkView> {
     })
 }
 
-async fn session_to(inner: &Inner, addr: SocketAddr) -> Result<Session> {
+async fn session_to(inner: &Inner, addr: SocketAddr) -> Result<(Session, Session)> {
     let mut s = inner.sessions.lock().await;
     if let Some(x) = s.get(&addr) {
         return Ok(x.clone());
     }
-    let x = inner.engine.connect(addr).await?;
+    let x = (inner.engine.connect(addr).await?, inner.engine.connect(addr).await?);
     s.insert(addr, x.clone());
     Ok(x)
 }
@@ -625,7 +628,7 @@ async fn consume_p2p(
     let Source::P2p { engine, addr, payload, region, offset: src_base, .. } = r.source else {
         return Err(Error::protocol("not a p2p payload"));
     };
-    let s = session_to(inner, addr).await?;
+    let (s, ctl) = session_to(inner, addr).await?;
     if s.peer() != engine {
         return Err(Error::NotFound(Missing::Peer(format!(
             "{engine} at {addr} (another engine answers there)"
@@ -635,67 +638,95 @@ async fn consume_p2p(
     let (tx, mut rx) = mpsc::channel(plan.len() as usize + 4);
     lock(&inner.waiters).insert((engine, payload), tx);
     let _w = Waiter(inner, (engine, payload));
-    s.notify(Bytes::from(Control::Subscribe { payload }.encode())).await?;
     let mut done = vec![false; plan.len() as usize];
     let mut left = plan.len();
     let wait = inner.cfg.wait_timeout;
+    // Announced chunks whose READs are in flight, oldest first: reads of later chunks proceed
+    // while earlier ones complete and are handed to the caller.
+    let mut flight: std::collections::VecDeque<(
+        u32,
+        Option<u32>,
+        Vec<tensorwire_core::TransferHandle>,
+    )> = std::collections::VecDeque::new();
+    const WINDOW: usize = 4;
+    let read_chunk = |index: u32| -> Result<Vec<TransferOp>> {
+        Ok(plan
+            .chunk(index)?
+            .ranges
+            .iter()
+            .map(|b| TransferOp::read(dst, offset + b.offset, &remote, src_base + b.offset, b.len))
+            .collect())
+    };
+    // An unchunked payload is complete at publish: start reading it while the subscription
+    // round trip runs. Its bytes are handed out only once the producer confirmed the lease (a
+    // payload already consumed or expired answers Gone, and what was read is discarded).
+    let mut speculative =
+        if r.chunking.is_none() { Some(s.submit(read_chunk(0)?).await) } else { None };
+    ctl.notify(Bytes::from(Control::Subscribe { payload }.encode())).await?;
     while left > 0 {
-        let c = match tokio::time::timeout(wait, rx.recv()).await {
-            Ok(Some(c)) => c,
-            Ok(None) => return Err(Error::PeerClosed("connector closed".into())),
-            Err(_) => {
-                return Err(Error::timeout(
-                    format!("payload {payload} of {engine}: {left} chunks not announced"),
-                    wait,
-                ));
+        // Take every announcement already here (up to the window) without waiting.
+        let next = if flight.is_empty() {
+            match tokio::time::timeout(wait, rx.recv()).await {
+                Ok(Some(c)) => Some(c),
+                Ok(None) => return Err(Error::PeerClosed("connector closed".into())),
+                Err(_) => {
+                    return Err(Error::timeout(
+                        format!("payload {payload} of {engine}: {left} chunks not announced"),
+                        wait,
+                    ));
+                }
             }
+        } else if flight.len() < WINDOW {
+            rx.try_recv().ok()
+        } else {
+            None
         };
-        match c {
-            Control::Ready { index, crc, .. } => {
+        match next {
+            Some(Control::Ready { index, crc, .. }) => {
                 let i = index as usize;
-                if i >= done.len() || done[i] {
-                    continue;
+                if i < done.len() && !done[i] {
+                    done[i] = true;
+                    let handles = match speculative.take() {
+                        Some(h) if index == 0 => h,
+                        _ => s.submit(read_chunk(index)?).await,
+                    };
+                    flight.push_back((index, crc, handles));
                 }
-                let chunk = plan.chunk(index)?;
-                let ops: Vec<TransferOp> = chunk
-                    .ranges
-                    .iter()
-                    .map(|b| {
-                        TransferOp::read(
-                            dst,
-                            offset + b.offset,
-                            &remote,
-                            src_base + b.offset,
-                            b.len,
-                        )
-                    })
-                    .collect();
-                for h in s.submit(ops).await {
-                    h.await?;
-                }
-                if let Some(expected) = crc {
-                    // SAFETY: `offset + extent` lies inside `dst` (checked before the consume began).
-                    let actual =
-                        crc_of(unsafe { dst.as_ptr().add(offset as usize) }, &chunk.ranges);
-                    if actual != expected {
-                        return Err(Error::Checksum {
-                            what: format!("chunk {index} of payload {payload}"),
-                            expected,
-                            actual,
-                        });
-                    }
-                }
-                done[i] = true;
-                left -= 1;
-                if out.send(view(plan, index, offset)).await.is_err() {
-                    return Ok(()); // the consumer stopped listening
-                }
+                continue;
             }
-            Control::Gone { error, .. } => return Err(error),
-            _ => {}
+            Some(Control::Gone { error, .. }) => return Err(error),
+            Some(_) => continue,
+            None => {}
+        }
+        let Some((index, crc, handles)) = flight.pop_front() else { continue };
+        for h in handles {
+            h.await?;
+        }
+        if let Some(expected) = crc {
+            let chunk = plan.chunk(index)?;
+            // SAFETY: `offset + extent` lies inside `dst` (checked before the consume began).
+            let actual = crc_of(unsafe { dst.as_ptr().add(offset as usize) }, &chunk.ranges);
+            if actual != expected {
+                return Err(Error::Checksum {
+                    what: format!("chunk {index} of payload {payload}"),
+                    expected,
+                    actual,
+                });
+            }
+        }
+        left -= 1;
+        if out.send(view(plan, index, offset)).await.is_err() {
+            return Ok(()); // the consumer stopped listening
         }
     }
-    s.notify(Bytes::from(Control::Consumed { payload }.encode())).await
+    // Tell the producer in the background: the bytes are already ours.
+    let consumed = Bytes::from(Control::Consumed { payload }.encode());
+    tokio::spawn(async move {
+        if let Err(e) = ctl.notify(consumed).await {
+            tracing::debug!(error = %e, "connector: could not report a consume");
+        }
+    });
+    Ok(())
 }
 
 async fn consume_store(

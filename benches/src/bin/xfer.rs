@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
+use tensorwire_benches::connector::ConnectorBench;
 use tensorwire_benches::measure::{Budget, fmt_size, interleaved, median, parse_size};
 use tensorwire_benches::memcpy::Memcpy;
 use tensorwire_benches::raw_tcp::RawTcp;
@@ -39,6 +40,13 @@ struct Args {
     /// Measure the store instead of raw transfers.
     #[arg(long, value_enum)]
     store: Option<StoreMode>,
+    /// Measure the DiffusionConnector (p2p over tcp): publish + consume against a raw engine
+    /// READ, then the chunked overlap figure.
+    #[arg(long)]
+    connector: bool,
+    /// Chunks for the overlap figure (--connector).
+    #[arg(long, default_value_t = 8)]
+    chunks: u32,
     /// Op sizes, comma-separated (4096, 64K, 16M, 1G).
     #[arg(long, default_value = "4K,64K,1M,4M,16M,64M,256M,1G", value_delimiter = ',')]
     sizes: Vec<String>,
@@ -141,6 +149,46 @@ async fn store(
     Ok(lines)
 }
 
+/// publish + consume against a raw engine READ, then the overlap figure.
+async fn connector(args: &Args, sizes: &[u64], budget: Budget) -> Result<Vec<Line>> {
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let bench = ConnectorBench::new(max, args.streams.max(1)).await?;
+    let mut lines = Vec::new();
+    for &size in sizes {
+        let (tw, base) =
+            interleaved(args.runs, budget, size, || bench.handoff(size), || bench.raw_read(size))
+                .await?;
+        let line = Line::from_samples(
+            "connector-p2p",
+            "publish+consume",
+            size,
+            bench.streams(),
+            "engine-tcp",
+            tw,
+            base,
+        );
+        line.emit();
+        lines.push(line);
+    }
+    for &size in sizes {
+        let o = bench.overlap(size, args.chunks).await?;
+        eprintln!(
+            "overlap {} in {} chunks: transfer {:.1} ms, decode {:.1} ms ({:.2} ms/chunk): last chunk decoded at {:.1} ms; max(transfer, decode) + one chunk = {:.1} ms; ratio {:.3} (serial would be {:.1} ms)",
+            fmt_size(size),
+            o.chunks,
+            o.transfer_ms,
+            o.decode_ms,
+            o.chunk_decode_ms,
+            o.last_decoded_ms,
+            o.ideal_ms,
+            o.ratio,
+            o.serial_ms
+        );
+        println!("{}", serde_json::to_string(&o).map_err(|e| Error::protocol(e.to_string()))?);
+    }
+    Ok(lines)
+}
+
 async fn run(args: Args) -> Result<()> {
     let mut sizes = Vec::new();
     for s in &args.sizes {
@@ -157,6 +205,9 @@ async fn run(args: Args) -> Result<()> {
     let budget = Budget { min_time: Duration::from_millis(args.min_time_ms), ..Budget::default() };
     let started = Instant::now();
     let (name, lines) = match args.store {
+        _ if args.connector => {
+            ("connector-p2p".to_string(), connector(&args, &sizes, budget).await?)
+        }
         Some(mode) => {
             (format!("store-{}", mode.name()), store(mode, &args, &sizes, &ops, budget).await?)
         }
