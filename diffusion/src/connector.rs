@@ -719,14 +719,9 @@ async fn consume_p2p(
             return Ok(()); // the consumer stopped listening
         }
     }
-    // Tell the producer in the background: the bytes are already ours.
-    let consumed = Bytes::from(Control::Consumed { payload }.encode());
-    tokio::spawn(async move {
-        if let Err(e) = ctl.notify(consumed).await {
-            tracing::debug!(error = %e, "connector: could not report a consume");
-        }
-    });
-    Ok(())
+    // Every view is out; the lease moves on once the producer knows (before the stream ends, so
+    // a consume that follows sees the payload consumed).
+    ctl.notify(Bytes::from(Control::Consumed { payload }.encode())).await
 }
 
 async fn consume_store(
