@@ -171,9 +171,9 @@ async fn connector(args: &Args, sizes: &[u64], budget: Budget) -> Result<Vec<Lin
         lines.push(line);
     }
     for &size in sizes {
-        let o = bench.overlap(size, args.chunks).await?;
+        let o = bench.overlap(size, args.chunks, args.runs).await?;
         eprintln!(
-            "overlap {} in {} chunks: transfer {:.1} ms, decode {:.1} ms ({:.2} ms/chunk): last chunk decoded at {:.1} ms; max(transfer, decode) + one chunk = {:.1} ms; ratio {:.3} (serial would be {:.1} ms)",
+            "overlap {} in {} chunks: transfer {:.1} ms, decode {:.1} ms ({:.2} ms/chunk): last chunk decoded at {:.1} ms; max(transfer, decode) + one chunk = {:.1} ms; ratio {:.3} (median of {} trials; serial would be {:.1} ms)",
             fmt_size(size),
             o.chunks,
             o.transfer_ms,
@@ -182,6 +182,7 @@ async fn connector(args: &Args, sizes: &[u64], budget: Budget) -> Result<Vec<Lin
             o.last_decoded_ms,
             o.ideal_ms,
             o.ratio,
+            o.trial_ratios.len(),
             o.serial_ms
         );
         println!("{}", serde_json::to_string(&o).map_err(|e| Error::protocol(e.to_string()))?);
