@@ -214,7 +214,7 @@ impl Worker {
             .expect("spawn worker");
         let stdin = child.stdin.take().unwrap();
         let out = BufReader::new(child.stdout.take().unwrap());
-        let (tx, lines) = std_mpsc::channel();
+        let (tx, lines) = std_mpsc::sync_channel(64);
         std::thread::spawn(move || {
             for l in out.lines().map_while(Result::ok) {
                 if let Some(at) = l.find("@@") {
