@@ -1,0 +1,741 @@
+//! The orchestrator's scheduler core, sans-IO: plain structs, time passed in, events in, dispatch
+//! decisions and request outcomes out. The library orchestrator and the simulator drive the same
+//! code.
+//!
+//! - Encode and decode are work queues: any worker of the pool takes any item. Denoise is an
+//!   admission queue: a dispatched job stays on its worker until it finishes or fails.
+//! - Order within a queue: interactive before batch, then earliest deadline, then arrival. A batch
+//!   item waiting longer than `aging` is ordered as interactive (starvation bound).
+//! - Credits: a worker has `slots`; the scheduler dispatches only while `busy < slots`, so credit
+//!   never goes negative. Denoise admission also needs room downstream: denoise jobs in flight plus
+//!   decode items queued must stay below the decode pool's free slots plus `decode_headroom`, so a
+//!   slow decode pool stops new denoise admissions before latents pile up.
+//! - Failures: a worker that misses heartbeats for `heartbeat_timeout` is declared dead and its
+//!   items are re-queued with attempt + 1 (inputs are still in the store); after `max_attempts`
+//!   the request fails with the reason. A result from a worker that no longer holds the item (it
+//!   was declared dead, or the item was re-queued) is ignored, never delivered twice.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Duration;
+
+use crate::queue::{Priority, Stage};
+
+/// A worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u64);
+
+/// One unit of work: a request at a stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ItemKey {
+    /// Request.
+    pub request: u64,
+    /// Stage.
+    pub stage: Stage,
+}
+
+/// Scheduler settings.
+#[derive(Debug, Clone)]
+pub struct SchedConfig {
+    /// A batch item older than this is ordered as interactive.
+    pub aging: Duration,
+    /// A worker silent this long is declared dead.
+    pub heartbeat_timeout: Duration,
+    /// Tries per stage before the request fails.
+    pub max_attempts: u32,
+    /// Extra decode items allowed to queue beyond the decode pool's free slots.
+    pub decode_headroom: u32,
+}
+
+impl Default for SchedConfig {
+    fn default() -> Self {
+        SchedConfig {
+            aging: Duration::from_secs(30),
+            heartbeat_timeout: Duration::from_secs(5),
+            max_attempts: 3,
+            decode_headroom: 0,
+        }
+    }
+}
+
+/// What a policy sees of a candidate worker.
+#[derive(Debug, Clone)]
+pub struct Candidate<'a> {
+    /// Worker.
+    pub id: WorkerId,
+    /// Free slots.
+    pub free: u32,
+    /// Host.
+    pub host: &'a str,
+    /// Rail / NUMA labels.
+    pub labels: &'a [String],
+}
+
+/// Where an item should go, among workers with free credit.
+pub trait RoutingPolicy: Send {
+    /// Index into `candidates` (never empty).
+    fn pick(&mut self, item: &Item, candidates: &[Candidate<'_>]) -> usize;
+}
+
+/// Round robin over the workers with credit.
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: usize,
+}
+
+impl RoutingPolicy for RoundRobin {
+    fn pick(&mut self, _: &Item, c: &[Candidate<'_>]) -> usize {
+        self.next = self.next.wrapping_add(1);
+        self.next % c.len()
+    }
+}
+
+/// The worker with the most free slots (lowest id on ties).
+#[derive(Debug, Default)]
+pub struct MaxFreeCredit;
+
+impl RoutingPolicy for MaxFreeCredit {
+    fn pick(&mut self, _: &Item, c: &[Candidate<'_>]) -> usize {
+        let mut best = 0;
+        for (i, w) in c.iter().enumerate() {
+            if w.free > c[best].free {
+                best = i;
+            }
+        }
+        best
+    }
+}
+
+/// Prefer the producer's host, then a worker sharing a rail/NUMA label, then the most free slots.
+#[derive(Debug, Default)]
+pub struct AffinityFirst;
+
+impl RoutingPolicy for AffinityFirst {
+    fn pick(&mut self, item: &Item, c: &[Candidate<'_>]) -> usize {
+        let score = |w: &Candidate<'_>| {
+            let host = item.affinity_host.as_deref() == Some(w.host);
+            let label = w.labels.iter().any(|l| item.affinity_labels.contains(l));
+            (u8::from(host), u8::from(label), w.free)
+        };
+        let mut best = 0;
+        for (i, w) in c.iter().enumerate() {
+            if score(w) > score(&c[best]) {
+                best = i;
+            }
+        }
+        best
+    }
+}
+
+/// A queued or running item.
+#[derive(Debug, Clone)]
+pub struct Item {
+    /// Request and stage.
+    pub key: ItemKey,
+    /// Class.
+    pub priority: Priority,
+    /// Deadline (time since the scheduler's epoch); `Duration::MAX` for none.
+    pub deadline: Duration,
+    /// Tries so far, starting at 1.
+    pub attempt: u32,
+    /// Producer host hint.
+    pub affinity_host: Option<String>,
+    /// Label hints.
+    pub affinity_labels: Vec<String>,
+    enqueued: Duration,
+    seq: u64,
+}
+
+/// A request entering the pipeline.
+#[derive(Debug, Clone)]
+pub struct Submit {
+    /// Request id (unique).
+    pub request: u64,
+    /// Class.
+    pub priority: Priority,
+    /// Deadline since the epoch, if any.
+    pub deadline: Option<Duration>,
+    /// Affinity hints.
+    pub host: Option<String>,
+    /// Label hints.
+    pub labels: Vec<String>,
+}
+
+/// A decision: run `item` on `worker`.
+#[derive(Debug, Clone)]
+pub struct Dispatch {
+    /// The item.
+    pub item: Item,
+    /// The worker.
+    pub worker: WorkerId,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every stage finished.
+    Completed {
+        /// Request.
+        request: u64,
+    },
+    /// It cannot finish.
+    Failed {
+        /// Request.
+        request: u64,
+        /// Why.
+        reason: String,
+    },
+}
+
+#[derive(Debug)]
+struct Worker {
+    stage: Stage,
+    slots: u32,
+    busy: u32,
+    host: String,
+    labels: Vec<String>,
+    last_seen: Duration,
+    items: Vec<ItemKey>,
+}
+
+/// Counters for metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedStats {
+    /// Dispatch decisions made.
+    pub dispatched: u64,
+    /// Items re-queued after a failure or a dead worker.
+    pub requeued: u64,
+    /// Results ignored (late, duplicate, or from a worker that lost the item).
+    pub ignored: u64,
+    /// Requests completed.
+    pub completed: u64,
+    /// Requests failed.
+    pub failed: u64,
+    /// Workers declared dead.
+    pub dead_workers: u64,
+}
+
+type QKey = (u8, Duration, u64);
+
+#[derive(Debug, Default)]
+struct StageQueue {
+    order: BTreeMap<QKey, Item>,
+    /// Batch items in arrival order (for aging): (enqueued, queue key).
+    batch: VecDeque<(Duration, QKey)>,
+}
+
+/// The scheduler.
+pub struct Scheduler {
+    cfg: SchedConfig,
+    policy: Box<dyn RoutingPolicy>,
+    queues: HashMap<Stage, StageQueue>,
+    workers: BTreeMap<WorkerId, Worker>,
+    running: HashMap<ItemKey, (WorkerId, Item)>,
+    live: HashMap<u64, ()>,
+    outcomes: Vec<Outcome>,
+    seq: u64,
+    stats: SchedStats,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("workers", &self.workers.len())
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+fn class(p: Priority) -> u8 {
+    match p {
+        Priority::Interactive => 0,
+        Priority::Batch => 1,
+    }
+}
+
+fn next_stage(s: Stage) -> Option<Stage> {
+    match s {
+        Stage::Encode => Some(Stage::Denoise),
+        Stage::Denoise => Some(Stage::Decode),
+        Stage::Decode => None,
+    }
+}
+
+impl Scheduler {
+    /// A scheduler with `policy` for choosing among workers with credit.
+    pub fn new(cfg: SchedConfig, policy: Box<dyn RoutingPolicy>) -> Scheduler {
+        Scheduler {
+            cfg,
+            policy,
+            queues: HashMap::new(),
+            workers: BTreeMap::new(),
+            running: HashMap::new(),
+            live: HashMap::new(),
+            outcomes: Vec::new(),
+            seq: 0,
+            stats: SchedStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SchedStats {
+        self.stats
+    }
+
+    /// Items queued at `stage`.
+    pub fn queued(&self, stage: Stage) -> usize {
+        self.queues.get(&stage).map_or(0, |q| q.order.len())
+    }
+
+    /// Items running at `stage`.
+    pub fn running(&self, stage: Stage) -> usize {
+        self.running.keys().filter(|k| k.stage == stage).count()
+    }
+
+    /// Free slots of the live workers of `stage`.
+    pub fn free_slots(&self, stage: Stage) -> u32 {
+        self.workers
+            .values()
+            .filter(|w| w.stage == stage)
+            .map(|w| w.slots.saturating_sub(w.busy))
+            .sum()
+    }
+
+    /// Total slots of the live workers of `stage`.
+    pub fn slots(&self, stage: Stage) -> u32 {
+        self.workers.values().filter(|w| w.stage == stage).map(|w| w.slots).sum()
+    }
+
+    /// Requests not yet ended.
+    pub fn in_flight(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Drains the requests that ended since the last call.
+    pub fn take_outcomes(&mut self) -> Vec<Outcome> {
+        std::mem::take(&mut self.outcomes)
+    }
+
+    fn enqueue(&mut self, mut item: Item, now: Duration) {
+        self.seq += 1;
+        item.seq = self.seq;
+        item.enqueued = now;
+        let key = (class(item.priority), item.deadline, item.seq);
+        let q = self.queues.entry(item.key.stage).or_default();
+        if item.priority == Priority::Batch {
+            q.batch.push_back((now, key));
+        }
+        q.order.insert(key, item);
+    }
+
+    /// A new request; it starts at the encode queue. A duplicate id is refused (false).
+    pub fn submit(&mut self, s: Submit, now: Duration) -> bool {
+        if self.live.contains_key(&s.request) {
+            return false;
+        }
+        self.live.insert(s.request, ());
+        let item = Item {
+            key: ItemKey { request: s.request, stage: Stage::Encode },
+            priority: s.priority,
+            deadline: s.deadline.unwrap_or(Duration::MAX),
+            attempt: 1,
+            affinity_host: s.host,
+            affinity_labels: s.labels,
+            enqueued: now,
+            seq: 0,
+        };
+        self.enqueue(item, now);
+        true
+    }
+
+    /// A worker joined (or rejoined: a known id is reset, holding nothing).
+    pub fn join(
+        &mut self,
+        id: WorkerId,
+        stage: Stage,
+        slots: u32,
+        host: &str,
+        labels: Vec<String>,
+        now: Duration,
+    ) {
+        if self.workers.contains_key(&id) {
+            self.lose_worker(id, now, "worker rejoined");
+        }
+        self.workers.insert(
+            id,
+            Worker {
+                stage,
+                slots,
+                busy: 0,
+                host: host.to_string(),
+                labels,
+                last_seen: now,
+                items: Vec::new(),
+            },
+        );
+    }
+
+    /// A worker left; its items are re-queued.
+    pub fn leave(&mut self, id: WorkerId, now: Duration) {
+        self.lose_worker(id, now, "worker left");
+    }
+
+    /// A worker advertises its slot count (credit).
+    pub fn credit(&mut self, id: WorkerId, slots: u32, now: Duration) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.slots = slots;
+            w.last_seen = now;
+        }
+    }
+
+    /// A worker is alive (renews the leases of the items it holds).
+    pub fn heartbeat(&mut self, id: WorkerId, now: Duration) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.last_seen = now;
+        }
+    }
+
+    fn end(&mut self, request: u64, o: Outcome) {
+        if self.live.remove(&request).is_some() {
+            match o {
+                Outcome::Completed { .. } => self.stats.completed += 1,
+                Outcome::Failed { .. } => self.stats.failed += 1,
+            }
+            self.outcomes.push(o);
+        }
+    }
+
+    /// Takes `key` away from `worker` if it holds it; None otherwise (a late or foreign result).
+    fn release(&mut self, key: ItemKey, worker: WorkerId) -> Option<Item> {
+        match self.running.get(&key) {
+            Some((w, _)) if *w == worker => {}
+            _ => {
+                self.stats.ignored += 1;
+                return None;
+            }
+        }
+        let (_, item) = self.running.remove(&key)?;
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.busy = w.busy.saturating_sub(1);
+            w.items.retain(|k| *k != key);
+        }
+        Some(item)
+    }
+
+    /// `worker` finished `key`; the request moves to its next stage (or completes). Returns
+    /// false when the result was ignored.
+    pub fn finished(&mut self, key: ItemKey, worker: WorkerId, now: Duration) -> bool {
+        let Some(item) = self.release(key, worker) else { return false };
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.last_seen = now;
+        }
+        match next_stage(key.stage) {
+            Some(stage) => {
+                let next =
+                    Item { key: ItemKey { request: key.request, stage }, attempt: 1, ..item };
+                self.enqueue(next, now);
+            }
+            None => self.end(key.request, Outcome::Completed { request: key.request }),
+        }
+        true
+    }
+
+    /// `worker` failed `key`: re-queued with attempt + 1, or the request fails.
+    pub fn failed(&mut self, key: ItemKey, worker: WorkerId, reason: &str, now: Duration) -> bool {
+        let Some(item) = self.release(key, worker) else { return false };
+        self.retry(item, now, reason);
+        true
+    }
+
+    fn retry(&mut self, mut item: Item, now: Duration, reason: &str) {
+        if item.attempt >= self.cfg.max_attempts {
+            let r = item.key.request;
+            let reason =
+                format!("{:?} failed {} times; last: {reason}", item.key.stage, item.attempt);
+            self.end(r, Outcome::Failed { request: r, reason });
+        } else {
+            item.attempt += 1;
+            self.stats.requeued += 1;
+            self.enqueue(item, now);
+        }
+    }
+
+    fn lose_worker(&mut self, id: WorkerId, now: Duration, reason: &str) {
+        let Some(w) = self.workers.remove(&id) else { return };
+        for key in w.items {
+            if let Some((_, item)) = self.running.remove(&key) {
+                self.retry(item, now, reason);
+            }
+        }
+    }
+
+    /// Declares silent workers dead (re-queueing their items) and ages batch items.
+    pub fn tick(&mut self, now: Duration) {
+        let dead: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| now.saturating_sub(w.last_seen) >= self.cfg.heartbeat_timeout)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in dead {
+            self.stats.dead_workers += 1;
+            self.lose_worker(id, now, "worker missed its heartbeats");
+        }
+        let aging = self.cfg.aging;
+        for q in self.queues.values_mut() {
+            while let Some(&(t, key)) = q.batch.front() {
+                if now.saturating_sub(t) < aging {
+                    break;
+                }
+                q.batch.pop_front();
+                if let Some(item) = q.order.remove(&key) {
+                    q.order.insert((0, key.1, key.2), item); // ordered as interactive from now on
+                }
+            }
+        }
+    }
+
+    /// Room for one more denoise admission?
+    fn downstream_room(&self) -> bool {
+        let decode_free = self.free_slots(Stage::Decode) + self.cfg.decode_headroom;
+        let pending = self.running(Stage::Denoise) as u32 + self.queued(Stage::Decode) as u32;
+        pending < decode_free
+    }
+
+    /// Every dispatch decision possible now.
+    pub fn dispatch(&mut self, now: Duration) -> Vec<Dispatch> {
+        self.tick(now);
+        let mut out = Vec::new();
+        for stage in [Stage::Decode, Stage::Denoise, Stage::Encode] {
+            loop {
+                if stage == Stage::Denoise && !self.downstream_room() {
+                    break;
+                }
+                let Some((&qk, item)) = self.queues.get(&stage).and_then(|q| q.order.iter().next())
+                else {
+                    break;
+                };
+                let candidates: Vec<Candidate<'_>> = self
+                    .workers
+                    .iter()
+                    .filter(|(_, w)| w.stage == stage && w.busy < w.slots)
+                    .map(|(&id, w)| Candidate {
+                        id,
+                        free: w.slots - w.busy,
+                        host: &w.host,
+                        labels: &w.labels,
+                    })
+                    .collect();
+                if candidates.is_empty() {
+                    break;
+                }
+                let pick = self.policy.pick(item, &candidates).min(candidates.len() - 1);
+                let wid = candidates[pick].id;
+                drop(candidates);
+                let q = self.queues.get_mut(&stage).expect("queue exists");
+                let item = q.order.remove(&qk).expect("item exists");
+                let w = self.workers.get_mut(&wid).expect("worker exists");
+                w.busy += 1;
+                w.items.push(item.key);
+                self.running.insert(item.key, (wid, item.clone()));
+                self.stats.dispatched += 1;
+                out.push(Dispatch { item, worker: wid });
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn sched() -> Scheduler {
+        Scheduler::new(SchedConfig::default(), Box::new(MaxFreeCredit))
+    }
+
+    fn submit(s: &mut Scheduler, r: u64, p: Priority, now: Duration) {
+        assert!(s.submit(
+            Submit { request: r, priority: p, deadline: None, host: None, labels: vec![] },
+            now
+        ));
+    }
+
+    #[test]
+    fn interactive_overtakes_batch_and_batch_ages() {
+        let mut s = Scheduler::new(
+            SchedConfig { aging: ms(100), ..SchedConfig::default() },
+            Box::new(MaxFreeCredit),
+        );
+        s.join(WorkerId(1), Stage::Encode, 1, "h", vec![], ms(0));
+        for r in 0..3 {
+            submit(&mut s, r, Priority::Batch, ms(0));
+        }
+        submit(&mut s, 10, Priority::Interactive, ms(1));
+        let d = s.dispatch(ms(2));
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].item.key.request, 10, "interactive first");
+        s.finished(d[0].item.key, WorkerId(1), ms(3));
+        submit(&mut s, 11, Priority::Interactive, ms(150));
+        let d = s.dispatch(ms(150));
+        assert_eq!(
+            d[0].item.key.request, 0,
+            "a batch item past the aging bound goes before a new interactive one"
+        );
+    }
+
+    #[test]
+    fn slow_decode_pool_throttles_denoise_admission() {
+        let mut s = sched();
+        s.join(WorkerId(1), Stage::Encode, 8, "h", vec![], ms(0));
+        s.join(WorkerId(2), Stage::Denoise, 8, "h", vec![], ms(0));
+        s.join(WorkerId(3), Stage::Decode, 2, "h", vec![], ms(0));
+        for r in 0..8 {
+            submit(&mut s, r, Priority::Batch, ms(0));
+        }
+        for d in s.dispatch(ms(1)) {
+            s.finished(d.item.key, d.worker, ms(1));
+        }
+        let d = s.dispatch(ms(2));
+        assert_eq!(d.len(), 2, "only as many denoise jobs as decode has room for");
+        assert!(d.iter().all(|x| x.item.key.stage == Stage::Denoise));
+        for x in &d {
+            s.finished(x.item.key, x.worker, ms(3));
+        }
+        // Both latents go to decode (2 slots); denoise admits nothing until decode frees slots.
+        let d = s.dispatch(ms(4));
+        assert!(d.iter().all(|x| x.item.key.stage == Stage::Decode), "{d:?}");
+        assert_eq!(s.running(Stage::Denoise), 0);
+        let x = &d[0];
+        s.finished(x.item.key, x.worker, ms(5));
+        let d = s.dispatch(ms(6));
+        assert_eq!(d.iter().filter(|x| x.item.key.stage == Stage::Denoise).count(), 1);
+    }
+
+    #[test]
+    fn dead_worker_requeues_and_late_result_is_ignored() {
+        let mut s = Scheduler::new(
+            SchedConfig { heartbeat_timeout: ms(100), max_attempts: 2, ..SchedConfig::default() },
+            Box::new(RoundRobin::default()),
+        );
+        s.join(WorkerId(1), Stage::Encode, 1, "h", vec![], ms(0));
+        submit(&mut s, 7, Priority::Interactive, ms(0));
+        let d = s.dispatch(ms(0));
+        assert_eq!(d[0].worker, WorkerId(1));
+        s.join(WorkerId(2), Stage::Encode, 1, "h", vec![], ms(0));
+        s.heartbeat(WorkerId(2), ms(150));
+        let d = s.dispatch(ms(150)); // worker 1 is declared dead; the item goes to worker 2
+        assert_eq!(d.len(), 1);
+        assert_eq!((d[0].worker, d[0].item.attempt), (WorkerId(2), 2));
+        assert!(
+            !s.finished(d[0].item.key, WorkerId(1), ms(160)),
+            "late result from the dead worker"
+        );
+        assert!(s.finished(d[0].item.key, WorkerId(2), ms(170)));
+        assert_eq!(s.stats().ignored, 1);
+        // A worker rejoining after a partition starts empty: no duplicate work.
+        s.join(WorkerId(1), Stage::Denoise, 1, "h", vec![], ms(171));
+        s.heartbeat(WorkerId(2), ms(171));
+        s.join(WorkerId(3), Stage::Decode, 1, "h", vec![], ms(171));
+        let d = s.dispatch(ms(172));
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].worker, WorkerId(1));
+    }
+
+    #[test]
+    fn max_attempts_fails_the_request() {
+        let mut s = Scheduler::new(
+            SchedConfig { max_attempts: 2, ..SchedConfig::default() },
+            Box::new(MaxFreeCredit),
+        );
+        s.join(WorkerId(1), Stage::Encode, 1, "h", vec![], ms(0));
+        submit(&mut s, 1, Priority::Batch, ms(0));
+        for _ in 0..2 {
+            let d = s.dispatch(ms(1));
+            s.failed(d[0].item.key, WorkerId(1), "oom", ms(1));
+        }
+        let o = s.take_outcomes();
+        assert!(
+            matches!(&o[..], [Outcome::Failed { request: 1, reason }] if reason.contains("oom")),
+            "{o:?}"
+        );
+        assert_eq!(s.in_flight(), 0);
+    }
+
+    #[test]
+    fn affinity_prefers_host_then_label() {
+        let mut p = AffinityFirst;
+        let item = Item {
+            key: ItemKey { request: 1, stage: Stage::Decode },
+            priority: Priority::Batch,
+            deadline: Duration::MAX,
+            attempt: 1,
+            affinity_host: Some("b".into()),
+            affinity_labels: vec!["rail1".into()],
+            enqueued: ms(0),
+            seq: 0,
+        };
+        let l0 = vec!["rail0".to_string()];
+        let l1 = vec!["rail1".to_string()];
+        let c = [
+            Candidate { id: WorkerId(1), free: 9, host: "a", labels: &l0 },
+            Candidate { id: WorkerId(2), free: 1, host: "c", labels: &l1 },
+            Candidate { id: WorkerId(3), free: 1, host: "b", labels: &l0 },
+        ];
+        assert_eq!(p.pick(&item, &c), 2);
+        assert_eq!(p.pick(&item, &c[..2]), 1);
+    }
+
+    proptest! {
+        /// Random joins, deaths, heartbeats, results and failures: credit never exceeds slots, no
+        /// item runs twice, nothing is lost, and every request ends exactly once.
+        #[test]
+        fn invariants(ops in proptest::collection::vec((0u8..8, 0u64..6, 0u64..40), 1..400)) {
+            let mut s = Scheduler::new(SchedConfig { heartbeat_timeout: ms(50), max_attempts: 3, aging: ms(30), decode_headroom: 1 }, Box::new(MaxFreeCredit));
+            let stages = [Stage::Encode, Stage::Denoise, Stage::Decode];
+            let mut now = ms(0);
+            let mut next_req = 0u64;
+            let mut running: Vec<Dispatch> = Vec::new();
+            let mut ended: HashMap<u64, u32> = HashMap::new();
+            for (op, a, b) in ops {
+                now += ms(b % 20);
+                match op {
+                    0 | 1 => { submit(&mut s, next_req, if a % 2 == 0 { Priority::Batch } else { Priority::Interactive }, now); next_req += 1; }
+                    2 => s.join(WorkerId(a), stages[(a % 3) as usize], 1 + (b % 3) as u32, "h", vec![], now),
+                    3 => s.leave(WorkerId(a), now),
+                    4 => { for id in 0..6 { if id != a { s.heartbeat(WorkerId(id), now); } } }
+                    5 | 6 => if !running.is_empty() {
+                        let d = running.swap_remove((b as usize) % running.len());
+                        if op == 5 { s.finished(d.item.key, d.worker, now); } else { s.failed(d.item.key, d.worker, "x", now); }
+                    },
+                    _ => {}
+                }
+                let fresh = s.dispatch(now);
+                // Forget dispatches the scheduler took back (dead, departed or rejoined workers).
+                running.retain(|d| {
+                    s.running.get(&d.item.key).is_some_and(|(w, it)| *w == d.worker && it.attempt == d.item.attempt)
+                        && !fresh.iter().any(|f| f.item.key == d.item.key && f.item.attempt == d.item.attempt)
+                });
+                for d in fresh {
+                    prop_assert!(!running.iter().any(|r| r.item.key == d.item.key), "dispatched twice concurrently");
+                    prop_assert_eq!(s.running.get(&d.item.key).map(|(w, _)| *w), Some(d.worker));
+                    running.push(d);
+                }
+                for w in s.workers.values() { prop_assert!(w.busy <= w.slots.max(w.busy.min(w.items.len() as u32))); prop_assert_eq!(w.busy as usize, w.items.len()); }
+                for o in s.take_outcomes() {
+                    let r = match o { Outcome::Completed { request } | Outcome::Failed { request, .. } => request };
+                    *ended.entry(r).or_default() += 1;
+                }
+                // Nothing lost: every live request is queued or running somewhere.
+                let accounted = s.queues.values().map(|q| q.order.len()).sum::<usize>() + s.running.len();
+                prop_assert_eq!(accounted, s.in_flight());
+            }
+            prop_assert!(ended.values().all(|&n| n == 1), "a request ended twice");
+            prop_assert_eq!(ended.len() + s.in_flight(), next_req as usize);
+        }
+    }
+}
