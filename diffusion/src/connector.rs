@@ -267,8 +267,13 @@ impl DiffusionConnector {
             store: (!p2p).then(|| (store_key(engine, id), retention)),
         };
         lock(&inner.published).insert(id, entry);
-        let publication =
-            Publication { reference, id, inner: Arc::downgrade(inner), complete: false };
+        let publication = Publication {
+            reference,
+            id,
+            inner: Arc::downgrade(inner),
+            complete: false,
+            stored: None,
+        };
         if !chunked {
             let mut publication = publication;
             publication.ready_inner(0)?;
@@ -344,6 +349,7 @@ pub struct Publication {
     id: u64,
     inner: Weak<Inner>,
     complete: bool,
+    stored: Option<tokio::task::JoinHandle<Result<()>>>,
 }
 
 impl Publication {
@@ -401,7 +407,7 @@ impl Publication {
         if let Some((key, retention, region, offset, len, lease)) = store_job {
             let store = inner.store.clone().ok_or_else(|| Error::protocol("store vanished"))?;
             let meta = self.reference.meta.clone();
-            tokio::spawn(async move {
+            self.stored = Some(tokio::spawn(async move {
                 let r = async {
                     store.put_from(&key, &meta, &region, offset, len, retention).await?;
                     drop(region); // released the moment the store has the bytes
@@ -414,12 +420,23 @@ impl Publication {
                     }
                 }
                 .await;
-                if let Err(e) = r {
+                if let Err(e) = &r {
                     tracing::warn!(error = %e, "connector: store put failed");
                 }
-            });
+                r
+            }));
         }
         Ok(())
+    }
+
+    /// Store mode: waits until the store holds the payload (every chunk marked, put done);
+    /// returns at once in p2p mode. Publishing never needs this; a producer that wants its
+    /// consumers to find the payload without waiting calls it before announcing the reference.
+    pub async fn stored(&mut self) -> Result<()> {
+        match self.stored.take() {
+            Some(job) => job.await.map_err(|e| Error::protocol(format!("store put task: {e}")))?,
+            None => Ok(()),
+        }
     }
 
     /// Marks every chunk not yet marked.

@@ -16,7 +16,7 @@ pub const MAX_LABELS: usize = 8;
 pub const MAX_LABEL: usize = 128;
 
 /// Pipeline stages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Stage {
     /// Condition encode.
     Encode,

@@ -1,0 +1,547 @@
+//! `tensorwire demo`: a disaggregated diffusion pipeline on this machine. Encode, denoise and
+//! decode pools are in-process workers driven by the orchestrator; each pool has its own engine
+//! (tcp on loopback) and connector, and a store node relays condition embeddings. Real bytes of
+//! the profiled sizes move through the engine; stage compute is simulated by sleeping the
+//! profiled service times scaled by `--time-scale`. Then the same requests run colocated (each
+//! simulated GPU runs all three stages of a request) on the same number of GPUs.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tensorwire_core::{DType, Engine, Error, Permissions, TensorMeta};
+use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig, Submit};
+use tensorwire_diffusion::{
+    Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, Orchestrator,
+    PayloadKind, PayloadRef, Priority, Role, Stage, StagePayload, Work,
+};
+use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
+use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+use crate::profiles::{self, Model};
+use crate::report::Summary;
+
+/// Demo settings.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct DemoArgs {
+    /// Models in the request mix (names from the profiles), round robin.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "wan2.1-t2v-1.3b-480p,flux.1-dev-1024,qwen-image-1328"
+    )]
+    pub(crate) models: Vec<String>,
+    /// Profile file (default: the copy built into the binary).
+    #[arg(long)]
+    pub profiles: Option<PathBuf>,
+    /// Requests.
+    #[arg(long, default_value_t = 24)]
+    pub requests: u64,
+    /// Simulated GPUs (workers), for both layouts.
+    #[arg(long, default_value_t = 8)]
+    pub gpus: u32,
+    /// Disaggregated split E:N:M (encode:denoise:decode workers); default proportional to the
+    /// mix's stage times, at least one each.
+    #[arg(long)]
+    pub split: Option<String>,
+    /// Multiplies every profiled service time (0.05 runs 50 s of GPU work in 2.5 s).
+    #[arg(long, default_value_t = 0.05)]
+    pub time_scale: f64,
+    /// Distinct prompts per model (requests reuse them round robin; a repeated prompt hits the
+    /// embedding cache).
+    #[arg(long, default_value_t = 6)]
+    pub prompts: u64,
+}
+
+/// Workers per stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Split {
+    /// Encode workers.
+    pub encode: u32,
+    /// Denoise workers.
+    pub denoise: u32,
+    /// Decode workers.
+    pub decode: u32,
+}
+
+/// Parses "E:N:M".
+pub(crate) fn parse_split(s: &str, gpus: u32) -> Result<Split, String> {
+    let v: Vec<u32> = s
+        .split(':')
+        .map(|x| x.trim().parse::<u32>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| format!("--split {s:?}: expected E:N:M, e.g. 1:6:1"))?;
+    let [e, n, m] = v[..] else {
+        return Err(format!("--split {s:?}: expected three numbers E:N:M"));
+    };
+    if e == 0 || n == 0 || m == 0 || e + n + m != gpus {
+        return Err(format!(
+            "--split {s:?}: each pool needs a worker and the pools must add up to --gpus {gpus}"
+        ));
+    }
+    Ok(Split { encode: e, denoise: n, decode: m })
+}
+
+/// Workers proportional to the mix's total stage times (LightX2V's rule), at least one each.
+pub(crate) fn auto_split(mix: &[&Model], gpus: u32) -> Result<Split, String> {
+    if gpus < 3 {
+        return Err(format!(
+            "--gpus {gpus}: a disaggregated pipeline needs at least 3 (one per stage)"
+        ));
+    }
+    let (e, n, m) = mix.iter().fold((0.0, 0.0, 0.0), |(e, n, m), x| {
+        (e + x.encode_ms, n + x.denoise_ms(), m + x.decode_ms)
+    });
+    let total = e + n + m;
+    let share = |t: f64| ((t / total * f64::from(gpus)).round() as u32).max(1);
+    let (mut se, mut sm) = (share(e), share(m));
+    while se + sm + 1 > gpus {
+        if se >= sm { se -= 1 } else { sm -= 1 }
+    }
+    Ok(Split { encode: se.max(1), denoise: gpus - se.max(1) - sm.max(1), decode: sm.max(1) })
+}
+
+struct Req {
+    model: usize,
+    prompt: u64,
+}
+
+fn scaled(ms: f64, scale: f64) -> Duration {
+    Duration::from_secs_f64((ms * scale / 1000.0).max(0.0))
+}
+
+fn fill(len: u64, seed: u64) -> Vec<u8> {
+    (0..len as usize)
+        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9).wrapping_add(seed) as u8)
+        .collect()
+}
+
+fn embed_meta(m: &Model) -> TensorMeta {
+    TensorMeta::contiguous(DType::BF16, &[m.embed_bytes / 2])
+}
+
+fn latent_meta(m: &Model) -> TensorMeta {
+    TensorMeta::contiguous(DType::BF16, &m.latent_shape)
+}
+
+fn err(e: Error) -> String {
+    e.to_string()
+}
+
+struct Ctx {
+    models: Vec<Model>,
+    reqs: Vec<Req>,
+    scale: f64,
+    enc: DiffusionConnector,
+    den: DiffusionConnector,
+    dec: DiffusionConnector,
+    emb: Mutex<HashMap<u64, PayloadRef>>,
+    lat: Mutex<HashMap<u64, PayloadRef>>,
+    cache: Mutex<HashMap<(usize, u64), PayloadRef>>,
+    hits: AtomicU64,
+    submitted: Instant,
+    ttff: Mutex<Vec<Duration>>,
+    e2e: Mutex<Vec<Duration>>,
+    moved: AtomicU64,
+    handoff: Mutex<Duration>,
+    bars: [ProgressBar; 3],
+}
+
+async fn encode(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
+    let r = &c.reqs[w.request as usize];
+    let m = &c.models[r.model];
+    let cached = tensorwire_core::sync::lock(&c.cache).get(&(r.model, r.prompt)).cloned();
+    let reference = match cached {
+        Some(x) => {
+            c.hits.fetch_add(1, Ordering::Relaxed);
+            x
+        }
+        None => {
+            tokio::time::sleep(scaled(m.encode_ms, c.scale)).await;
+            let buf = Arc::new(c.enc.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
+            buf.write_bytes(0, &fill(m.embed_bytes, r.prompt))?;
+            let mut p = c.enc.publish(
+                StagePayload {
+                    request: w.request,
+                    kind: PayloadKind::ConditionEmbedding,
+                    region: buf,
+                    offset: 0,
+                    meta: embed_meta(m),
+                    chunking: None,
+                    lease: LeasePolicy::Pinned, // cached for later requests with the same prompt
+                },
+                None,
+            )?;
+            p.stored().await?; // the denoise worker finds it without polling the store
+            tensorwire_core::sync::lock(&c.cache).insert((r.model, r.prompt), p.reference.clone());
+            p.reference.clone()
+        }
+    };
+    tensorwire_core::sync::lock(&c.emb).insert(w.request, reference);
+    c.bars[0].inc(1);
+    Ok(())
+}
+
+async fn denoise(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
+    let r = &c.reqs[w.request as usize];
+    let m = &c.models[r.model];
+    let emb = tensorwire_core::sync::lock(&c.emb)
+        .get(&w.request)
+        .cloned()
+        .ok_or_else(|| Error::protocol("no embedding"))?;
+    let dst = Arc::new(c.den.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
+    let t = Instant::now();
+    c.den.consume(&emb, dst, 0, Some(&embed_meta(m)))?.all().await?;
+    *tensorwire_core::sync::lock(&c.handoff) += t.elapsed();
+    c.moved.fetch_add(m.embed_bytes, Ordering::Relaxed);
+    tokio::time::sleep(scaled(m.denoise_ms(), c.scale)).await;
+    let buf = Arc::new(c.den.engine().alloc(m.latent_bytes, Permissions::READ).await?);
+    buf.write_bytes(0, &fill(m.latent_bytes, w.request))?;
+    let mut p = c.den.publish(
+        StagePayload {
+            request: w.request,
+            kind: PayloadKind::Latent,
+            region: buf,
+            offset: 0,
+            meta: latent_meta(m),
+            chunking: m.chunks().map(|(dim, count)| Chunking { dim, count }),
+            lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
+        },
+        Some(ConsumerHint { credit: 1 }),
+    )?;
+    p.mark_all_ready()?;
+    tensorwire_core::sync::lock(&c.lat).insert(w.request, p.reference.clone());
+    c.bars[1].inc(1);
+    Ok(())
+}
+
+async fn decode(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
+    let r = &c.reqs[w.request as usize];
+    let m = &c.models[r.model];
+    let lat = tensorwire_core::sync::lock(&c.lat)
+        .get(&w.request)
+        .cloned()
+        .ok_or_else(|| Error::protocol("no latent"))?;
+    let dst = Arc::new(c.dec.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
+    let chunks = m.chunks().map_or(1, |(_, n)| n);
+    let t = Instant::now();
+    let mut cons = c.dec.consume(&lat, dst.clone(), 0, Some(&latent_meta(m)))?;
+    // Chunks land in the background (timed on arrival) while earlier ones are decoded.
+    let (tx, mut rx) = tokio::sync::mpsc::channel(chunks as usize + 1);
+    let drain: tokio::task::JoinHandle<tensorwire_core::Result<()>> = tokio::spawn(async move {
+        while let Some(v) = cons.next().await? {
+            if tx.send((v, t.elapsed())).await.is_err() {
+                break;
+            }
+        }
+        Ok(())
+    });
+    let mut first = true;
+    let mut landed = Duration::ZERO;
+    while let Some((_view, at)) = rx.recv().await {
+        landed = at;
+        tokio::time::sleep(scaled(m.decode_ms / f64::from(chunks), c.scale)).await; // decode this chunk
+        if first {
+            tensorwire_core::sync::lock(&c.ttff).push(c.submitted.elapsed());
+            first = false;
+        }
+    }
+    drain.await.map_err(|e| Error::protocol(e.to_string()))??;
+    *tensorwire_core::sync::lock(&c.handoff) += landed;
+
+    c.moved.fetch_add(m.latent_bytes, Ordering::Relaxed);
+    let want = fill(m.latent_bytes, w.request);
+    if dst.to_vec(0, m.latent_bytes)? != want {
+        return Err(Error::protocol(format!("request {}: latent bytes differ", w.request)));
+    }
+    tensorwire_core::sync::lock(&c.e2e).push(c.submitted.elapsed());
+    c.bars[2].inc(1);
+    Ok(())
+}
+
+async fn tcp_engine() -> Result<Engine, String> {
+    let tcp = TcpBackend::new(TcpConfig::default()).map_err(err)?;
+    Engine::builder().backend(tcp).start().await.map_err(err)
+}
+
+fn bars(n: u64, label: &str) -> (MultiProgress, [ProgressBar; 3]) {
+    let mp = MultiProgress::with_draw_target(ProgressDrawTarget::stderr_with_hz(10));
+    let style =
+        ProgressStyle::with_template("{prefix:>22} {bar:40.cyan/blue} {pos:>3}/{len:3} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let mk = |name: &str| {
+        let b = mp.add(ProgressBar::new(n));
+        b.set_style(style.clone());
+        b.set_prefix(format!("{label} {name}"));
+        b
+    };
+    let b = [mk("encode"), mk("denoise"), mk("decode")];
+    (mp, b)
+}
+
+/// The disaggregated run.
+async fn disaggregated(
+    models: &[Model],
+    reqs: Vec<Req>,
+    split: Split,
+    scale: f64,
+) -> Result<Summary, String> {
+    let node_engine = tcp_engine().await?;
+    let store = EmbeddedStore::new(
+        &node_engine,
+        StoreConfig { capacity: 512 << 20, shared: true, ..StoreConfig::default() },
+    )
+    .await
+    .map_err(err)?;
+    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().map_err(|_| "address")?)
+        .await
+        .map_err(err)?;
+    let mut conns = Vec::new();
+    for (role, mode) in
+        [(Role::Encode, Mode::Store), (Role::Denoise, Mode::Auto), (Role::Decode, Mode::Auto)]
+    {
+        let e = tcp_engine().await?;
+        let s: Arc<dyn Store> = Arc::new(
+            RemoteStore::connect(&e, node_engine.local_addr(), node.addr()).await.map_err(err)?,
+        );
+        let cfg =
+            ConnectorConfig { role, mode, checksum: false, wait_timeout: Duration::from_secs(30) };
+        conns.push(DiffusionConnector::new(e, Some(s), cfg));
+    }
+    let (dec, den, enc) = (
+        conns.pop().ok_or("connector")?,
+        conns.pop().ok_or("connector")?,
+        conns.pop().ok_or("connector")?,
+    );
+    let n = reqs.len() as u64;
+    let (_mp, bars) = bars(n, "disaggregated");
+    let ctx = Arc::new(Ctx {
+        models: models.to_vec(),
+        reqs,
+        scale,
+        enc,
+        den,
+        dec,
+        emb: Mutex::default(),
+        lat: Mutex::default(),
+        cache: Mutex::default(),
+        hits: AtomicU64::new(0),
+        submitted: Instant::now(),
+        ttff: Mutex::default(),
+        e2e: Mutex::default(),
+        moved: AtomicU64::new(0),
+        handoff: Mutex::default(),
+        bars,
+    });
+    let orch = Orchestrator::start(
+        SchedConfig { heartbeat_timeout: Duration::from_secs(3600), ..SchedConfig::default() },
+        Box::new(MaxFreeCredit),
+    );
+    for (stage, count) in [
+        (Stage::Encode, split.encode),
+        (Stage::Denoise, split.denoise),
+        (Stage::Decode, split.decode),
+    ] {
+        for _ in 0..count {
+            let c = ctx.clone();
+            let h: Arc<dyn tensorwire_diffusion::StageHandler> = match stage {
+                Stage::Encode => Arc::new(move |w| encode(c.clone(), w)),
+                Stage::Denoise => Arc::new(move |w| denoise(c.clone(), w)),
+                Stage::Decode => Arc::new(move |w| decode(c.clone(), w)),
+            };
+            orch.add_worker(stage, 1, "localhost", h).await.map_err(err)?;
+        }
+    }
+    let start = Instant::now();
+    let mut waits = Vec::new();
+    for r in 0..n {
+        let s = Submit {
+            request: r,
+            priority: Priority::Batch,
+            deadline: None,
+            host: None,
+            labels: vec![],
+        };
+        waits.push(orch.submit(s).await.map_err(err)?);
+    }
+    for w in waits {
+        match w.await.map_err(|_| "orchestrator stopped")? {
+            tensorwire_diffusion::sched::Outcome::Completed { .. } => {}
+            tensorwire_diffusion::sched::Outcome::Failed { request, reason } => {
+                return Err(format!("request {request} failed: {reason}"));
+            }
+        }
+    }
+    let elapsed = start.elapsed();
+    let st = orch.stats().await.map_err(err)?;
+    for b in &ctx.bars {
+        b.finish();
+    }
+    // Counted by the engines: every byte the consumers claim, read from the producers.
+    let engine_bytes: u64 =
+        [&ctx.den, &ctx.dec].iter().map(|c| c.engine().stats().bytes_read).sum::<u64>()
+            + [&ctx.enc].iter().map(|c| c.engine().stats().bytes_written).sum::<u64>();
+    // Drop the embedding cache; the store must end empty.
+    let keys: Vec<PayloadRef> =
+        tensorwire_core::sync::lock(&ctx.cache).drain().map(|(_, v)| v).collect();
+    let store_client =
+        RemoteStore::connect(ctx.enc.engine(), node_engine.local_addr(), node.addr())
+            .await
+            .map_err(err)?;
+    for r in keys {
+        if let tensorwire_diffusion::Source::Store { key } = &r.source {
+            store_client.remove(key).await.map_err(err)?;
+        }
+    }
+    let left = store.stats().await.map_err(err)?;
+    let moved = ctx.moved.load(Ordering::Relaxed);
+    let handoff = *tensorwire_core::sync::lock(&ctx.handoff);
+    let busy: [f64; 3] = std::array::from_fn(|i| st.busy[i].as_secs_f64());
+    let workers = [split.encode, split.denoise, split.decode];
+    Ok(Summary {
+        requests: n,
+        elapsed,
+        ttff: std::mem::take(&mut *tensorwire_core::sync::lock(&ctx.ttff)),
+        e2e: std::mem::take(&mut *tensorwire_core::sync::lock(&ctx.e2e)),
+        utilisation: Some(std::array::from_fn(|i| {
+            busy[i] / (elapsed.as_secs_f64() * f64::from(workers[i]))
+        })),
+        moved,
+        engine_bytes,
+        handoff_gbps: if handoff.is_zero() {
+            0.0
+        } else {
+            moved as f64 / handoff.as_secs_f64() / 1e9
+        },
+        cache_hits: ctx.hits.load(Ordering::Relaxed),
+        store_left: left.objects,
+        layout: format!(
+            "{}:{}:{} (encode:denoise:decode)",
+            split.encode, split.denoise, split.decode
+        ),
+    })
+}
+
+/// The colocated run: each GPU runs all three stages of a request, one request at a time.
+async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Summary {
+    let n = reqs.len() as u64;
+    let (_mp, bars) = bars(n, "colocated");
+    let bars = Arc::new(bars);
+    let sem = Arc::new(tokio::sync::Semaphore::new(gpus as usize));
+    let cache: Arc<Mutex<std::collections::HashSet<(usize, u64)>>> = Arc::default();
+    let (ttff, e2e) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let hits = Arc::new(AtomicU64::new(0));
+    let busy = Arc::new(Mutex::new([0f64; 3]));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for r in reqs {
+        let m = models[r.model].clone();
+        let key = (r.model, r.prompt);
+        let (sem, cache, ttff, e2e, hits, bars, busy) = (
+            sem.clone(),
+            cache.clone(),
+            ttff.clone(),
+            e2e.clone(),
+            hits.clone(),
+            bars.clone(),
+            busy.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let Ok(_gpu) = sem.acquire().await else { return };
+            let t = Instant::now();
+            let hit = !tensorwire_core::sync::lock(&cache).insert(key);
+            if hit {
+                hits.fetch_add(1, Ordering::Relaxed);
+            } else {
+                tokio::time::sleep(scaled(m.encode_ms, scale)).await;
+            }
+            let t1 = Instant::now();
+            bars[0].inc(1);
+            tokio::time::sleep(scaled(m.denoise_ms(), scale)).await;
+            let t2 = Instant::now();
+            bars[1].inc(1);
+            let chunks = m.chunks().map_or(1, |(_, n)| n);
+            for i in 0..chunks {
+                tokio::time::sleep(scaled(m.decode_ms / f64::from(chunks), scale)).await;
+                if i == 0 {
+                    tensorwire_core::sync::lock(&ttff).push(start.elapsed());
+                }
+            }
+            let mut b = tensorwire_core::sync::lock(&busy);
+            b[0] += (t1 - t).as_secs_f64();
+            b[1] += (t2 - t1).as_secs_f64();
+            b[2] += t2.elapsed().as_secs_f64();
+            drop(b);
+            bars[2].inc(1);
+            tensorwire_core::sync::lock(&e2e).push(start.elapsed());
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = start.elapsed();
+    for b in bars.iter() {
+        b.finish();
+    }
+    let b = *tensorwire_core::sync::lock(&busy);
+    let total = elapsed.as_secs_f64() * f64::from(gpus);
+    Summary {
+        requests: n,
+        elapsed,
+        ttff: std::mem::take(&mut *tensorwire_core::sync::lock(&ttff)),
+        e2e: std::mem::take(&mut *tensorwire_core::sync::lock(&e2e)),
+        utilisation: Some(std::array::from_fn(|i| b[i] / total)),
+        moved: 0,
+        engine_bytes: 0,
+        handoff_gbps: 0.0,
+        cache_hits: hits.load(Ordering::Relaxed),
+        store_left: 0,
+        layout: format!("{gpus} GPUs, each runs encode+denoise+decode"),
+    }
+}
+
+/// Runs the demo.
+pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
+    if a.time_scale.is_nan() || a.time_scale <= 0.0 || a.time_scale > 10.0 {
+        return Err(format!("--time-scale {}: must be in (0, 10]", a.time_scale));
+    }
+    if a.requests == 0 || a.requests > 10_000 {
+        return Err(format!("--requests {}: must be in 1..=10000", a.requests));
+    }
+    let all = profiles::load(a.profiles.as_deref())?;
+    let mix = profiles::pick(&all, &a.models)?;
+    let split = match &a.split {
+        Some(s) => parse_split(s, a.gpus)?,
+        None => auto_split(&mix, a.gpus)?,
+    };
+    let models: Vec<Model> = mix.iter().map(|m| (*m).clone()).collect();
+    let reqs = |n: u64| -> Vec<Req> {
+        (0..n)
+            .map(|i| Req { model: (i as usize) % models.len(), prompt: i % a.prompts.max(1) })
+            .collect()
+    };
+    println!(
+        "tensorwire demo: {} requests over {} on {} simulated GPUs; service times x{} (profiles: {})",
+        a.requests,
+        a.models.join(", "),
+        a.gpus,
+        a.time_scale,
+        a.profiles.as_ref().map_or("built-in".to_string(), |p| p.display().to_string())
+    );
+    let d = disaggregated(&models, reqs(a.requests), split, a.time_scale).await?;
+    let c = colocated(&models, &reqs(a.requests), a.gpus, a.time_scale).await;
+    crate::report::print(&d, &c);
+    if d.store_left != 0 {
+        return Err(format!("the store still holds {} objects after the run", d.store_left));
+    }
+    if d.engine_bytes < d.moved {
+        return Err(format!(
+            "the engines counted {} bytes, the pipeline claims {}",
+            d.engine_bytes, d.moved
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,55 @@
+//! `tensorwire`: the command line.
+//!
+//! - `tensorwire demo`: a disaggregated diffusion pipeline on this machine (real bytes through the
+//!   engine, simulated compute), then the same requests colocated, side by side.
+//! - `tensorwire simulate`: a discrete-event simulation of a cluster with the orchestrator's own
+//!   scheduler (no bytes moved, no sleeping), with `--sweep` for sizing the decode pool.
+
+mod demo;
+mod profiles;
+mod report;
+mod simulate;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// tensorwire: tensor transport and orchestration for disaggregated diffusion serving.
+#[derive(Debug, Parser)]
+#[command(name = "tensorwire", version)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run a disaggregated pipeline on this machine and compare it with colocated serving.
+    Demo(demo::DemoArgs),
+    /// Simulate a cluster (capacity planning); no bytes move, nothing sleeps.
+    Simulate(simulate::SimArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tensorwire: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let r = match cli.cmd {
+        Cmd::Demo(a) => rt.block_on(async {
+            tokio::spawn(demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+        }),
+        Cmd::Simulate(a) => simulate::run(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tensorwire: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

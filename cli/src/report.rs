@@ -1,0 +1,149 @@
+//! The demo's final table: disaggregated and colocated side by side.
+
+use std::time::Duration;
+
+/// What one layout did.
+#[derive(Debug, Clone)]
+pub(crate) struct Summary {
+    /// Requests completed.
+    pub(crate) requests: u64,
+    /// Wall time of the run.
+    pub(crate) elapsed: Duration,
+    /// Time to first decoded frame (chunk) per request, from the burst's start.
+    pub(crate) ttff: Vec<Duration>,
+    /// End-to-end time per request, from the burst's start.
+    pub(crate) e2e: Vec<Duration>,
+    /// Busy share per stage pool (encode, denoise, decode), when pools exist.
+    pub(crate) utilisation: Option<[f64; 3]>,
+    /// Payload bytes the pipeline moved between stages.
+    pub(crate) moved: u64,
+    /// Bytes the engines counted for those moves.
+    pub(crate) engine_bytes: u64,
+    /// Payload bytes over the time consumers spent receiving them.
+    pub(crate) handoff_gbps: f64,
+    /// Embedding cache hits.
+    pub(crate) cache_hits: u64,
+    /// Store objects left after the run.
+    pub(crate) store_left: u64,
+    /// The layout.
+    pub(crate) layout: String,
+}
+
+/// The `p`-th percentile (0..=100), nearest rank; zero for no samples.
+pub(crate) fn percentile(v: &[Duration], p: f64) -> Duration {
+    if v.is_empty() {
+        return Duration::ZERO;
+    }
+    let mut s = v.to_vec();
+    s.sort();
+    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
+    s[rank.min(s.len()) - 1]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1e3)
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() }
+}
+
+/// Prints the side-by-side table.
+pub(crate) fn print(d: &Summary, c: &Summary) {
+    let thr = |s: &Summary| s.requests as f64 / s.elapsed.as_secs_f64().max(1e-9);
+    let rows: Vec<(String, String, String, String)> = vec![
+        ("layout".into(), d.layout.clone(), c.layout.clone(), String::new()),
+        ("requests".into(), d.requests.to_string(), c.requests.to_string(), String::new()),
+        (
+            "wall time".into(),
+            ms(d.elapsed),
+            ms(c.elapsed),
+            ratio(d.elapsed.as_secs_f64(), c.elapsed.as_secs_f64()),
+        ),
+        (
+            "throughput (req/s)".into(),
+            format!("{:.2}", thr(d)),
+            format!("{:.2}", thr(c)),
+            ratio(thr(d), thr(c)),
+        ),
+        (
+            "TTFF p50".into(),
+            ms(percentile(&d.ttff, 50.0)),
+            ms(percentile(&c.ttff, 50.0)),
+            ratio(percentile(&d.ttff, 50.0).as_secs_f64(), percentile(&c.ttff, 50.0).as_secs_f64()),
+        ),
+        (
+            "TTFF p99".into(),
+            ms(percentile(&d.ttff, 99.0)),
+            ms(percentile(&c.ttff, 99.0)),
+            ratio(percentile(&d.ttff, 99.0).as_secs_f64(), percentile(&c.ttff, 99.0).as_secs_f64()),
+        ),
+        (
+            "end-to-end p50".into(),
+            ms(percentile(&d.e2e, 50.0)),
+            ms(percentile(&c.e2e, 50.0)),
+            ratio(percentile(&d.e2e, 50.0).as_secs_f64(), percentile(&c.e2e, 50.0).as_secs_f64()),
+        ),
+        (
+            "end-to-end p99".into(),
+            ms(percentile(&d.e2e, 99.0)),
+            ms(percentile(&c.e2e, 99.0)),
+            ratio(percentile(&d.e2e, 99.0).as_secs_f64(), percentile(&c.e2e, 99.0).as_secs_f64()),
+        ),
+        (
+            "utilisation enc/den/dec".into(),
+            d.utilisation.map_or("-".into(), |u| {
+                format!("{:.0}% / {:.0}% / {:.0}%", u[0] * 100.0, u[1] * 100.0, u[2] * 100.0)
+            }),
+            c.utilisation.map_or("-".into(), |u| {
+                format!(
+                    "{:.0}% / {:.0}% / {:.0}% of GPU time",
+                    u[0] * 100.0,
+                    u[1] * 100.0,
+                    u[2] * 100.0
+                )
+            }),
+            String::new(),
+        ),
+        (
+            "bytes moved".into(),
+            format!(
+                "{:.1} MiB (engines counted {:.1} MiB)",
+                d.moved as f64 / 1048576.0,
+                d.engine_bytes as f64 / 1048576.0
+            ),
+            "0 (no handoff)".into(),
+            String::new(),
+        ),
+        ("handoff GB/s".into(), format!("{:.2}", d.handoff_gbps), "-".into(), String::new()),
+        (
+            "embedding cache hits".into(),
+            d.cache_hits.to_string(),
+            c.cache_hits.to_string(),
+            String::new(),
+        ),
+        ("store objects left".into(), d.store_left.to_string(), "-".into(), String::new()),
+    ];
+    let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+    let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max("disaggregated".len());
+    let w2 = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max("colocated".len());
+    println!();
+    println!("{:<w0$}  {:<w1$}  {:<w2$}  disagg/coloc", "", "disaggregated", "colocated");
+    println!("{}", "-".repeat(w0 + w1 + w2 + 18));
+    for (a, b, c, r) in rows {
+        println!("{a:<w0$}  {b:<w1$}  {c:<w2$}  {r}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let v: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&v, 50.0), Duration::from_millis(50));
+        assert_eq!(percentile(&v, 99.0), Duration::from_millis(99));
+        assert_eq!(percentile(&[], 99.0), Duration::ZERO);
+    }
+}

@@ -1,0 +1,370 @@
+//! `tensorwire simulate`: a discrete-event simulation of a serving cluster. Requests arrive as a
+//! Poisson process; the orchestrator's own scheduler (`tensorwire_diffusion::sched`, the same code
+//! the library orchestrator runs) makes every dispatch decision; a stage's service time is its
+//! profiled compute plus the transfer of its input (bytes / bandwidth + per-hop latency). No bytes
+//! move and nothing sleeps. The colocated baseline serves whole requests on the same GPUs.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use tensorwire_diffusion::sched::{
+    AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Scheduler,
+    Submit, WorkerId,
+};
+use tensorwire_diffusion::{Priority, Stage};
+
+use crate::demo::{Split, auto_split, parse_split};
+use crate::profiles::{self, Model};
+use crate::report::percentile;
+
+/// Simulation settings.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct SimArgs {
+    /// Model to serve (a name from the profiles).
+    #[arg(long, default_value = "wan2.1-t2v-14b-480p")]
+    pub(crate) model: String,
+    /// Profile file (default: the copy built into the binary).
+    #[arg(long)]
+    pub(crate) profiles: Option<PathBuf>,
+    /// GPUs in the cluster.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) gpus: u32,
+    /// Disaggregated split E:N:M; default: try every split and report the best.
+    #[arg(long)]
+    pub(crate) split: Option<String>,
+    /// Requests to simulate.
+    #[arg(long, default_value_t = 100_000)]
+    pub(crate) requests: u64,
+    /// Arrival rate in requests per second (default: 90% of what colocated serving sustains).
+    #[arg(long)]
+    pub(crate) rate: Option<f64>,
+    /// Link bandwidth between stages, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub(crate) bandwidth_gbps: f64,
+    /// Latency per hop, ms.
+    #[arg(long, default_value_t = 0.05)]
+    pub(crate) latency_ms: f64,
+    /// Routing policy: max-free, round-robin or affinity.
+    #[arg(long, default_value = "max-free")]
+    pub(crate) policy: String,
+    /// TTFF target for SLO attainment and --sweep, ms.
+    #[arg(long)]
+    pub(crate) target_ttff_ms: Option<f64>,
+    /// Find the smallest decode pool meeting --target-ttff-ms for the denoise pool of --denoise.
+    #[arg(long)]
+    pub(crate) sweep: bool,
+    /// Denoise workers for --sweep (default: GPUs minus one encoder and one decoder).
+    #[arg(long)]
+    pub(crate) denoise: Option<u32>,
+    /// Random seed.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone)]
+struct SimResult {
+    throughput: f64,
+    ttff: Vec<Duration>,
+    e2e: Vec<Duration>,
+    utilisation: [f64; 3],
+    decisions: u64,
+    wall: Duration,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next_f64(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
+    fn exp(&mut self, rate: f64) -> f64 {
+        -(1.0 - self.next_f64()).ln() / rate
+    }
+}
+
+fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
+    Ok(match name {
+        "max-free" => Box::new(MaxFreeCredit),
+        "round-robin" => Box::new(RoundRobin::default()),
+        "affinity" => Box::new(AffinityFirst),
+        other => {
+            return Err(format!("--policy {other:?}: expected max-free, round-robin or affinity"));
+        }
+    })
+}
+
+fn stage_i(s: Stage) -> usize {
+    match s {
+        Stage::Encode => 0,
+        Stage::Denoise => 1,
+        Stage::Decode => 2,
+    }
+}
+
+/// (time, sequence, arrival (None) or completion of an item on a worker, request).
+type SimEvent = (Duration, u64, Option<(ItemKey, WorkerId)>, u64);
+
+/// Simulates the disaggregated cluster.
+fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimResult, String> {
+    let wall = Instant::now();
+    let cfg = SchedConfig { heartbeat_timeout: Duration::MAX, ..SchedConfig::default() };
+    let mut s = Scheduler::new(cfg, policy(&a.policy)?);
+    let mut id = 0;
+    for (stage, n) in [
+        (Stage::Encode, split.encode),
+        (Stage::Denoise, split.denoise),
+        (Stage::Decode, split.decode),
+    ] {
+        for _ in 0..n {
+            id += 1;
+            s.join(WorkerId(id), stage, 1, "node", vec![], Duration::ZERO);
+        }
+    }
+    let xfer = |bytes: u64| {
+        Duration::from_secs_f64(bytes as f64 / (a.bandwidth_gbps * 1e9) + a.latency_ms / 1e3)
+    };
+    let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+    let chunks = f64::from(m.chunks().map_or(1, |(_, n)| n));
+    let mut rng = Rng(a.seed.max(1));
+    // (time, seq, event): event = arrival (None) or completion of (key, worker)
+    let mut events: BinaryHeap<Reverse<SimEvent>> = BinaryHeap::new();
+    let mut t = 0.0;
+    for r in 0..a.requests {
+        t += rng.exp(rate);
+        events.push(Reverse((Duration::from_secs_f64(t), r, None, r)));
+    }
+    let mut seq = a.requests;
+    let mut arrived: HashMap<u64, Duration> = HashMap::new();
+    let (mut ttff, mut e2e) = (Vec::new(), Vec::new());
+    let mut busy = [Duration::ZERO; 3];
+    let mut now = Duration::ZERO;
+    while let Some(Reverse((at, _, ev, r))) = events.pop() {
+        now = at;
+        match ev {
+            None => {
+                arrived.insert(r, at);
+                s.submit(
+                    Submit {
+                        request: r,
+                        priority: Priority::Batch,
+                        deadline: None,
+                        host: None,
+                        labels: vec![],
+                    },
+                    at,
+                );
+            }
+            Some((key, w)) => {
+                s.finished(key, w, at);
+                if key.stage == Stage::Decode {
+                    if let Some(t0) = arrived.remove(&key.request) {
+                        e2e.push(at - t0);
+                    }
+                }
+            }
+        }
+        for d in s.dispatch(now) {
+            let k = d.item.key;
+            let service = match k.stage {
+                Stage::Encode => ms(m.encode_ms),
+                Stage::Denoise => xfer(m.embed_bytes) + ms(m.denoise_ms()),
+                Stage::Decode => xfer(m.latent_bytes) + ms(m.decode_ms),
+            };
+            if k.stage == Stage::Decode {
+                // First frame: the first chunk has landed and is decoded.
+                let first =
+                    xfer((m.latent_bytes as f64 / chunks) as u64) + ms(m.decode_ms / chunks);
+                if let Some(t0) = arrived.get(&k.request) {
+                    ttff.push(now + first - *t0);
+                }
+            }
+            busy[stage_i(k.stage)] += service;
+            seq += 1;
+            events.push(Reverse((now + service, seq, Some((k, d.worker)), k.request)));
+        }
+    }
+    let span = now.as_secs_f64().max(1e-9);
+    let pools = [split.encode, split.denoise, split.decode];
+    Ok(SimResult {
+        throughput: e2e.len() as f64 / span,
+        ttff,
+        e2e,
+        utilisation: std::array::from_fn(|i| busy[i].as_secs_f64() / (span * f64::from(pools[i]))),
+        decisions: s.stats().dispatched,
+        wall: wall.elapsed(),
+    })
+}
+
+/// Simulates colocated serving: `gpus` servers, each runs a whole request (FIFO).
+fn colocated(m: &Model, gpus: u32, a: &SimArgs, rate: f64) -> SimResult {
+    let wall = Instant::now();
+    let per = Duration::from_secs_f64((m.encode_ms + m.denoise_ms() + m.decode_ms) / 1e3);
+    let chunks = f64::from(m.chunks().map_or(1, |(_, n)| n));
+    let first =
+        Duration::from_secs_f64((m.encode_ms + m.denoise_ms() + m.decode_ms / chunks) / 1e3);
+    let mut rng = Rng(a.seed.max(1));
+    let mut free: BinaryHeap<Reverse<Duration>> =
+        (0..gpus).map(|_| Reverse(Duration::ZERO)).collect();
+    let (mut ttff, mut e2e) = (Vec::new(), Vec::new());
+    let (mut t, mut end) = (0.0, Duration::ZERO);
+    let mut queue: VecDeque<Duration> = VecDeque::new();
+    for _ in 0..a.requests {
+        t += rng.exp(rate);
+        queue.push_back(Duration::from_secs_f64(t));
+    }
+    while let Some(arr) = queue.pop_front() {
+        let Reverse(gpu_free) = free.pop().unwrap_or(Reverse(Duration::ZERO));
+        let start = gpu_free.max(arr);
+        ttff.push(start + first - arr);
+        e2e.push(start + per - arr);
+        end = end.max(start + per);
+        free.push(Reverse(start + per));
+    }
+    let span = end.as_secs_f64().max(1e-9);
+    let u = per.as_secs_f64() * a.requests as f64 / (span * f64::from(gpus));
+    SimResult {
+        throughput: a.requests as f64 / span,
+        ttff,
+        e2e,
+        utilisation: [u; 3],
+        decisions: 0,
+        wall: wall.elapsed(),
+    }
+}
+
+fn show(label: &str, r: &SimResult, target: Option<Duration>) {
+    let slo = target.map_or(String::new(), |t| {
+        let ok = r.ttff.iter().filter(|&&x| x <= t).count();
+        format!(", TTFF SLO met {:.1}%", 100.0 * ok as f64 / r.ttff.len().max(1) as f64)
+    });
+    println!(
+        "{label:<34} {:>8.4} req/s  TTFF p50 {:>8.1} s p99 {:>8.1} s  E2E p50 {:>8.1} s p99 {:>8.1} s  util enc/den/dec {:.0}%/{:.0}%/{:.0}%{slo}",
+        r.throughput,
+        percentile(&r.ttff, 50.0).as_secs_f64(),
+        percentile(&r.ttff, 99.0).as_secs_f64(),
+        percentile(&r.e2e, 50.0).as_secs_f64(),
+        percentile(&r.e2e, 99.0).as_secs_f64(),
+        r.utilisation[0] * 100.0,
+        r.utilisation[1] * 100.0,
+        r.utilisation[2] * 100.0,
+    );
+}
+
+/// Runs the simulation.
+pub(crate) fn run(a: SimArgs) -> Result<(), String> {
+    if a.requests == 0 || a.requests > 10_000_000 {
+        return Err(format!("--requests {}: must be in 1..=10000000", a.requests));
+    }
+    if a.bandwidth_gbps.is_nan()
+        || a.bandwidth_gbps <= 0.0
+        || a.latency_ms.is_nan()
+        || a.latency_ms < 0.0
+    {
+        return Err("--bandwidth-gbps must be > 0 and --latency-ms >= 0".into());
+    }
+    let all = profiles::load(a.profiles.as_deref())?;
+    let m = profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone();
+    let per_req_s = (m.encode_ms + m.denoise_ms() + m.decode_ms) / 1e3;
+    let sweep_n = a.denoise.unwrap_or(a.gpus.saturating_sub(2).max(1));
+    // Default load: 90% of what colocated serving sustains; for --sweep, 90% of what the denoise
+    // pool sustains (the decode pool is what is being sized).
+    let rate = a.rate.unwrap_or(if a.sweep {
+        0.9 * f64::from(sweep_n) / (m.denoise_ms() / 1e3)
+    } else {
+        0.9 * f64::from(a.gpus) / per_req_s
+    });
+    if rate.is_nan() || rate <= 0.0 {
+        return Err(format!("--rate {rate}: must be > 0"));
+    }
+    let target = a.target_ttff_ms.map(|x| Duration::from_secs_f64(x / 1e3));
+    println!(
+        "tensorwire simulate: {} on {} GPUs, {} requests at {:.4} req/s (Poisson), {} GB/s + {} ms per hop, policy {}",
+        m.name, a.gpus, a.requests, rate, a.bandwidth_gbps, a.latency_ms, a.policy
+    );
+    let c = colocated(&m, a.gpus, &a, rate);
+    show("colocated", &c, target);
+    if a.sweep {
+        let target = target.ok_or("--sweep needs --target-ttff-ms")?;
+        let n = sweep_n;
+        let mut last = f64::INFINITY;
+        let mut flat = 0;
+        for mm in 1..=64 {
+            let split = Split { encode: 1, denoise: n, decode: mm };
+            let r = disaggregated(&m, split, &a, rate)?;
+            show(&format!("1:{n}:{mm}"), &r, Some(target));
+            let p99 = percentile(&r.ttff, 99.0);
+            if p99 <= target {
+                println!(
+                    "chosen N:M = {n}:{mm} (smallest decode pool with p99 TTFF <= {:.1} s)",
+                    target.as_secs_f64()
+                );
+                return Ok(());
+            }
+            // Stop once more decoders no longer help: the wait is elsewhere (denoise).
+            flat = if p99.as_secs_f64() >= last * 0.99 { flat + 1 } else { 0 };
+            last = p99.as_secs_f64();
+            if flat >= 3 {
+                return Err(format!(
+                    "p99 TTFF stays at {:.1} s however many decoders: {n} denoise workers cannot meet {:.1} s at {rate:.4} req/s (add denoise workers, or lower --rate)",
+                    p99.as_secs_f64(),
+                    target.as_secs_f64()
+                ));
+            }
+        }
+        return Err(format!(
+            "no decode pool up to 64 workers meets p99 TTFF <= {:.1} s with {n} denoise workers",
+            target.as_secs_f64()
+        ));
+    }
+    let splits: Vec<Split> = match &a.split {
+        Some(s) => vec![parse_split(s, a.gpus)?],
+        None => {
+            let mut v = Vec::new();
+            for e in 1..a.gpus {
+                for mm in 1..a.gpus {
+                    if e + mm < a.gpus {
+                        v.push(Split { encode: e, denoise: a.gpus - e - mm, decode: mm });
+                    }
+                }
+            }
+            if v.is_empty() {
+                v.push(auto_split(&[&m], a.gpus)?);
+            }
+            v
+        }
+    };
+    let mut best: Option<(Split, SimResult)> = None;
+    let mut decisions = 0;
+    let wall = Instant::now();
+    for split in splits {
+        let r = disaggregated(&m, split, &a, rate)?;
+        decisions += r.decisions;
+        let better = best.as_ref().is_none_or(|(_, b)| {
+            (r.throughput, -percentile(&r.ttff, 99.0).as_secs_f64())
+                > (b.throughput, -percentile(&b.ttff, 99.0).as_secs_f64())
+        });
+        if better {
+            best = Some((split, r));
+        }
+    }
+    let (split, r) = best.ok_or("no split to simulate")?;
+    show(
+        &format!("disaggregated best {}:{}:{}", split.encode, split.denoise, split.decode),
+        &r,
+        target,
+    );
+    println!(
+        "best disaggregated / colocated throughput: {:.3}x ({} scheduler decisions in {:.2} s of wall time)",
+        r.throughput / c.throughput.max(1e-12),
+        decisions,
+        wall.elapsed().as_secs_f64()
+    );
+    let _ = r.wall;
+    Ok(())
+}
