@@ -6,6 +6,7 @@
 pub mod connector;
 pub mod measure;
 pub mod memcpy;
+pub mod orchestrator;
 pub mod raw_tcp;
 pub mod report;
 pub mod store;

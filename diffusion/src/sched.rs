@@ -234,6 +234,21 @@ pub struct Scheduler {
     outcomes: Vec<Outcome>,
     seq: u64,
     stats: SchedStats,
+    /// Per stage: workers with a free slot (the only dispatch candidates).
+    free: [std::collections::BTreeSet<WorkerId>; 3],
+    /// Per stage: total slots and running items.
+    slots_by: [u32; 3],
+    running_by: [usize; 3],
+    /// When silent workers were last looked for.
+    last_scan: Option<Duration>,
+}
+
+fn si(s: Stage) -> usize {
+    match s {
+        Stage::Encode => 0,
+        Stage::Denoise => 1,
+        Stage::Decode => 2,
+    }
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -273,6 +288,22 @@ impl Scheduler {
             outcomes: Vec::new(),
             seq: 0,
             stats: SchedStats::default(),
+            free: Default::default(),
+            slots_by: [0; 3],
+            running_by: [0; 3],
+            last_scan: None,
+        }
+    }
+
+    /// Keeps the free-worker index right for `id` after its busy count or slots changed.
+    fn reindex(&mut self, id: WorkerId) {
+        if let Some(w) = self.workers.get(&id) {
+            let set = &mut self.free[si(w.stage)];
+            if w.busy < w.slots {
+                set.insert(id);
+            } else {
+                set.remove(&id);
+            }
         }
     }
 
@@ -288,21 +319,21 @@ impl Scheduler {
 
     /// Items running at `stage`.
     pub fn running(&self, stage: Stage) -> usize {
-        self.running.keys().filter(|k| k.stage == stage).count()
+        self.running_by[si(stage)]
     }
 
     /// Free slots of the live workers of `stage`.
     pub fn free_slots(&self, stage: Stage) -> u32 {
-        self.workers
-            .values()
-            .filter(|w| w.stage == stage)
+        self.free[si(stage)]
+            .iter()
+            .filter_map(|id| self.workers.get(id))
             .map(|w| w.slots.saturating_sub(w.busy))
             .sum()
     }
 
     /// Total slots of the live workers of `stage`.
     pub fn slots(&self, stage: Stage) -> u32 {
-        self.workers.values().filter(|w| w.stage == stage).map(|w| w.slots).sum()
+        self.slots_by[si(stage)]
     }
 
     /// Requests not yet ended.
@@ -372,6 +403,8 @@ impl Scheduler {
                 items: Vec::new(),
             },
         );
+        self.slots_by[si(stage)] += slots;
+        self.reindex(id);
     }
 
     /// A worker left; its items are re-queued.
@@ -382,9 +415,12 @@ impl Scheduler {
     /// A worker advertises its slot count (credit).
     pub fn credit(&mut self, id: WorkerId, slots: u32, now: Duration) {
         if let Some(w) = self.workers.get_mut(&id) {
+            let i = si(w.stage);
+            self.slots_by[i] = self.slots_by[i] - w.slots + slots;
             w.slots = slots;
             w.last_seen = now;
         }
+        self.reindex(id);
     }
 
     /// A worker is alive (renews the leases of the items it holds).
@@ -414,10 +450,12 @@ impl Scheduler {
             }
         }
         let (_, item) = self.running.remove(&key)?;
+        self.running_by[si(key.stage)] -= 1;
         if let Some(w) = self.workers.get_mut(&worker) {
             w.busy = w.busy.saturating_sub(1);
             w.items.retain(|k| *k != key);
         }
+        self.reindex(worker);
         Some(item)
     }
 
@@ -461,8 +499,11 @@ impl Scheduler {
 
     fn lose_worker(&mut self, id: WorkerId, now: Duration, reason: &str) {
         let Some(w) = self.workers.remove(&id) else { return };
+        self.free[si(w.stage)].remove(&id);
+        self.slots_by[si(w.stage)] -= w.slots;
         for key in w.items {
             if let Some((_, item)) = self.running.remove(&key) {
+                self.running_by[si(key.stage)] -= 1;
                 self.retry(item, now, reason);
             }
         }
@@ -470,12 +511,21 @@ impl Scheduler {
 
     /// Declares silent workers dead (re-queueing their items) and ages batch items.
     pub fn tick(&mut self, now: Duration) {
-        let dead: Vec<WorkerId> = self
-            .workers
-            .iter()
-            .filter(|(_, w)| now.saturating_sub(w.last_seen) >= self.cfg.heartbeat_timeout)
-            .map(|(&id, _)| id)
-            .collect();
+        // Looking for silent workers scans them all: do it a few times per timeout, not per call.
+        let every = self.cfg.heartbeat_timeout / 4;
+        let due = self.last_scan.is_none_or(|t| now.saturating_sub(t) >= every);
+        if due {
+            self.last_scan = Some(now);
+        }
+        let dead: Vec<WorkerId> = if !due {
+            Vec::new()
+        } else {
+            self.workers
+                .iter()
+                .filter(|(_, w)| now.saturating_sub(w.last_seen) >= self.cfg.heartbeat_timeout)
+                .map(|(&id, _)| id)
+                .collect()
+        };
         for id in dead {
             self.stats.dead_workers += 1;
             self.lose_worker(id, now, "worker missed its heartbeats");
@@ -513,10 +563,10 @@ impl Scheduler {
                 else {
                     break;
                 };
-                let candidates: Vec<Candidate<'_>> = self
-                    .workers
+                let candidates: Vec<Candidate<'_>> = self.free[si(stage)]
                     .iter()
-                    .filter(|(_, w)| w.stage == stage && w.busy < w.slots)
+                    .filter_map(|id| self.workers.get(id).map(|w| (id, w)))
+                    .filter(|(_, w)| w.busy < w.slots)
                     .map(|(&id, w)| Candidate {
                         id,
                         free: w.slots - w.busy,
@@ -535,6 +585,8 @@ impl Scheduler {
                 let w = self.workers.get_mut(&wid).expect("worker exists");
                 w.busy += 1;
                 w.items.push(item.key);
+                self.reindex(wid);
+                self.running_by[si(stage)] += 1;
                 self.running.insert(item.key, (wid, item.clone()));
                 self.stats.dispatched += 1;
                 out.push(Dispatch { item, worker: wid });
@@ -736,6 +788,12 @@ mod tests {
                     running.push(d);
                 }
                 for w in s.workers.values() { prop_assert!(w.busy <= w.slots.max(w.busy.min(w.items.len() as u32))); prop_assert_eq!(w.busy as usize, w.items.len()); }
+                for st in stages {
+                    let free: std::collections::BTreeSet<WorkerId> = s.workers.iter().filter(|(_, w)| w.stage == st && w.busy < w.slots).map(|(&id, _)| id).collect();
+                    prop_assert_eq!(&free, &s.free[si(st)], "free index");
+                    prop_assert_eq!(s.slots(st), s.workers.values().filter(|w| w.stage == st).map(|w| w.slots).sum::<u32>());
+                    prop_assert_eq!(s.running(st), s.running.keys().filter(|k| k.stage == st).count());
+                }
                 for o in s.take_outcomes() {
                     let r = match o { Outcome::Completed { request } | Outcome::Failed { request, .. } => request };
                     *ended.entry(r).or_default() += 1;

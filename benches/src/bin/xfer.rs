@@ -44,6 +44,16 @@ struct Args {
     /// READ, then the chunked overlap figure.
     #[arg(long)]
     connector: bool,
+    /// Measure the orchestrator's scheduler: decisions per second and dispatch latency with
+    /// --workers workers and --requests requests (one core, no I/O).
+    #[arg(long)]
+    orchestrator: bool,
+    /// Workers for --orchestrator.
+    #[arg(long, default_value_t = 1000)]
+    workers: u32,
+    /// Requests for --orchestrator.
+    #[arg(long, default_value_t = 100_000)]
+    requests: u64,
     /// Chunks for the overlap figure (--connector).
     #[arg(long, default_value_t = 8)]
     chunks: u32,
@@ -191,6 +201,25 @@ async fn connector(args: &Args, sizes: &[u64], budget: Budget) -> Result<Vec<Lin
 }
 
 async fn run(args: Args) -> Result<()> {
+    if args.orchestrator {
+        let f = tensorwire_benches::orchestrator::run(
+            args.workers,
+            args.requests,
+            u64::from(args.workers) * 2,
+        );
+        eprintln!(
+            "orchestrator: {} workers, {} requests, {} decisions in {:.2} s: {:.0} decisions/s; dispatch call p50 {:.1} us, p99 {:.1} us",
+            f.workers,
+            f.requests,
+            f.decisions,
+            f.seconds,
+            f.decisions_per_s,
+            f.p50_dispatch_us,
+            f.p99_dispatch_us
+        );
+        println!("{}", serde_json::to_string(&f).map_err(|e| Error::protocol(e.to_string()))?);
+        return Ok(());
+    }
     let mut sizes = Vec::new();
     for s in &args.sizes {
         let n = parse_size(s)
