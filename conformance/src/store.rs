@@ -219,6 +219,8 @@ pub async fn spill_and_reload(f: &dyn StoreFactory) {
         ..cfg(4 << 20)
     };
     let t = f.make(c).await;
+    let io = t.backing.spill_io().expect("a spill tier is configured");
+    println!("spill tier I/O here: {io}");
     let s = &t.store;
     let mb = 1u64 << 20;
     let datas: Vec<Vec<u8>> = (0..6).map(|i| pattern(mb as usize + i * 7, i as u8)).collect();

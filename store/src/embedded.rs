@@ -103,6 +103,11 @@ impl EmbeddedStore {
         self.spill.as_ref().map(Spill::direct)
     }
 
+    /// How the spill tier does its file I/O, detected at start (None without a spill tier).
+    pub fn spill_io(&self) -> Option<String> {
+        self.spill.as_ref().map(Spill::describe)
+    }
+
     /// The state, with expired puts, reads and leased objects swept first.
     fn locked(&self) -> std::sync::MutexGuard<'_, PoolState> {
         let mut st = lock(&self.state);

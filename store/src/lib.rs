@@ -23,6 +23,7 @@ mod remote;
 mod rpc;
 mod spill;
 mod state;
+mod uring;
 
 pub use api::{GetInto, MAX_KEY, PutFrom, Retention, Store, StoreStats, check_key, check_meta};
 pub use embedded::{EmbeddedStore, PendingPut, StoreConfig};

@@ -2,12 +2,12 @@
 //! 4 KiB header (magic, version, key, TensorMeta, length, crc32c of the bytes, crc32c of the
 //! header) then the bytes at offset 4096. Reads land straight in the destination memory and are
 //! verified; a truncated or corrupt file is reported as [`Error::Checksum`] or
-//! [`Error::Protocol`], never served. Writes of pool blocks use `O_DIRECT` when the file system
-//! supports it (detected at start: blocks are page-aligned and whole pages); everything else uses
-//! plain positioned I/O.
+//! [`Error::Protocol`], never served. File I/O goes through io_uring when the kernel allows it and
+//! positioned `pread`/`pwrite` otherwise; writes of pool blocks use `O_DIRECT` when the file system
+//! supports it (blocks are page-aligned whole pages). Both are detected at start.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use tensorwire_core::wire::codec::{Reader, Writer};
@@ -15,6 +15,7 @@ use tensorwire_core::{Error, Result, TensorMeta};
 
 use crate::alloc::ALIGN;
 use crate::api::{MAX_KEY, show_key};
+use crate::uring::FileIo;
 
 const MAGIC: &[u8; 8] = b"TWSPILL1";
 const HEADER: u64 = 4096;
@@ -24,6 +25,7 @@ const HEADER: u64 = 4096;
 pub(crate) struct Spill {
     dir: PathBuf,
     direct: bool,
+    io: FileIo,
 }
 
 fn io_err(what: String) -> impl FnOnce(std::io::Error) -> Error {
@@ -46,7 +48,16 @@ impl Spill {
             .open(&probe)
             .is_ok();
         let _ = std::fs::remove_file(&probe);
-        Ok(Spill { dir: dir.to_path_buf(), direct })
+        Ok(Spill { dir: dir.to_path_buf(), direct, io: FileIo::new() })
+    }
+
+    /// How files are written and read, e.g. "io_uring, O_DIRECT".
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "{}{}",
+            if self.io.uring() { "io_uring" } else { "pread/pwrite" },
+            if self.direct { ", O_DIRECT for blocks" } else { "" }
+        )
     }
 
     /// Whether block writes use O_DIRECT.
@@ -101,15 +112,15 @@ impl Spill {
                 .map_err(io_err(what.clone()))?;
             // The header goes through an aligned bounce page (O_DIRECT needs aligned memory).
             let page = AlignedPage::new(&head)?;
-            f.write_all_at(page.bytes(), 0).map_err(io_err(what.clone()))?;
+            self.io.write_all_at(&f, page.bytes(), 0).map_err(io_err(what.clone()))?;
             // SAFETY: the block is `block` readable, page-aligned bytes (caller's contract).
             let whole = unsafe { std::slice::from_raw_parts(src as *const u8, block as usize) };
-            f.write_all_at(whole, HEADER).map_err(io_err(what.clone()))?;
+            self.io.write_all_at(&f, whole, HEADER).map_err(io_err(what.clone()))?;
             f.set_len(HEADER + len).map_err(io_err(what))?;
         } else {
             let f = File::create(&path).map_err(io_err(what.clone()))?;
-            f.write_all_at(&head, 0).map_err(io_err(what.clone()))?;
-            f.write_all_at(data, HEADER).map_err(io_err(what))?;
+            self.io.write_all_at(&f, &head, 0).map_err(io_err(what.clone()))?;
+            self.io.write_all_at(&f, data, HEADER).map_err(io_err(what))?;
         }
         Ok(())
     }
@@ -129,7 +140,8 @@ impl Spill {
         let what = format!("spill {}", path.display());
         let f = File::open(&path).map_err(io_err(what.clone()))?;
         let mut head = vec![0u8; HEADER as usize];
-        f.read_exact_at(&mut head, 0)
+        self.io
+            .read_exact_at(&f, &mut head, 0)
             .map_err(|e| Error::protocol(format!("{what}: header unreadable ({e}): truncated")))?;
         let (meta, stored_len, crc) =
             parse_header(&head, key).map_err(|e| Error::protocol(format!("{what}: {e}")))?;
@@ -140,7 +152,8 @@ impl Spill {
         }
         // SAFETY: the caller guarantees `len` writable bytes at `dst`.
         let out = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len as usize) };
-        f.read_exact_at(out, HEADER)
+        self.io
+            .read_exact_at(&f, out, HEADER)
             .map_err(|e| Error::protocol(format!("{what}: data unreadable ({e}): truncated")))?;
         let actual = crc32c::crc32c(out);
         if actual != crc {
