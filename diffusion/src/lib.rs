@@ -18,6 +18,7 @@ pub mod payload;
 pub mod queue;
 pub mod reference;
 pub mod sched;
+pub mod service;
 
 pub use connector::{
     ChunkView, ConnectorConfig, ConsumerHint, Consumption, DiffusionConnector, Mode, Publication,

@@ -1,0 +1,9 @@
+//! Service mode: the orchestrator over the network, with its own versioned protocol ([`wire`]),
+//! the server ([`OrchestratorService`]) and its clients ([`WorkerClient`], [`SubmitClient`]).
+
+mod client;
+mod server;
+pub mod wire;
+
+pub use client::{Assignment, SubmitClient, WorkerClient};
+pub use server::{OrchestratorService, ServiceConfig};

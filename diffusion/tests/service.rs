@@ -1,0 +1,178 @@
+//! The orchestrator as a service, with workers in other processes: a decode worker process that is
+//! killed (SIGKILL) while it holds items; every request still completes and nothing is decoded
+//! twice. Plus: a client with the wrong cluster secret is refused.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_diffusion::service::{
+    OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
+};
+use tensorwire_diffusion::{Priority, Stage};
+
+const ROLE: &str = "TW_SERVICE_WORKER";
+const SECRET: &str = "correct horse battery staple";
+
+fn secret() -> ClusterSecret {
+    ClusterSecret::new(SECRET)
+}
+
+/// A decode worker process: "ok" decodes (reports) every assignment; "hang" holds them forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_worker() {
+    let Ok(mode) = std::env::var(ROLE) else { return };
+    let addr = std::env::var("TW_ORCH").unwrap().parse().unwrap();
+    let s = secret();
+    let (w, mut rx) = WorkerClient::connect(
+        addr,
+        Some(&s),
+        Stage::Decode,
+        2,
+        "child",
+        Duration::from_millis(200),
+    )
+    .await
+    .unwrap();
+    println!("@@JOINED {}", w.id());
+    while let Some(a) = rx.recv().await {
+        if mode == "hang" {
+            println!("@@HOLDING {}", a.request);
+            continue; // never reports: the parent kills this process
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        w.report(a, Ok(())).await.unwrap();
+        println!("@@DECODED {}", a.request);
+    }
+}
+
+struct Proc {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(mode: &str, orch: &str) -> Proc {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "decode_worker", "--nocapture", "--test-threads=1"])
+        .env(ROLE, mode)
+        .env("TW_ORCH", orch)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(child.stdout.take().unwrap());
+    let (tx, lines) = std::sync::mpsc::sync_channel(1024);
+    std::thread::spawn(move || {
+        for l in out.lines().map_while(Result::ok) {
+            if let Some(at) = l.find("@@") {
+                if tx.send(l[at + 2..].to_string()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    Proc { child, lines }
+}
+
+fn wait_line(p: &Proc, prefix: &str) -> String {
+    loop {
+        let l =
+            p.lines.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| panic!("no {prefix}"));
+        if l.starts_with(prefix) {
+            return l;
+        }
+    }
+}
+
+async fn service() -> OrchestratorService {
+    let cfg = ServiceConfig {
+        sched: SchedConfig {
+            heartbeat_timeout: Duration::from_secs(2),
+            max_attempts: 3,
+            ..SchedConfig::default()
+        },
+        policy: Box::new(MaxFreeCredit),
+        secret: Some(secret()),
+        handshake_timeout: Duration::from_secs(5),
+    };
+    OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap()
+}
+
+/// In-process encode or denoise worker: reports every assignment at once.
+async fn instant_worker(addr: std::net::SocketAddr, stage: Stage) -> tokio::task::JoinHandle<()> {
+    let s = secret();
+    let (w, mut rx) =
+        WorkerClient::connect(addr, Some(&s), stage, 4, "parent", Duration::from_millis(200))
+            .await
+            .unwrap();
+    tokio::spawn(async move {
+        while let Some(a) = rx.recv().await {
+            w.report(a, Ok(())).await.unwrap();
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_decode_worker_loses_nothing() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let svc = service().await;
+    let addr = svc.addr();
+    let hang = spawn("hang", &addr.to_string());
+    wait_line(&hang, "JOINED");
+    let ok = spawn("ok", &addr.to_string());
+    wait_line(&ok, "JOINED");
+    let _enc = instant_worker(addr, Stage::Encode).await;
+    let _den = instant_worker(addr, Stage::Denoise).await;
+    let sub = SubmitClient::connect(addr, Some(&secret())).await.unwrap();
+    let mut outcomes = Vec::new();
+    for r in 0..20 {
+        outcomes.push(sub.submit(r, Priority::Batch).await.unwrap());
+    }
+    let held = wait_line(&hang, "HOLDING");
+    // SAFETY: signalling our own child process by pid; no memory is involved.
+    assert_eq!(unsafe { libc::kill(hang.child.id() as libc::pid_t, libc::SIGKILL) }, 0);
+    for (r, o) in outcomes.into_iter().enumerate() {
+        let res =
+            tokio::time::timeout(Duration::from_secs(30), o).await.expect("request hung").unwrap();
+        assert!(res.is_ok(), "request {r}: {res:?}");
+    }
+    let mut decoded: HashMap<u64, u32> = HashMap::new();
+    while let Ok(l) = ok.lines.recv_timeout(Duration::from_millis(500)) {
+        if let Some(r) = l.strip_prefix("DECODED ") {
+            *decoded.entry(r.trim().parse().unwrap()).or_default() += 1;
+        }
+    }
+    assert_eq!(
+        decoded.len(),
+        20,
+        "every request decoded by the surviving worker ({held} was held)"
+    );
+    assert!(decoded.values().all(|&n| n == 1), "decoded twice: {decoded:?}");
+    drop(hang);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_is_refused() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let svc = service().await;
+    let wrong = ClusterSecret::new("not the secret");
+    let e = SubmitClient::connect(svc.addr(), Some(&wrong)).await.unwrap_err();
+    assert!(matches!(e, tensorwire_core::Error::AccessDenied(_)), "{e}");
+    let e = WorkerClient::connect(svc.addr(), None, Stage::Decode, 1, "h", Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, tensorwire_core::Error::AccessDenied(_)), "no secret: {e}");
+}
