@@ -4,10 +4,13 @@
 //!   engine, simulated compute), then the same requests colocated, side by side.
 //! - `tensorwire simulate`: a discrete-event simulation of a cluster with the orchestrator's own
 //!   scheduler (no bytes moved, no sleeping), with `--sweep` for sizing the decode pool.
+//! - `tensorwire serve` / `tensorwire worker`: an engine with a store node and the orchestrator
+//!   service, and stage workers in other processes or hosts.
 
 mod demo;
 mod profiles;
 mod report;
+mod serve;
 mod simulate;
 
 use std::process::ExitCode;
@@ -28,6 +31,10 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Simulate a cluster (capacity planning); no bytes move, nothing sleeps.
     Simulate(simulate::SimArgs),
+    /// Run an engine with a store node (and optionally the orchestrator service).
+    Serve(serve::ServeArgs),
+    /// Run a stage worker that joins an orchestrator service.
+    Worker(serve::WorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -44,6 +51,12 @@ fn main() -> ExitCode {
             tokio::spawn(demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),
         Cmd::Simulate(a) => simulate::run(a),
+        Cmd::Serve(a) => rt.block_on(async {
+            tokio::spawn(serve::serve(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+        }),
+        Cmd::Worker(a) => rt.block_on(async {
+            tokio::spawn(serve::worker(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+        }),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,211 @@
+//! `tensorwire serve`: an engine (tcp) with a store node and, optionally, the orchestrator
+//! service, for multi-process and multi-host runs; `tensorwire worker`: a stage worker process
+//! that joins the orchestrator service and runs the stage time of a profiled model for each
+//! assignment (compute is simulated; payload bytes between processes are exercised by the
+//! diffusion crate's multi-process tests). Both read flags or a TOML file (flags win).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::{Engine, EngineConfig};
+use tensorwire_diffusion::Stage;
+use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_diffusion::service::{OrchestratorService, ServiceConfig, WorkerClient};
+use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
+use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+use crate::profiles;
+
+/// `serve` options.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct ServeArgs {
+    /// TOML file with any of: listen, data_listen, store_listen, store_mib, spill_dir,
+    /// orchestrator_listen, secret_file.
+    #[arg(long)]
+    pub(crate) config: Option<PathBuf>,
+    /// Engine control endpoint.
+    #[arg(long)]
+    pub(crate) listen: Option<SocketAddr>,
+    /// TCP data listener (peers dial this for transfers).
+    #[arg(long)]
+    pub(crate) data_listen: Option<SocketAddr>,
+    /// Store node RPC listener.
+    #[arg(long)]
+    pub(crate) store_listen: Option<SocketAddr>,
+    /// Store pool size, MiB.
+    #[arg(long)]
+    pub(crate) store_mib: Option<u64>,
+    /// Spill directory for the store.
+    #[arg(long)]
+    pub(crate) spill_dir: Option<PathBuf>,
+    /// Also serve the orchestrator here.
+    #[arg(long)]
+    pub(crate) orchestrator_listen: Option<SocketAddr>,
+    /// File holding the cluster secret (every process of the cluster uses the same).
+    #[arg(long)]
+    pub(crate) secret_file: Option<PathBuf>,
+    /// Stop after this many seconds (default: run until interrupted).
+    #[arg(long)]
+    pub(crate) for_secs: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServeFile {
+    listen: Option<SocketAddr>,
+    data_listen: Option<SocketAddr>,
+    store_listen: Option<SocketAddr>,
+    store_mib: Option<u64>,
+    spill_dir: Option<PathBuf>,
+    orchestrator_listen: Option<SocketAddr>,
+    secret_file: Option<PathBuf>,
+}
+
+fn read_secret(p: &Option<PathBuf>) -> Result<Option<ClusterSecret>, String> {
+    match p {
+        None => Ok(None),
+        Some(p) => {
+            let s = std::fs::read(p)
+                .map_err(|e| format!("{}: cannot read the secret: {e}", p.display()))?;
+            let s = s.trim_ascii().to_vec();
+            if s.len() < 16 {
+                return Err(format!("{}: a cluster secret needs at least 16 bytes", p.display()));
+            }
+            Ok(Some(ClusterSecret::new(s)))
+        }
+    }
+}
+
+fn load<T: for<'de> Deserialize<'de> + Default>(p: &Option<PathBuf>) -> Result<T, String> {
+    match p {
+        None => Ok(T::default()),
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| format!("{}: cannot read: {e}", p.display()))?;
+            toml::from_str(&text).map_err(|e| format!("{}: {}", p.display(), e.message()))
+        }
+    }
+}
+
+/// Runs `serve`.
+pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
+    let f: ServeFile = load(&a.config)?;
+    let listen = a.listen.or(f.listen).unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7000)));
+    let data = a.data_listen.or(f.data_listen).unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));
+    let store_listen =
+        a.store_listen.or(f.store_listen).unwrap_or_else(|| SocketAddr::new(listen.ip(), 7100));
+    let secret = read_secret(&a.secret_file.or(f.secret_file))?;
+    let tcp = TcpBackend::new(TcpConfig { listen: data, ..TcpConfig::default() })
+        .map_err(|e| e.to_string())?;
+    let cfg = EngineConfig { listen, cluster_secret: secret.clone(), ..EngineConfig::default() };
+    let engine = Engine::builder()
+        .backend(tcp)
+        .config(cfg)
+        .start()
+        .await
+        .map_err(|e| format!("engine on {listen}: {e}"))?;
+    let store_cfg = StoreConfig {
+        capacity: a.store_mib.or(f.store_mib).unwrap_or(1024) << 20,
+        spill_dir: a.spill_dir.or(f.spill_dir),
+        shared: true,
+        ..StoreConfig::default()
+    };
+    let store = EmbeddedStore::new(&engine, store_cfg).await.map_err(|e| e.to_string())?;
+    let node = StoreNode::serve(store.clone(), store_listen).await.map_err(|e| e.to_string())?;
+    println!("engine {} control {}", engine.id(), engine.local_addr());
+    println!(
+        "store node {} (pool {} MiB{})",
+        node.addr(),
+        store.pool().len >> 20,
+        store.spill_io().map_or(String::new(), |s| format!(", spill: {s}"))
+    );
+    let _orch = match a.orchestrator_listen.or(f.orchestrator_listen) {
+        Some(at) => {
+            let cfg = ServiceConfig {
+                sched: SchedConfig::default(),
+                policy: Box::new(MaxFreeCredit),
+                secret,
+                handshake_timeout: Duration::from_secs(10),
+            };
+            let o = OrchestratorService::serve(at, cfg).await.map_err(|e| e.to_string())?;
+            println!("orchestrator {}", o.addr());
+            Some(o)
+        }
+        None => None,
+    };
+    match a.for_secs {
+        Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
+        None => tokio::signal::ctrl_c().await.map_err(|e| e.to_string())?,
+    }
+    engine.shutdown().await;
+    Ok(())
+}
+
+/// `worker` options.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct WorkerArgs {
+    /// encode, denoise or decode.
+    #[arg(long)]
+    pub(crate) role: String,
+    /// Orchestrator service address.
+    #[arg(long)]
+    pub(crate) connect: SocketAddr,
+    /// Model whose stage time each item takes.
+    #[arg(long, default_value = "wan2.1-t2v-1.3b-480p")]
+    pub(crate) model: String,
+    /// Profile file (default: built in).
+    #[arg(long)]
+    pub(crate) profiles: Option<PathBuf>,
+    /// Multiplies the stage time.
+    #[arg(long, default_value_t = 0.05)]
+    pub(crate) time_scale: f64,
+    /// Concurrent items.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) slots: u32,
+    /// File holding the cluster secret.
+    #[arg(long)]
+    pub(crate) secret_file: Option<PathBuf>,
+}
+
+/// Runs `worker`.
+pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
+    let stage = match a.role.as_str() {
+        "encode" => Stage::Encode,
+        "denoise" => Stage::Denoise,
+        "decode" => Stage::Decode,
+        r => return Err(format!("--role {r:?}: expected encode, denoise or decode")),
+    };
+    let all = profiles::load(a.profiles.as_deref())?;
+    let m = profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone();
+    let ms = match stage {
+        Stage::Encode => m.encode_ms,
+        Stage::Denoise => m.denoise_ms(),
+        Stage::Decode => m.decode_ms,
+    };
+    let secret = read_secret(&a.secret_file)?;
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
+    let (w, mut rx) = WorkerClient::connect(
+        a.connect,
+        secret.as_ref(),
+        stage,
+        a.slots.max(1),
+        &host,
+        Duration::from_secs(1),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    println!("worker {} ({}) joined {}", w.id(), a.role, a.connect);
+    let w = std::sync::Arc::new(w);
+    while let Some(job) = rx.recv().await {
+        let w = w.clone();
+        let t = Duration::from_secs_f64((ms * a.time_scale / 1e3).max(0.0));
+        tokio::spawn(async move {
+            tokio::time::sleep(t).await;
+            let _ = w.report(job, Ok(())).await;
+        });
+    }
+    Err(format!("the orchestrator at {} closed the connection", a.connect))
+}
