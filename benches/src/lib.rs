@@ -10,4 +10,5 @@ pub mod orchestrator;
 pub mod raw_tcp;
 pub mod report;
 pub mod store;
+pub mod suite;
 pub mod transfer;

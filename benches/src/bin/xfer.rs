@@ -11,13 +11,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use tensorwire_benches::connector::ConnectorBench;
-use tensorwire_benches::measure::{Budget, fmt_size, interleaved, median, parse_size};
-use tensorwire_benches::memcpy::Memcpy;
-use tensorwire_benches::raw_tcp::RawTcp;
+use tensorwire_benches::measure::{Budget, fmt_size, median, parse_size};
 use tensorwire_benches::report::{Line, Summary};
-use tensorwire_benches::store::{StoreBench, StoreMode};
-use tensorwire_benches::transfer::{BACKENDS, EnginePair};
+use tensorwire_benches::store::StoreMode;
+use tensorwire_benches::suite::{self, Plan};
 use tensorwire_core::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -74,51 +71,17 @@ struct Args {
     min_time_ms: u64,
 }
 
+fn plan(args: &Args, budget: Budget) -> Plan {
+    Plan { runs: args.runs, budget, streams: args.streams, chunks: args.chunks }
+}
+
+fn emit(l: &Line) {
+    l.emit();
+}
+
 /// One measurement of tensorwire against the raw medium for each (size, op).
 async fn transfers(args: &Args, sizes: &[u64], ops: &[bool], budget: Budget) -> Result<Vec<Line>> {
-    if !BACKENDS.contains(&args.backend.as_str()) {
-        return Err(Error::InvalidArgument(format!(
-            "--backend {}: this harness knows {BACKENDS:?}",
-            args.backend
-        )));
-    }
-    let max = sizes.iter().copied().max().unwrap_or(4096);
-    let streams = if args.backend == "tcp" { args.streams.max(1) } else { 1 };
-    let pair = EnginePair::new(&args.backend, streams, max).await?;
-    let raw = if args.backend == "tcp" { Some(RawTcp::new(streams, max).await?) } else { None };
-    let raw = tokio::sync::Mutex::new(raw);
-    let copy = std::sync::Mutex::new(Memcpy::new(if args.backend == "tcp" { 0 } else { max }));
-    let baseline = if args.backend == "tcp" { "tokio-socket" } else { "memcpy" };
-    let mut lines = Vec::new();
-    for &size in sizes {
-        for &write in ops {
-            let (tw, base) = interleaved(
-                args.runs,
-                budget,
-                size,
-                || pair.op(write, size, &args.backend),
-                || async {
-                    match raw.lock().await.as_mut() {
-                        Some(r) => r.op(write, size).await,
-                        None => {
-                            copy.lock()
-                                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                                .copy(size);
-                            Ok(())
-                        }
-                    }
-                },
-            )
-            .await?;
-            let op = if write { "write" } else { "read" };
-            let line = Line::from_samples(&args.backend, op, size, streams, baseline, tw, base);
-            line.emit();
-            lines.push(line);
-        }
-    }
-    pair.a.shutdown().await;
-    pair.b.shutdown().await;
-    Ok(lines)
+    suite::transfers(&args.backend, sizes, ops, plan(args, budget), &emit).await
 }
 
 /// put_from / get_into against memcpy (embedded) or a raw engine transfer (remote).
@@ -129,62 +92,16 @@ async fn store(
     ops: &[bool],
     budget: Budget,
 ) -> Result<Vec<Line>> {
-    let max = sizes.iter().copied().max().unwrap_or(4096);
-    let bench = StoreBench::new(mode, max, args.streams.max(1)).await?;
-    let mut lines = Vec::new();
-    for &size in sizes {
-        for &write in ops {
-            let (tw, base) = interleaved(
-                args.runs,
-                budget,
-                size,
-                || bench.store_op(write, size),
-                || bench.baseline_op(write, size),
-            )
-            .await?;
-            let op = if write { "put_from" } else { "get_into" };
-            let line = Line::from_samples(
-                bench.name(),
-                op,
-                size,
-                bench.streams(),
-                bench.baseline(),
-                tw,
-                base,
-            );
-            line.emit();
-            lines.push(line);
-        }
-    }
-    Ok(lines)
+    suite::store(mode, sizes, ops, plan(args, budget), &emit).await
 }
 
 /// publish + consume against a raw engine READ, then the overlap figure.
 async fn connector(args: &Args, sizes: &[u64], budget: Budget) -> Result<Vec<Line>> {
-    let max = sizes.iter().copied().max().unwrap_or(4096);
-    let bench = ConnectorBench::new(max, args.streams.max(1)).await?;
-    let mut lines = Vec::new();
-    for &size in sizes {
-        let (tw, base) =
-            interleaved(args.runs, budget, size, || bench.handoff(size), || bench.raw_read(size))
-                .await?;
-        let line = Line::from_samples(
-            "connector-p2p",
-            "publish+consume",
-            size,
-            bench.streams(),
-            "engine-tcp",
-            tw,
-            base,
-        );
-        line.emit();
-        lines.push(line);
-    }
-    for &size in sizes {
-        let o = bench.overlap(size, args.chunks, args.runs).await?;
+    let (lines, overlaps) = suite::connector(sizes, plan(args, budget), &emit).await?;
+    for o in overlaps {
         eprintln!(
             "overlap {} in {} chunks: transfer {:.1} ms, decode {:.1} ms ({:.2} ms/chunk): last chunk decoded at {:.1} ms; max(transfer, decode) + one chunk = {:.1} ms; ratio {:.3} (median of {} trials; serial would be {:.1} ms)",
-            fmt_size(size),
+            fmt_size(o.size),
             o.chunks,
             o.transfer_ms,
             o.decode_ms,

@@ -1,0 +1,153 @@
+//! The measurements behind `xfer` and `tensorwire bench`, written once: each runs tensorwire and
+//! the raw medium interleaved and returns one [`Line`] per (op, size), calling `on_line` as each
+//! line is ready.
+
+use tensorwire_core::{Error, Result};
+
+use crate::connector::{ConnectorBench, Overlap};
+use crate::measure::{Budget, interleaved};
+use crate::memcpy::Memcpy;
+use crate::raw_tcp::RawTcp;
+use crate::report::Line;
+use crate::store::{StoreBench, StoreMode};
+use crate::transfer::{BACKENDS, EnginePair};
+
+/// How much to measure.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    /// Interleaved runs per line.
+    pub runs: usize,
+    /// Time per sample.
+    pub budget: Budget,
+    /// Streams (tcp).
+    pub streams: usize,
+    /// Chunks for the overlap figure.
+    pub chunks: u32,
+}
+
+/// Backend transfers against the raw medium.
+pub async fn transfers(
+    backend: &str,
+    sizes: &[u64],
+    ops: &[bool],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+) -> Result<Vec<Line>> {
+    if !BACKENDS.contains(&backend) {
+        return Err(Error::InvalidArgument(format!(
+            "--backend {backend}: this harness knows {BACKENDS:?}"
+        )));
+    }
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let streams = if backend == "tcp" { plan.streams.max(1) } else { 1 };
+    let pair = EnginePair::new(backend, streams, max).await?;
+    let raw = if backend == "tcp" { Some(RawTcp::new(streams, max).await?) } else { None };
+    let raw = tokio::sync::Mutex::new(raw);
+    let copy = std::sync::Mutex::new(Memcpy::new(if backend == "tcp" { 0 } else { max }));
+    let baseline = if backend == "tcp" { "tokio-socket" } else { "memcpy" };
+    let mut lines = Vec::new();
+    for &size in sizes {
+        for &write in ops {
+            let (tw, base) = interleaved(
+                plan.runs,
+                plan.budget,
+                size,
+                || pair.op(write, size, backend),
+                || async {
+                    match raw.lock().await.as_mut() {
+                        Some(r) => r.op(write, size).await,
+                        None => {
+                            copy.lock()
+                                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                                .copy(size);
+                            Ok(())
+                        }
+                    }
+                },
+            )
+            .await?;
+            let op = if write { "write" } else { "read" };
+            let line = Line::from_samples(backend, op, size, streams, baseline, tw, base);
+            on_line(&line);
+            lines.push(line);
+        }
+    }
+    pair.a.shutdown().await;
+    pair.b.shutdown().await;
+    Ok(lines)
+}
+
+/// Store put_from / get_into against memcpy (embedded) or a raw engine transfer (remote).
+pub async fn store(
+    mode: StoreMode,
+    sizes: &[u64],
+    ops: &[bool],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+) -> Result<Vec<Line>> {
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let bench = StoreBench::new(mode, max, plan.streams.max(1)).await?;
+    let mut lines = Vec::new();
+    for &size in sizes {
+        for &write in ops {
+            let (tw, base) = interleaved(
+                plan.runs,
+                plan.budget,
+                size,
+                || bench.store_op(write, size),
+                || bench.baseline_op(write, size),
+            )
+            .await?;
+            let op = if write { "put_from" } else { "get_into" };
+            let line = Line::from_samples(
+                bench.name(),
+                op,
+                size,
+                bench.streams(),
+                bench.baseline(),
+                tw,
+                base,
+            );
+            on_line(&line);
+            lines.push(line);
+        }
+    }
+    Ok(lines)
+}
+
+/// Connector publish + consume against a raw engine READ, then the overlap figure per size.
+pub async fn connector(
+    sizes: &[u64],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+) -> Result<(Vec<Line>, Vec<Overlap>)> {
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let bench = ConnectorBench::new(max, plan.streams.max(1)).await?;
+    let mut lines = Vec::new();
+    for &size in sizes {
+        let (tw, base) = interleaved(
+            plan.runs,
+            plan.budget,
+            size,
+            || bench.handoff(size),
+            || bench.raw_read(size),
+        )
+        .await?;
+        let line = Line::from_samples(
+            "connector-p2p",
+            "publish+consume",
+            size,
+            bench.streams(),
+            "engine-tcp",
+            tw,
+            base,
+        );
+        on_line(&line);
+        lines.push(line);
+    }
+    let mut overlaps = Vec::new();
+    for &size in sizes {
+        overlaps.push(bench.overlap(size, plan.chunks, plan.runs).await?);
+    }
+    Ok((lines, overlaps))
+}
