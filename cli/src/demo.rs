@@ -36,24 +36,24 @@ pub(crate) struct DemoArgs {
     pub(crate) models: Vec<String>,
     /// Profile file (default: the copy built into the binary).
     #[arg(long)]
-    pub profiles: Option<PathBuf>,
+    pub(crate) profiles: Option<PathBuf>,
     /// Requests.
     #[arg(long, default_value_t = 24)]
-    pub requests: u64,
+    pub(crate) requests: u64,
     /// Simulated GPUs (workers), for both layouts.
     #[arg(long, default_value_t = 8)]
-    pub gpus: u32,
+    pub(crate) gpus: u32,
     /// Disaggregated split E:N:M (encode:denoise:decode workers); default proportional to the
     /// mix's stage times, at least one each.
     #[arg(long)]
-    pub split: Option<String>,
+    pub(crate) split: Option<String>,
     /// Multiplies every profiled service time (0.05 runs 50 s of GPU work in 2.5 s).
     #[arg(long, default_value_t = 0.05)]
-    pub time_scale: f64,
+    pub(crate) time_scale: f64,
     /// Distinct prompts per model (requests reuse them round robin; a repeated prompt hits the
     /// embedding cache).
     #[arg(long, default_value_t = 6)]
-    pub prompts: u64,
+    pub(crate) prompts: u64,
 }
 
 /// Workers per stage.
@@ -505,6 +505,22 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
 
 /// Runs the demo.
 pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
+    let (d, c) = compare(&a).await?;
+    crate::report::print(&d, &c);
+    if d.store_left != 0 {
+        return Err(format!("the store still holds {} objects after the run", d.store_left));
+    }
+    if d.engine_bytes < d.moved {
+        return Err(format!(
+            "the engines counted {} bytes, the pipeline claims {}",
+            d.engine_bytes, d.moved
+        ));
+    }
+    Ok(())
+}
+
+/// Runs both layouts on the same requests.
+pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> {
     if a.time_scale.is_nan() || a.time_scale <= 0.0 || a.time_scale > 10.0 {
         return Err(format!("--time-scale {}: must be in (0, 10]", a.time_scale));
     }
@@ -533,15 +549,5 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
     );
     let d = disaggregated(&models, reqs(a.requests), split, a.time_scale).await?;
     let c = colocated(&models, &reqs(a.requests), a.gpus, a.time_scale).await;
-    crate::report::print(&d, &c);
-    if d.store_left != 0 {
-        return Err(format!("the store still holds {} objects after the run", d.store_left));
-    }
-    if d.engine_bytes < d.moved {
-        return Err(format!(
-            "the engines counted {} bytes, the pipeline claims {}",
-            d.engine_bytes, d.moved
-        ));
-    }
-    Ok(())
+    Ok((d, c))
 }

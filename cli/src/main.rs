@@ -4,10 +4,14 @@
 //!   engine, simulated compute), then the same requests colocated, side by side.
 //! - `tensorwire simulate`: a discrete-event simulation of a cluster with the orchestrator's own
 //!   scheduler (no bytes moved, no sleeping), with `--sweep` for sizing the decode pool.
+//! - `tensorwire bench`: the bench harness for every backend, the store and the connector, and a
+//!   report directory with tables and PNG plots.
 //! - `tensorwire serve` / `tensorwire worker`: an engine with a store node and the orchestrator
 //!   service, and stage workers in other processes or hosts.
 
+mod bench;
 mod demo;
+mod plot;
 mod profiles;
 mod report;
 mod serve;
@@ -31,6 +35,8 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Simulate a cluster (capacity planning); no bytes move, nothing sleeps.
     Simulate(simulate::SimArgs),
+    /// Measure every backend, the store and the connector; write report.md and PNG plots.
+    Bench(bench::BenchArgs),
     /// Run an engine with a store node (and optionally the orchestrator service).
     Serve(serve::ServeArgs),
     /// Run a stage worker that joins an orchestrator service.
@@ -51,6 +57,9 @@ fn main() -> ExitCode {
             tokio::spawn(demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),
         Cmd::Simulate(a) => simulate::run(a),
+        Cmd::Bench(a) => rt.block_on(async {
+            tokio::spawn(bench::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+        }),
         Cmd::Serve(a) => rt.block_on(async {
             tokio::spawn(serve::serve(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),

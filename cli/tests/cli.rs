@@ -56,3 +56,36 @@ fn bad_input_is_one_clear_line() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_writes_a_report_with_plots() {
+    let dir = std::env::temp_dir().join(format!("tw-bench-{}", std::process::id()));
+    let d = dir.display().to_string();
+    let (ok, out, err) = tensorwire(&[
+        "bench",
+        "--out",
+        &d,
+        "--runs",
+        "1",
+        "--min-time-ms",
+        "10",
+        "--sizes",
+        "4K,64K",
+    ]);
+    assert!(ok, "{out}\n{err}");
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    for section in ["Backend `tcp`", "Backend `shm`", "## Store", "## Connector", "TTFF"] {
+        assert!(md.contains(section), "report.md lacks {section:?}");
+    }
+    let pngs: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "png"))
+        .collect();
+    assert!(pngs.len() >= 2, "{} plots", pngs.len());
+    for p in pngs {
+        let b = std::fs::read(p.path()).unwrap();
+        assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "{:?} is a PNG", p.path());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

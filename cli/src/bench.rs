@@ -1,0 +1,272 @@
+//! `tensorwire bench`: the bench harness's measurements for every backend on this machine (tcp,
+//! shm, mem), the store (embedded and remote), the connector (handoff and overlap) and a short
+//! demo (TTFF colocated vs disaggregated), written to a report directory: `report.md` with the
+//! tables and PNG plots of GB/s against size per backend (with its baseline) and of the TTFF
+//! distributions.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tensorwire_benches::measure::{Budget, fmt_size, parse_size};
+use tensorwire_benches::report::Line;
+use tensorwire_benches::store::StoreMode;
+use tensorwire_benches::suite::{self, Plan};
+
+use crate::demo::DemoArgs;
+use crate::plot::{Chart, PALETTE, Series};
+
+/// `bench` options.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Report directory (created).
+    #[arg(long, default_value = "tensorwire-report")]
+    pub(crate) out: PathBuf,
+    /// Transfer sizes.
+    #[arg(long, value_delimiter = ',', default_value = "64K,1M,16M,64M")]
+    pub(crate) sizes: Vec<String>,
+    /// Interleaved runs per measurement.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) runs: usize,
+    /// Minimum time per sample, ms.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) min_time_ms: u64,
+}
+
+fn err(e: tensorwire_core::Error) -> String {
+    e.to_string()
+}
+
+fn progress(l: &Line) {
+    eprintln!(
+        "  {:<15} {:>15} {:>7}: {:>7.3} GB/s vs {} {:>7.3} GB/s, ratio {:.3}",
+        l.backend,
+        l.op,
+        fmt_size(l.size),
+        l.gbps,
+        l.baseline,
+        l.baseline_gbps,
+        l.ratio
+    );
+}
+
+fn table(out: &mut String, lines: &[Line]) {
+    let _ =
+        writeln!(out, "| what | op | size | tensorwire GB/s | baseline | baseline GB/s | ratio |");
+    let _ =
+        writeln!(out, "|------|----|------|-----------------|----------|---------------|-------|");
+    for l in lines {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {:.3} | {} | {:.3} | {:.3} |",
+            l.backend,
+            l.op,
+            fmt_size(l.size),
+            l.gbps,
+            l.baseline,
+            l.baseline_gbps,
+            l.ratio
+        );
+    }
+    let _ = writeln!(out);
+}
+
+fn size_label(x: f64) -> String {
+    fmt_size(x as u64).replace("iB", "")
+}
+
+fn ms_label(x: f64) -> String {
+    format!("{x:.0}")
+}
+
+fn gbps_chart(name: &str, lines: &[Line]) -> Chart {
+    let mut series = Vec::new();
+    let ops: Vec<String> = {
+        let mut v: Vec<String> = lines.iter().map(|l| l.op.clone()).collect();
+        v.dedup();
+        v.sort();
+        v.dedup();
+        v
+    };
+    for (i, op) in ops.iter().enumerate() {
+        let pick: Vec<&Line> = lines.iter().filter(|l| &l.op == op).collect();
+        let base = pick.first().map_or(String::new(), |l| l.baseline.clone());
+        series.push(Series {
+            name: format!("tensorwire {op}"),
+            color: PALETTE[(2 * i) % PALETTE.len()],
+            points: pick.iter().map(|l| (l.size as f64, l.gbps)).collect(),
+            dashed: false,
+        });
+        series.push(Series {
+            name: format!("{base} {op}"),
+            color: PALETTE[(2 * i + 1) % PALETTE.len()],
+            points: pick.iter().map(|l| (l.size as f64, l.baseline_gbps)).collect(),
+            dashed: true,
+        });
+    }
+    Chart {
+        title: format!("{name}: GB/s against size"),
+        x_label: "bytes per op".into(),
+        y_label: "GB/s".into(),
+        log_x: true,
+        x_fmt: size_label,
+        series,
+        y_max: None,
+    }
+}
+
+/// Runs the benches and writes the report.
+pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
+    let mut sizes = Vec::new();
+    for s in &a.sizes {
+        sizes.push(
+            parse_size(s)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("--sizes: cannot read {s:?}"))?,
+        );
+    }
+    if sizes.is_empty() || a.runs == 0 {
+        return Err("--sizes and --runs must not be empty or zero".into());
+    }
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    let plan = Plan {
+        runs: a.runs,
+        budget: Budget { min_time: Duration::from_millis(a.min_time_ms), ..Budget::default() },
+        streams: tensorwire_tcp::default_streams(),
+        chunks: 8,
+    };
+    let mut md = String::new();
+    let _ = writeln!(md, "# tensorwire bench report\n");
+    let _ = writeln!(
+        md,
+        "Machine: {} cores. Every line is the median of {} interleaved runs of tensorwire and its baseline measured in the same process run (tcp: a plain tokio socket pair with the same streams; shm and mem: memcpy; store: memcpy or a raw tcp engine transfer; connector: a raw engine READ). Ratio = tensorwire / baseline.\n",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        a.runs
+    );
+    let mut plots = Vec::new();
+    for backend in ["tcp", "shm", "mem"] {
+        eprintln!("bench: {backend}");
+        let lines = suite::transfers(backend, &sizes, &[true, false], plan, &progress)
+            .await
+            .map_err(err)?;
+        let _ = writeln!(md, "## Backend `{backend}`\n");
+        table(&mut md, &lines);
+        let file = format!("backend-{backend}.png");
+        gbps_chart(backend, &lines).save(&a.out.join(&file))?;
+        let _ = writeln!(
+            md,
+            "![{backend}]({file})\n\nSolid: tensorwire; dashed: the baseline; one colour pair per op.\n"
+        );
+        plots.push(file);
+    }
+    let store_sizes: Vec<u64> = sizes.iter().copied().filter(|&s| s >= 1 << 20).collect();
+    let store_sizes = if store_sizes.is_empty() { sizes.clone() } else { store_sizes };
+    let _ = writeln!(md, "## Store\n");
+    let mut store_lines = Vec::new();
+    for mode in [StoreMode::Embedded, StoreMode::Remote] {
+        eprintln!("bench: store {}", mode.name());
+        store_lines.extend(
+            suite::store(mode, &store_sizes, &[true, false], plan, &progress).await.map_err(err)?,
+        );
+    }
+    table(&mut md, &store_lines);
+    eprintln!("bench: connector");
+    let csizes = [4u64 << 20, 64 << 20];
+    let (conn, overlaps) = suite::connector(&csizes, plan, &progress).await.map_err(err)?;
+    let _ = writeln!(md, "## Connector (p2p over tcp)\n");
+    table(&mut md, &conn);
+    let _ = writeln!(
+        md,
+        "Overlap: a payload in {} chunks, each landed chunk decoded by a sleep of one eighth of the transfer (the bound uses the measured sleeps); target last-decoded <= 1.15 x (max(transfer, decode) + one chunk).\n",
+        plan.chunks
+    );
+    let _ = writeln!(
+        md,
+        "| size | transfer ms | decode ms | last decoded ms | bound ms | ratio |\n|---|---|---|---|---|---|"
+    );
+    for o in &overlaps {
+        let _ = writeln!(
+            md,
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
+            fmt_size(o.size),
+            o.transfer_ms,
+            o.decode_ms,
+            o.last_decoded_ms,
+            o.ideal_ms,
+            o.ratio
+        );
+    }
+    let _ = writeln!(md);
+    eprintln!("bench: demo (TTFF)");
+    let demo = DemoArgs {
+        models: vec![
+            "wan2.1-t2v-1.3b-480p".into(),
+            "flux.1-dev-1024".into(),
+            "qwen-image-1328".into(),
+        ],
+        profiles: None,
+        requests: 24,
+        gpus: 8,
+        split: None,
+        time_scale: 0.02,
+        prompts: 6,
+    };
+    let (d, c) = crate::demo::compare(&demo).await?;
+    let cdf = |v: &[Duration]| -> Vec<(f64, f64)> {
+        let mut s: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+        s.sort_by(f64::total_cmp);
+        let n = s.len().max(1) as f64;
+        s.iter().enumerate().map(|(i, &x)| (x, (i + 1) as f64 / n)).collect()
+    };
+    let chart = Chart {
+        title: "TTFF distribution (demo, time scale 0.02)".into(),
+        x_label: "time to first decoded frame, ms".into(),
+        y_label: "share of requests".into(),
+        log_x: false,
+        x_fmt: ms_label,
+        series: vec![
+            Series {
+                name: format!("disaggregated {}", d.layout.split(' ').next().unwrap_or("")),
+                color: PALETTE[0],
+                points: cdf(&d.ttff),
+                dashed: false,
+            },
+            Series {
+                name: "colocated".into(),
+                color: PALETTE[1],
+                points: cdf(&c.ttff),
+                dashed: false,
+            },
+        ],
+        y_max: Some(1.0),
+    };
+    chart.save(&a.out.join("ttff.png"))?;
+    plots.push("ttff.png".into());
+    let p = |v: &[Duration], q: f64| crate::report::percentile(v, q).as_secs_f64() * 1e3;
+    let _ = writeln!(
+        md,
+        "## TTFF: disaggregated vs colocated\n\nThe demo's workload ({} requests, 8 simulated GPUs, service times x{}): disaggregated {} vs colocated.\n",
+        demo.requests, demo.time_scale, d.layout
+    );
+    let _ = writeln!(
+        md,
+        "| layout | TTFF p50 ms | TTFF p99 ms | throughput req/s |\n|---|---|---|---|"
+    );
+    for (name, s) in [("disaggregated", &d), ("colocated", &c)] {
+        let _ = writeln!(
+            md,
+            "| {name} | {:.0} | {:.0} | {:.2} |",
+            p(&s.ttff, 50.0),
+            p(&s.ttff, 99.0),
+            s.requests as f64 / s.elapsed.as_secs_f64()
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\n![TTFF](ttff.png)\n\nCumulative share of requests whose first frame was decoded by a given time."
+    );
+    let path = a.out.join("report.md");
+    std::fs::write(&path, md).map_err(|e| format!("{}: {e}", path.display()))?;
+    println!("wrote {} and {} plots ({})", path.display(), plots.len(), plots.join(", "));
+    Ok(())
+}
