@@ -70,6 +70,8 @@ pub mod fence;
 pub mod reference;
 #[cfg(not(loom))]
 pub mod region;
+#[cfg(not(loom))]
+pub mod tasks;
 
 pub use chunk::{ByteRange, Chunk, ChunkPlan, ChunkTracker};
 pub use dtype::{DType, DlDataType};

@@ -24,7 +24,7 @@ pub mod wire;
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -34,8 +34,8 @@ use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
 use tensorwire_core::sync::lock;
+use tensorwire_core::tasks::TaskSet;
 use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
-use tokio::task::AbortHandle;
 
 use client::{ClientShared, ShmConnection};
 use server::ServerConn;
@@ -100,32 +100,20 @@ struct Inner {
     host: OnceLock<Arc<dyn BackendHost>>,
     table: Arc<Table>,
     closed: AtomicBool,
-    next_task: AtomicU64,
-    tasks: Mutex<HashMap<u64, AbortHandle>>,
+    /// Accept loop and serving tasks, aborted at shutdown.
+    tasks: Arc<TaskSet>,
     served: Mutex<Vec<Weak<ServerConn>>>,
     clients: Mutex<Vec<Weak<ClientShared>>>,
 }
 
 impl Inner {
-    fn track(self: &Arc<Self>, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        let id = self.next_task.fetch_add(1, Ordering::Relaxed);
-        let me = Arc::downgrade(self);
-        let mut tasks = lock(&self.tasks);
-        let h = tokio::spawn(async move {
-            fut.await;
-            if let Some(me) = me.upgrade() {
-                lock(&me.tasks).remove(&id);
-            }
-        });
-        if !h.is_finished() {
-            tasks.insert(id, h.abort_handle());
-        }
+    fn track(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.tasks.spawn(fut);
     }
 
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        let tasks: Vec<_> = lock(&self.tasks).drain().map(|(_, h)| h).collect();
-        tasks.iter().for_each(AbortHandle::abort);
+        self.tasks.abort_all();
         lock(&self.served).clear();
         let clients: Vec<_> = lock(&self.clients).drain(..).collect();
         for c in clients.iter().filter_map(Weak::upgrade) {

@@ -31,9 +31,8 @@ mod io;
 mod server;
 pub mod wire;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -43,10 +42,10 @@ use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
 use tensorwire_core::sync::lock;
+use tensorwire_core::tasks::TaskSet;
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
 use tokio::net::TcpStream;
-use tokio::task::AbortHandle;
 
 use client::{ClientCfg, ConnShared, TcpConnection};
 
@@ -104,33 +103,20 @@ fn keepalive(sock: &TcpStream) {
 struct Inner {
     host: OnceLock<Arc<dyn BackendHost>>,
     closed: AtomicBool,
-    next_task: AtomicU64,
     /// Accept loop and serving tasks, aborted at shutdown.
-    tasks: Mutex<HashMap<u64, AbortHandle>>,
+    tasks: Arc<TaskSet>,
     /// Outbound connections, killed at shutdown.
     conns: Mutex<Vec<Weak<ConnShared>>>,
 }
 
 impl Inner {
-    fn track(self: &Arc<Self>, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        let id = self.next_task.fetch_add(1, Ordering::Relaxed);
-        let me = Arc::downgrade(self);
-        let mut tasks = lock(&self.tasks);
-        let h = tokio::spawn(async move {
-            fut.await;
-            if let Some(me) = me.upgrade() {
-                lock(&me.tasks).remove(&id);
-            }
-        });
-        if !h.is_finished() {
-            tasks.insert(id, h.abort_handle());
-        }
+    fn track(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.tasks.spawn(fut);
     }
 
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        let tasks: Vec<_> = lock(&self.tasks).drain().map(|(_, h)| h).collect();
-        tasks.iter().for_each(AbortHandle::abort);
+        self.tasks.abort_all();
         let conns: Vec<_> = lock(&self.conns).drain(..).collect();
         for c in conns.iter().filter_map(Weak::upgrade) {
             c.kill(Error::PeerClosed("local tcp backend shut down".into()));
