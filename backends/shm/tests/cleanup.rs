@@ -26,10 +26,16 @@ struct Counts {
 }
 
 fn counts() -> Counts {
-    // Sockets and memfds are what engines and backends open; other descriptors (a test runtime's
-    // epoll) come and go with libtest's threads.
-    let fds =
-        open_fds().iter().filter(|l| l.starts_with("socket:") || l.contains("memfd:")).count();
+    // Memfds and the shm backend's Unix sockets (listeners and accepted connections carry its
+    // abstract name in /proc/net/unix) are what this backend creates; other descriptors (a test
+    // runtime's epoll, libtest's own) come and go with the harness.
+    let ours: std::collections::HashSet<String> = std::fs::read_to_string("/proc/net/unix")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("@tensorwire-shm"))
+        .filter_map(|l| l.split_whitespace().nth(6).map(|inode| format!("socket:[{inode}]")))
+        .collect();
+    let fds = open_fds().iter().filter(|l| l.contains("memfd:") || ours.contains(*l)).count();
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     Counts { fds, memfd_maps: maps.lines().filter(|l| l.contains("memfd:tensorwire")).count() }
 }
@@ -80,6 +86,7 @@ async fn nothing_outlives_its_engine() {
         s.transfer(TransferOp::read(&la, 0, &lb.remote(), 0, 1 << 20)).await.unwrap();
         let during = counts();
         assert!(during.memfd_maps >= base.memfd_maps + 3, "a's mapping of b's region: {during:?}");
+        assert!(during.fds > base.fds, "memfds and shm sockets are counted: {during:?}");
         drop(s);
         la.deregister().await.unwrap();
         lb.deregister().await.unwrap();
