@@ -210,6 +210,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         split: None,
         time_scale: 0.02,
         prompts: 6,
+        processes: false,
     };
     let (d, c) = crate::demo::compare(&demo).await?;
     let cdf = |v: &[Duration]| -> Vec<(f64, f64)> {

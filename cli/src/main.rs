@@ -12,6 +12,7 @@
 mod bench;
 mod demo;
 mod plot;
+mod procs;
 mod profiles;
 mod report;
 mod serve;

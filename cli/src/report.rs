@@ -17,8 +17,8 @@ pub(crate) struct Summary {
     pub(crate) utilisation: Option<[f64; 3]>,
     /// Payload bytes the pipeline moved between stages.
     pub(crate) moved: u64,
-    /// Bytes the engines counted for those moves.
-    pub(crate) engine_bytes: u64,
+    /// Bytes the engines counted for those moves (None when they live in other processes).
+    pub(crate) engine_bytes: Option<u64>,
     /// Payload bytes over the time consumers spent receiving them.
     pub(crate) handoff_gbps: f64,
     /// Embedding cache hits.
@@ -107,15 +107,23 @@ pub(crate) fn print(d: &Summary, c: &Summary) {
         ),
         (
             "bytes moved".into(),
-            format!(
-                "{:.1} MiB (engines counted {:.1} MiB)",
-                d.moved as f64 / 1048576.0,
-                d.engine_bytes as f64 / 1048576.0
-            ),
+            match d.engine_bytes {
+                Some(b) => format!(
+                    "{:.1} MiB (engines counted {:.1} MiB)",
+                    d.moved as f64 / 1048576.0,
+                    b as f64 / 1048576.0
+                ),
+                None => format!("{:.1} MiB (checked by the workers)", d.moved as f64 / 1048576.0),
+            },
             "0 (no handoff)".into(),
             String::new(),
         ),
-        ("handoff GB/s".into(), format!("{:.2}", d.handoff_gbps), "-".into(), String::new()),
+        (
+            "handoff GB/s".into(),
+            if d.handoff_gbps > 0.0 { format!("{:.2}", d.handoff_gbps) } else { "-".into() },
+            "-".into(),
+            String::new(),
+        ),
         (
             "embedding cache hits".into(),
             d.cache_hits.to_string(),

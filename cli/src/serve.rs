@@ -168,6 +168,15 @@ pub(crate) struct WorkerArgs {
     /// File holding the cluster secret.
     #[arg(long)]
     pub(crate) secret_file: Option<PathBuf>,
+    /// Move real payloads: the store node's engine (control address)...
+    #[arg(long, requires = "store")]
+    pub(crate) store_engine: Option<SocketAddr>,
+    /// ...and its RPC address.
+    #[arg(long, requires = "store_engine")]
+    pub(crate) store: Option<SocketAddr>,
+    /// With payloads: the request mix (request r uses model r mod len), as in `demo --models`.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) models: Vec<String>,
 }
 
 /// Runs `worker`.
@@ -179,6 +188,13 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         r => return Err(format!("--role {r:?}: expected encode, denoise or decode")),
     };
     let all = profiles::load(a.profiles.as_deref())?;
+    if let (Some(se), Some(st)) = (a.store_engine, a.store) {
+        let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
+        let mix: Vec<crate::profiles::Model> =
+            profiles::pick(&all, &names)?.into_iter().cloned().collect();
+        return crate::procs::payload_worker(stage, a.connect, se, st, mix, a.time_scale, a.slots)
+            .await;
+    }
     let m = profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone();
     let ms = match stage {
         Stage::Encode => m.encode_ms,
@@ -204,7 +220,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         let t = Duration::from_secs_f64((ms * a.time_scale / 1e3).max(0.0));
         tokio::spawn(async move {
             tokio::time::sleep(t).await;
-            let _ = w.report(job, Ok(())).await;
+            let _ = w.report(&job, Ok(())).await;
         });
     }
     Err(format!("the orchestrator at {} closed the connection", a.connect))

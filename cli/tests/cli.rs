@@ -23,6 +23,15 @@ fn short_demo_prints_both_layouts() {
 }
 
 #[test]
+fn short_demo_with_worker_processes() {
+    let (ok, out, err) =
+        tensorwire(&["demo", "--processes", "--requests", "6", "--time-scale", "0.005"]);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("worker processes"), "{out}");
+    assert!(out.contains("checked by the workers"), "{out}");
+}
+
+#[test]
 fn short_simulation_reports_the_best_split() {
     let (ok, out, err) = tensorwire(&["simulate", "--requests", "2000", "--gpus", "5"]);
     assert!(ok, "{out}\n{err}");

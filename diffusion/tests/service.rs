@@ -44,7 +44,7 @@ async fn decode_worker() {
             continue; // never reports: the parent kills this process
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-        w.report(a, Ok(())).await.unwrap();
+        w.report(&a, Ok(())).await.unwrap();
         println!("@@DECODED {}", a.request);
     }
 }
@@ -116,7 +116,7 @@ async fn instant_worker(addr: std::net::SocketAddr, stage: Stage) -> tokio::task
             .unwrap();
     tokio::spawn(async move {
         while let Some(a) = rx.recv().await {
-            w.report(a, Ok(())).await.unwrap();
+            w.report(&a, Ok(())).await.unwrap();
         }
     })
 }

@@ -54,7 +54,7 @@ async fn handshake(
 }
 
 /// An item the orchestrator assigned to this worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Assignment {
     /// Request.
     pub request: u64,
@@ -62,6 +62,8 @@ pub struct Assignment {
     pub stage: Stage,
     /// Try number.
     pub attempt: u32,
+    /// What the previous stage reported (empty for encode).
+    pub inputs: Vec<u8>,
 }
 
 /// A stage worker connected to the service.
@@ -101,8 +103,10 @@ impl WorkerClient {
             }
         });
         let reader = tokio::spawn(async move {
-            while let Ok(Some(Msg::Assign { request, stage, attempt })) = read_msg(&mut rd).await {
-                if tx.send(Assignment { request, stage, attempt }).await.is_err() {
+            while let Ok(Some(Msg::Assign { request, stage, attempt, data })) =
+                read_msg(&mut rd).await
+            {
+                if tx.send(Assignment { request, stage, attempt, inputs: data }).await.is_err() {
                     break;
                 }
             }
@@ -126,12 +130,25 @@ impl WorkerClient {
     }
 
     /// Reports the end of an assignment.
-    pub async fn report(&self, a: Assignment, result: Result<()>) -> Result<()> {
-        let (ok, reason) = match result {
-            Ok(()) => (true, String::new()),
-            Err(e) => (false, e.to_string()),
+    pub async fn report(&self, a: &Assignment, result: Result<()>) -> Result<()> {
+        self.report_with(a, result.map(|()| Vec::new())).await
+    }
+
+    /// Reports the end of an assignment with outputs for the next stage (at most
+    /// [`super::wire::MAX_DATA`] bytes).
+    pub async fn report_with(&self, a: &Assignment, result: Result<Vec<u8>>) -> Result<()> {
+        let (ok, reason, data) = match result {
+            Ok(d) => (true, String::new(), d),
+            Err(e) => (false, e.to_string(), Vec::new()),
         };
-        let m = Msg::Result { request: a.request, stage: a.stage, ok, reason };
+        if data.len() > super::wire::MAX_DATA {
+            return Err(Error::Capacity {
+                what: "stage outputs".into(),
+                requested: data.len() as u64,
+                limit: super::wire::MAX_DATA as u64,
+            });
+        }
+        let m = Msg::Result { request: a.request, stage: a.stage, ok, reason, data };
         self.out
             .send(m)
             .await

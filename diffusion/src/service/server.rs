@@ -41,7 +41,7 @@ enum Event {
     Gone { worker: u64 },
     Heartbeat { worker: u64 },
     Credit { worker: u64, slots: u32 },
-    Result { worker: u64, request: u64, stage: Stage, ok: bool, reason: String },
+    Result { worker: u64, request: u64, stage: Stage, ok: bool, reason: String, data: Vec<u8> },
     Submit { request: u64, priority: crate::queue::Priority, tx: mpsc::Sender<Msg> },
 }
 
@@ -144,8 +144,8 @@ async fn connection(
             let ev = match m {
                 Msg::Heartbeat if is_worker => Event::Heartbeat { worker },
                 Msg::Credit { slots } if is_worker => Event::Credit { worker, slots },
-                Msg::Result { request, stage, ok, reason } if is_worker => {
-                    Event::Result { worker, request, stage, ok, reason }
+                Msg::Result { request, stage, ok, reason, data } if is_worker => {
+                    Event::Result { worker, request, stage, ok, reason, data }
                 }
                 Msg::Submit { request, priority, .. } if !is_worker => {
                     Event::Submit { request, priority, tx: out_tx.clone() }
@@ -173,6 +173,7 @@ async fn run(mut s: Scheduler, mut rx: mpsc::Receiver<Event>) {
     let mut next = 0u64;
     let mut workers: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
     let mut waiting: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
+    let mut outputs: HashMap<u64, Vec<u8>> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         let ev = tokio::select! {
@@ -195,10 +196,12 @@ async fn run(mut s: Scheduler, mut rx: mpsc::Receiver<Event>) {
             }
             Some(Event::Heartbeat { worker }) => s.heartbeat(WorkerId(worker), now),
             Some(Event::Credit { worker, slots }) => s.credit(WorkerId(worker), slots, now),
-            Some(Event::Result { worker, request, stage, ok, reason }) => {
+            Some(Event::Result { worker, request, stage, ok, reason, data }) => {
                 let key = ItemKey { request, stage };
                 if ok {
-                    s.finished(key, WorkerId(worker), now);
+                    if s.finished(key, WorkerId(worker), now) {
+                        outputs.insert(request, data); // the next stage's inputs
+                    }
                 } else {
                     s.failed(key, WorkerId(worker), &reason, now);
                 }
@@ -216,10 +219,12 @@ async fn run(mut s: Scheduler, mut rx: mpsc::Receiver<Event>) {
             None => {}
         }
         for d in s.dispatch(now) {
+            let data = outputs.get(&d.item.key.request).cloned().unwrap_or_default();
             let m = Msg::Assign {
                 request: d.item.key.request,
                 stage: d.item.key.stage,
                 attempt: d.item.attempt,
+                data,
             };
             let sent = workers.get(&d.worker.0).is_some_and(|tx| tx.try_send(m).is_ok());
             if !sent {
@@ -233,6 +238,7 @@ async fn run(mut s: Scheduler, mut rx: mpsc::Receiver<Event>) {
                 Outcome::Completed { request } => (request, true, String::new()),
                 Outcome::Failed { request, reason } => (request, false, reason),
             };
+            outputs.remove(&request);
             if let Some(tx) = waiting.remove(&request) {
                 let _ = tx.try_send(Msg::Outcome { request, ok, reason });
             }

@@ -20,6 +20,8 @@ const VERSION: u8 = 1;
 pub const MAX_PAYLOAD: u32 = 64 << 10;
 const MAX_TEXT: usize = 1024;
 const MAX_LABELS: usize = 8;
+/// Largest opaque stage data (inputs / outputs) in one message.
+pub const MAX_DATA: usize = 48 << 10;
 
 /// What a client is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,10 +59,11 @@ pub enum Msg {
     Heartbeat,
     /// Worker: its slot count changed.
     Credit { slots: u32 },
-    /// Server -> worker: run this item.
-    Assign { request: u64, stage: Stage, attempt: u32 },
-    /// Worker: an item ended.
-    Result { request: u64, stage: Stage, ok: bool, reason: String },
+    /// Server -> worker: run this item; `data` is what the previous stage reported (its outputs,
+    /// e.g. encoded payload references), empty for the first stage.
+    Assign { request: u64, stage: Stage, attempt: u32, data: Vec<u8> },
+    /// Worker: an item ended; `data` (its outputs) goes to the next stage's assignment.
+    Result { request: u64, stage: Stage, ok: bool, reason: String, data: Vec<u8> },
     /// Submitter: a new request.
     Submit { request: u64, priority: Priority, deadline_ms: u64 },
     /// Server -> submitter: a request ended.
@@ -142,12 +145,16 @@ impl Msg {
                 w.u32(*slots);
                 7
             }
-            Msg::Assign { request, stage, attempt } => {
-                w.u64(*request).u8(stage_tag(*stage)).u32(*attempt);
+            Msg::Assign { request, stage, attempt, data } => {
+                w.u64(*request).u8(stage_tag(*stage)).u32(*attempt).bytes(data);
                 8
             }
-            Msg::Result { request, stage, ok, reason } => {
-                w.u64(*request).u8(stage_tag(*stage)).u8(u8::from(*ok)).str(clip(reason));
+            Msg::Result { request, stage, ok, reason, data } => {
+                w.u64(*request)
+                    .u8(stage_tag(*stage))
+                    .u8(u8::from(*ok))
+                    .str(clip(reason))
+                    .bytes(data);
                 9
             }
             Msg::Submit { request, priority, deadline_ms } => {
@@ -224,12 +231,18 @@ impl Msg {
             5 => Msg::Reject { reason: r.str(MAX_TEXT, "reason")? },
             6 => Msg::Heartbeat,
             7 => Msg::Credit { slots: r.u32()? },
-            8 => Msg::Assign { request: r.u64()?, stage: stage_of(r.u8()?)?, attempt: r.u32()? },
+            8 => Msg::Assign {
+                request: r.u64()?,
+                stage: stage_of(r.u8()?)?,
+                attempt: r.u32()?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
+            },
             9 => Msg::Result {
                 request: r.u64()?,
                 stage: stage_of(r.u8()?)?,
                 ok: r.u8()? != 0,
                 reason: r.str(MAX_TEXT, "reason")?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
             },
             10 => {
                 let request = r.u64()?;
@@ -286,8 +299,14 @@ mod tests {
                 },
             },
             Msg::Hello { proof: [0; AUTH_LEN], role: Role::Submitter },
-            Msg::Assign { request: 9, stage: Stage::Denoise, attempt: 2 },
-            Msg::Result { request: 9, stage: Stage::Denoise, ok: false, reason: "oom".into() },
+            Msg::Assign { request: 9, stage: Stage::Denoise, attempt: 2, data: vec![1, 2] },
+            Msg::Result {
+                request: 9,
+                stage: Stage::Denoise,
+                ok: false,
+                reason: "oom".into(),
+                data: vec![],
+            },
             Msg::Submit { request: 1, priority: Priority::Interactive, deadline_ms: 5 },
             Msg::Outcome { request: 1, ok: true, reason: String::new() },
             Msg::Heartbeat,

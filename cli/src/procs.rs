@@ -1,0 +1,326 @@
+//! `tensorwire demo --processes`: the disaggregated run with every stage worker in its own OS
+//! process over tcp. The parent runs an engine with a store node and the orchestrator service;
+//! each worker (`tensorwire worker ... --store-engine --store`) has its own engine and connector,
+//! consumes its inputs from the references the orchestrator passes along, simulates the stage
+//! time, publishes its outputs (embeddings through the store, latents p2p in temporal chunks)
+//! and checks every byte it receives. Decode workers report the time of their first decoded
+//! chunk on stdout, which gives TTFF.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tensorwire_core::wire::codec::{Reader, Writer};
+use tensorwire_core::{DType, Engine, Error, Permissions, TensorMeta};
+use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_diffusion::service::{
+    Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
+};
+use tensorwire_diffusion::{
+    Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
+    PayloadRef, Priority, Role, Stage, StagePayload,
+};
+use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
+use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+use crate::demo::{DemoArgs, Split};
+use crate::profiles::Model;
+use crate::report::Summary;
+
+fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+fn fill(len: u64, seed: u64) -> Vec<u8> {
+    (0..len as usize)
+        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9).wrapping_add(seed) as u8)
+        .collect()
+}
+
+fn encode_refs(refs: &[PayloadRef]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(refs.len() as u32);
+    for r in refs {
+        r.encode(&mut w);
+    }
+    w.finish()
+}
+
+fn decode_refs(b: &[u8]) -> tensorwire_core::Result<Vec<PayloadRef>> {
+    let mut r = Reader::new(b, "stage outputs");
+    let n = r.count(16, "payload refs")?;
+    let v =
+        (0..n).map(|_| PayloadRef::decode(&mut r)).collect::<tensorwire_core::Result<Vec<_>>>()?;
+    r.finish()?;
+    Ok(v)
+}
+
+async fn tcp_engine() -> Result<Engine, String> {
+    let tcp = TcpBackend::new(TcpConfig::default()).map_err(|e| e.to_string())?;
+    Engine::builder().backend(tcp).start().await.map_err(|e| e.to_string())
+}
+
+/// The body of a payload-moving worker for one assignment.
+async fn run_item(
+    c: &DiffusionConnector,
+    m: &Model,
+    a: &Assignment,
+    scale: f64,
+) -> tensorwire_core::Result<Vec<u8>> {
+    let sleep = |ms: f64| tokio::time::sleep(Duration::from_secs_f64((ms * scale / 1e3).max(0.0)));
+    let embed = TensorMeta::contiguous(DType::BF16, &[m.embed_bytes / 2]);
+    let latent = TensorMeta::contiguous(DType::BF16, &m.latent_shape);
+    match a.stage {
+        Stage::Encode => {
+            sleep(m.encode_ms).await;
+            let buf = Arc::new(c.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
+            buf.write_bytes(0, &fill(m.embed_bytes, a.request))?;
+            let payload = StagePayload {
+                request: a.request,
+                kind: PayloadKind::ConditionEmbedding,
+                region: buf,
+                offset: 0,
+                meta: embed,
+                chunking: None,
+                lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
+            };
+            let mut p = c.publish(payload, None)?;
+            p.stored().await?;
+            Ok(encode_refs(&[p.reference.clone()]))
+        }
+        Stage::Denoise => {
+            let refs = decode_refs(&a.inputs)?;
+            let emb =
+                refs.first().ok_or_else(|| Error::protocol("denoise without an embedding"))?;
+            let dst = Arc::new(c.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
+            c.consume(emb, dst.clone(), 0, Some(&embed))?.all().await?;
+            if dst.to_vec(0, m.embed_bytes)? != fill(m.embed_bytes, a.request) {
+                return Err(Error::protocol(format!(
+                    "request {}: embedding bytes differ",
+                    a.request
+                )));
+            }
+            sleep(m.denoise_ms()).await;
+            let buf = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::READ).await?);
+            buf.write_bytes(0, &fill(m.latent_bytes, a.request + 1))?;
+            let payload = StagePayload {
+                request: a.request,
+                kind: PayloadKind::Latent,
+                region: buf,
+                offset: 0,
+                meta: latent,
+                chunking: m.chunks().map(|(dim, count)| Chunking { dim, count }),
+                lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
+            };
+            let mut p = c.publish(payload, Some(ConsumerHint { credit: 1 }))?;
+            p.mark_all_ready()?;
+            Ok(encode_refs(&[p.reference.clone()]))
+        }
+        Stage::Decode => {
+            let refs = decode_refs(&a.inputs)?;
+            let lat = refs.first().ok_or_else(|| Error::protocol("decode without a latent"))?;
+            let dst = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
+            let chunks = m.chunks().map_or(1, |(_, n)| n);
+            let mut cons = c.consume(lat, dst.clone(), 0, Some(&latent))?;
+            let mut first = true;
+            while cons.next().await?.is_some() {
+                sleep(m.decode_ms / f64::from(chunks)).await;
+                if first {
+                    println!("@@FIRST {} {}", a.request, now_us());
+                    first = false;
+                }
+            }
+            if dst.to_vec(0, m.latent_bytes)? != fill(m.latent_bytes, a.request + 1) {
+                return Err(Error::protocol(format!("request {}: latent bytes differ", a.request)));
+            }
+            Ok(Vec::new())
+        }
+    }
+}
+
+/// A worker process that moves payloads (called from `tensorwire worker --store-engine ...`).
+pub(crate) async fn payload_worker(
+    stage: Stage,
+    orch: SocketAddr,
+    store_engine: SocketAddr,
+    store_rpc: SocketAddr,
+    models: Vec<Model>,
+    scale: f64,
+    slots: u32,
+) -> Result<(), String> {
+    let engine = tcp_engine().await?;
+    let store: Arc<dyn Store> = Arc::new(
+        RemoteStore::connect(&engine, store_engine, store_rpc).await.map_err(|e| e.to_string())?,
+    );
+    let role = match stage {
+        Stage::Encode => Role::Encode,
+        Stage::Denoise => Role::Denoise,
+        Stage::Decode => Role::Decode,
+    };
+    let cfg = ConnectorConfig {
+        role,
+        mode: Mode::Auto,
+        checksum: false,
+        wait_timeout: Duration::from_secs(30),
+    };
+    let conn = Arc::new(DiffusionConnector::new(engine, Some(store), cfg));
+    let (w, mut rx) = WorkerClient::connect(
+        orch,
+        None,
+        stage,
+        slots.max(1),
+        "localhost",
+        Duration::from_millis(500),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    println!("@@JOINED {}", w.id());
+    let (w, models) = (Arc::new(w), Arc::new(models));
+    while let Some(a) = rx.recv().await {
+        let (w, models, conn) = (w.clone(), models.clone(), conn.clone());
+        tokio::spawn(async move {
+            let m = &models[(a.request as usize) % models.len()];
+            let r = run_item(&conn, m, &a, scale).await;
+            let _ = w.report_with(&a, r).await;
+        });
+    }
+    Err(format!("the orchestrator at {orch} closed the connection"))
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The disaggregated run with worker processes.
+pub(crate) async fn disaggregated(
+    a: &DemoArgs,
+    models: &[Model],
+    split: Split,
+) -> Result<Summary, String> {
+    let node_engine = tcp_engine().await?;
+    let store = EmbeddedStore::new(
+        &node_engine,
+        StoreConfig { capacity: 512 << 20, shared: true, ..StoreConfig::default() },
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().map_err(|_| "address")?)
+        .await
+        .map_err(|e| e.to_string())?;
+    let cfg = ServiceConfig {
+        sched: SchedConfig { heartbeat_timeout: Duration::from_secs(10), ..SchedConfig::default() },
+        policy: Box::new(MaxFreeCredit),
+        secret: None,
+        handshake_timeout: Duration::from_secs(10),
+    };
+    let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
+        .await
+        .map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(4096);
+    let mut procs = Vec::new();
+    let names = models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(",");
+    for (role, n) in
+        [("encode", split.encode), ("denoise", split.denoise), ("decode", split.decode)]
+    {
+        for _ in 0..n {
+            let mut cmd = Command::new(&exe);
+            cmd.args(["worker", "--role", role, "--connect", &orch.addr().to_string()])
+                .args([
+                    "--store-engine",
+                    &node_engine.local_addr().to_string(),
+                    "--store",
+                    &node.addr().to_string(),
+                ])
+                .args(["--models", &names, "--time-scale", &a.time_scale.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit());
+            if let Some(p) = &a.profiles {
+                cmd.arg("--profiles").arg(p);
+            }
+            let mut child = cmd.spawn().map_err(|e| format!("spawn a worker: {e}"))?;
+            let out = child.stdout.take().ok_or("worker stdout")?;
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(out).lines().map_while(Result::ok) {
+                    if let Some(at) = l.find("@@") {
+                        let _ = tx.blocking_send(l[at + 2..].to_string());
+                    }
+                }
+            });
+            procs.push(Proc(child));
+        }
+    }
+    drop(tx);
+    let workers = (split.encode + split.denoise + split.decode) as usize;
+    let mut joined = 0;
+    while joined < workers {
+        match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+            Ok(Some(l)) if l.starts_with("JOINED") => joined += 1,
+            Ok(Some(_)) => {}
+            _ => return Err(format!("only {joined} of {workers} worker processes joined")),
+        }
+    }
+    let sub = SubmitClient::connect(orch.addr(), None).await.map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    let t0 = now_us();
+    let mut outs = Vec::new();
+    for r in 0..a.requests {
+        outs.push((r, sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?));
+    }
+    // Each outcome is timed when it arrives, not when this loop gets to it.
+    let waits: Vec<_> = outs
+        .into_iter()
+        .map(|(r, o)| {
+            tokio::spawn(async move {
+                match tokio::time::timeout(Duration::from_secs(600), o).await {
+                    Ok(Ok(Ok(()))) => Ok((r, start.elapsed())),
+                    Ok(Ok(Err(e))) => Err(format!("request {r} failed: {e}")),
+                    _ => Err(format!("request {r}: no outcome")),
+                }
+            })
+        })
+        .collect();
+    let mut e2e = Vec::new();
+    let mut moved = 0u64;
+    for w in waits {
+        let (r, t) = w.await.map_err(|e| e.to_string())??;
+        e2e.push(t);
+        let m = &models[(r as usize) % models.len()];
+        moved += m.embed_bytes + m.latent_bytes;
+    }
+    let elapsed = start.elapsed();
+    let mut firsts: HashMap<u64, u64> = HashMap::new();
+    while let Ok(Some(l)) = tokio::time::timeout(Duration::from_millis(300), rx.recv()).await {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if let ["FIRST", r, us] = f[..] {
+            if let (Ok(r), Ok(us)) = (r.parse::<u64>(), us.parse::<u64>()) {
+                firsts.entry(r).or_insert(us);
+            }
+        }
+    }
+    let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
+    drop(procs);
+    let left = store.stats().await.map_err(|e| e.to_string())?;
+    Ok(Summary {
+        requests: a.requests,
+        elapsed,
+        ttff,
+        e2e,
+        utilisation: None,
+        moved,
+        engine_bytes: None,
+        handoff_gbps: 0.0,
+        cache_hits: 0,
+        store_left: left.objects,
+        layout: format!("{}:{}:{} worker processes", split.encode, split.denoise, split.decode),
+    })
+}
