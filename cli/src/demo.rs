@@ -117,17 +117,17 @@ fn scaled(ms: f64, scale: f64) -> Duration {
     Duration::from_secs_f64((ms * scale / 1000.0).max(0.0))
 }
 
-fn fill(len: u64, seed: u64) -> Vec<u8> {
+pub(crate) fn fill(len: u64, seed: u64) -> Vec<u8> {
     (0..len as usize)
         .map(|i| (i as u64).wrapping_mul(0x9e37_79b9).wrapping_add(seed) as u8)
         .collect()
 }
 
-fn embed_meta(m: &Model) -> TensorMeta {
+pub(crate) fn embed_meta(m: &Model) -> TensorMeta {
     TensorMeta::contiguous(DType::BF16, &[m.embed_bytes / 2])
 }
 
-fn latent_meta(m: &Model) -> TensorMeta {
+pub(crate) fn latent_meta(m: &Model) -> TensorMeta {
     TensorMeta::contiguous(DType::BF16, &m.latent_shape)
 }
 
@@ -266,7 +266,7 @@ async fn decode(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
     Ok(())
 }
 
-async fn tcp_engine() -> Result<Engine, String> {
+pub(crate) async fn tcp_engine() -> Result<Engine, String> {
     let tcp = TcpBackend::new(TcpConfig::default()).map_err(err)?;
     Engine::builder().backend(tcp).start().await.map_err(err)
 }

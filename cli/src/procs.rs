@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::{DType, Engine, Error, Permissions, TensorMeta};
+use tensorwire_core::{Error, Permissions};
 use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig};
 use tensorwire_diffusion::service::{
     Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
@@ -24,20 +24,13 @@ use tensorwire_diffusion::{
     PayloadRef, Priority, Role, Stage, StagePayload,
 };
 use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
-use tensorwire_tcp::{TcpBackend, TcpConfig};
 
-use crate::demo::{DemoArgs, Split};
+use crate::demo::{DemoArgs, Split, embed_meta, fill, latent_meta, tcp_engine};
 use crate::profiles::Model;
 use crate::report::Summary;
 
 fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
-}
-
-fn fill(len: u64, seed: u64) -> Vec<u8> {
-    (0..len as usize)
-        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9).wrapping_add(seed) as u8)
-        .collect()
 }
 
 fn encode_refs(refs: &[PayloadRef]) -> Vec<u8> {
@@ -58,11 +51,6 @@ fn decode_refs(b: &[u8]) -> tensorwire_core::Result<Vec<PayloadRef>> {
     Ok(v)
 }
 
-async fn tcp_engine() -> Result<Engine, String> {
-    let tcp = TcpBackend::new(TcpConfig::default()).map_err(|e| e.to_string())?;
-    Engine::builder().backend(tcp).start().await.map_err(|e| e.to_string())
-}
-
 /// The body of a payload-moving worker for one assignment.
 async fn run_item(
     c: &DiffusionConnector,
@@ -71,8 +59,7 @@ async fn run_item(
     scale: f64,
 ) -> tensorwire_core::Result<Vec<u8>> {
     let sleep = |ms: f64| tokio::time::sleep(Duration::from_secs_f64((ms * scale / 1e3).max(0.0)));
-    let embed = TensorMeta::contiguous(DType::BF16, &[m.embed_bytes / 2]);
-    let latent = TensorMeta::contiguous(DType::BF16, &m.latent_shape);
+    let (embed, latent) = (embed_meta(m), latent_meta(m));
     match a.stage {
         Stage::Encode => {
             sleep(m.encode_ms).await;

@@ -164,6 +164,20 @@ pub fn check_meta(meta: &TensorMeta, len: u64) -> Result<()> {
     })
 }
 
+/// Checks `[offset, offset+len)` lies inside `r` ("source" or "destination" in `what`) and returns
+/// its address.
+pub(crate) fn check_range(r: &Region, offset: u64, len: u64, what: &str) -> Result<usize> {
+    match offset.checked_add(len) {
+        Some(end) if end <= r.len() => Ok(r.as_ptr() as usize + offset as usize),
+        _ => Err(Error::OutOfBounds {
+            what: format!("{what} region {}", r.id().0),
+            offset,
+            len,
+            limit: r.len(),
+        }),
+    }
+}
+
 /// A printable form of a key for messages.
 pub(crate) fn show_key(key: &[u8]) -> String {
     match std::str::from_utf8(key) {

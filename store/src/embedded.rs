@@ -11,7 +11,7 @@ use tensorwire_core::copy::copy_bytes;
 use tensorwire_core::sync::lock;
 use tensorwire_core::{Engine, Error, Permissions, Region, RemoteRegion, Result, TensorMeta};
 
-use crate::api::{Retention, Store, StoreStats, check_key, check_meta, missing};
+use crate::api::{Retention, Store, StoreStats, check_key, check_meta, check_range, missing};
 use crate::spill::Spill;
 use crate::state::{Evictor, Loc, Marks, Opened, PoolState, Reserved, Victim, deadline};
 
@@ -261,18 +261,6 @@ impl Drop for EmbeddedStore {
                 spill.remove(id);
             }
         }
-    }
-}
-
-fn check_range(r: &Region, offset: u64, len: u64, what: &str) -> Result<usize> {
-    match offset.checked_add(len) {
-        Some(end) if end <= r.len() => Ok(r.as_ptr() as usize + offset as usize),
-        _ => Err(Error::OutOfBounds {
-            what: format!("{what} region {}", r.id().0),
-            offset,
-            len,
-            limit: r.len(),
-        }),
     }
 }
 

@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
-use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
+use crate::api::{Retention, Store, StoreStats, check_key, check_meta, check_range};
 use crate::embedded::PendingPut;
 use crate::node::read_frame;
 use crate::rpc::{self, Request, Response};
@@ -243,14 +243,7 @@ impl Store for RemoteStore {
         len: u64,
         r: Retention,
     ) -> Result<()> {
-        if offset.checked_add(len).is_none_or(|e| e > src.len()) {
-            return Err(Error::OutOfBounds {
-                what: format!("source region {}", src.id().0),
-                offset,
-                len,
-                limit: src.len(),
-            });
-        }
+        check_range(src, offset, len, "source")?;
         let (ticket, at) = self.reserve(key, meta, len, r).await?;
         let moved = if len == 0 {
             Ok(())
@@ -287,13 +280,8 @@ impl Store for RemoteStore {
 
     async fn get_into(&self, key: &[u8], dst: &Region, offset: u64) -> Result<(TensorMeta, u64)> {
         let (ticket, at, len, meta) = self.open(key).await?;
-        let r = if offset.checked_add(len).is_none_or(|e| e > dst.len()) {
-            Err(Error::OutOfBounds {
-                what: format!("destination region {}", dst.id().0),
-                offset,
-                len,
-                limit: dst.len(),
-            })
+        let r = if let Err(e) = check_range(dst, offset, len, "destination") {
+            Err(e)
         } else if len == 0 {
             Ok(())
         } else {
