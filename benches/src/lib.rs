@@ -1,6 +1,6 @@
 //! The tensorwire bench harness: every figure is a ratio against the raw medium measured in the
 //! same run, interleaved with the tensorwire measurement (a plain tokio socket pair for tcp,
-//! memcpy for in-process and same-host backends; for the store, memcpy or a raw engine transfer).
+//! ucx_perftest for ucx, memcpy for in-process and same-host backends; for the store, memcpy or a raw engine transfer).
 //! The `xfer` binary drives it and prints one JSON line per measurement.
 
 pub mod connector;
@@ -12,3 +12,4 @@ pub mod report;
 pub mod store;
 pub mod suite;
 pub mod transfer;
+pub mod ucx_perftest;

@@ -5,12 +5,13 @@
 use tensorwire_core::{Error, Result};
 
 use crate::connector::{ConnectorBench, Overlap};
-use crate::measure::{Budget, interleaved};
+use crate::measure::{Budget, gbps, interleaved};
 use crate::memcpy::Memcpy;
 use crate::raw_tcp::RawTcp;
 use crate::report::Line;
 use crate::store::{StoreBench, StoreMode};
 use crate::transfer::{BACKENDS, EnginePair};
+use crate::ucx_perftest::Perftest;
 
 /// How much to measure.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +38,9 @@ pub async fn transfers(
         return Err(Error::InvalidArgument(format!(
             "--backend {backend}: this harness knows {BACKENDS:?}"
         )));
+    }
+    if backend == "ucx" {
+        return ucx_transfers(sizes, ops, plan, on_line).await;
     }
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let streams = if backend == "tcp" { plan.streams.max(1) } else { 1 };
@@ -68,6 +72,42 @@ pub async fn transfers(
             .await?;
             let op = if write { "write" } else { "read" };
             let line = Line::from_samples(backend, op, size, streams, baseline, tw, base);
+            on_line(&line);
+            lines.push(line);
+        }
+    }
+    pair.a.shutdown().await;
+    pair.b.shutdown().await;
+    Ok(lines)
+}
+
+/// UCX transfers against `ucx_perftest` (one process pair per sample, same size and UCX
+/// environment), runs alternating which side goes first.
+async fn ucx_transfers(
+    sizes: &[u64],
+    ops: &[bool],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+) -> Result<Vec<Line>> {
+    let perf = Perftest::new()?;
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let pair = EnginePair::new("ucx", 1, max).await?;
+    let mut lines = Vec::new();
+    for &size in sizes {
+        for &write in ops {
+            let (mut tw, mut base) = (Vec::new(), Vec::new());
+            for run in 0..plan.runs.max(1) {
+                let ours = || gbps(plan.budget, size, || pair.op(write, size, "ucx"));
+                if run % 2 == 0 {
+                    base.push(perf.sample(write, size, plan.budget).await?);
+                    tw.push(ours().await?);
+                } else {
+                    tw.push(ours().await?);
+                    base.push(perf.sample(write, size, plan.budget).await?);
+                }
+            }
+            let op = if write { "write" } else { "read" };
+            let line = Line::from_samples("ucx", op, size, 1, &perf.name(), tw, base);
             on_line(&line);
             lines.push(line);
         }

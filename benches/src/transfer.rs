@@ -10,7 +10,7 @@ use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 /// Backends the harness can build.
-pub const BACKENDS: &[&str] = &["tcp", "shm", "mem"];
+pub const BACKENDS: &[&str] = &["tcp", "shm", "mem", "ucx"];
 
 /// Makes one backend instance of `name`.
 pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
@@ -18,6 +18,8 @@ pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
         "tcp" => Ok(TcpBackend::new(TcpConfig { streams, ..TcpConfig::default() })?),
         "shm" => Ok(ShmBackend::new()?),
         "mem" => Ok(MemBackend::new()),
+        // Transports from UCX's environment (UCX_TLS, ...), which the baseline inherits too.
+        "ucx" => tensorwire_ucx::new_backend(tensorwire_ucx::UcxConfig::default()),
         other => Err(Error::InvalidArgument(format!(
             "unknown backend {other:?}; this harness knows {BACKENDS:?}"
         ))),

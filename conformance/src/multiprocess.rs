@@ -155,7 +155,8 @@ pub async fn child_stopped_then_killed(backend: Arc<dyn Backend>) {
     let s = e.connect(child.addr).await.unwrap();
     let remote = s.remote_region(child.region).unwrap();
     s.transfer(TransferOp::write(&src, 0, &remote, 0, 4096)).await.expect("warm-up write");
-    assert!(alive_tasks() > tasks_before, "the connection's tasks are running");
+    // Backends that serve connections with tokio tasks have some running now (a backend with its
+    // own progress thread has none); either way none may outlive the dead peer.
 
     signal(&child.child, libc::SIGSTOP);
     let ops = (0..n).map(|i| TransferOp::write(&src, i * size, &remote, i * size, size)).collect();

@@ -1,0 +1,514 @@
+//! The initiating side, on the progress thread. An op asks the target to check and hold the
+//! region (Begin); once granted it moves its bytes with `ucp_put_nbx`/`ucp_get_nbx` in segments
+//! (at most `window` in flight), a WRITE then flushes the endpoint so the bytes are in place at
+//! the peer, and End releases the region. A notification is sent after every op before it has
+//! completed (the connection's fence), and acknowledged by the target.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tensorwire_core::backend::Direction;
+use tensorwire_core::fence::FenceTicket;
+use tensorwire_core::region::MemSlice;
+use tensorwire_core::wire::error::decode_error;
+use tensorwire_core::{Error, Missing, RegionId, Result};
+use tensorwire_ucx_sys as sys;
+use tokio::sync::oneshot;
+
+use crate::ffi::{self, Endpoint, MemHandle, RemoteKey, Rma, Started};
+use crate::gate::OpGate;
+use crate::progress::{INBOUND, Progress, Submitted, Token};
+use crate::wire::{Kind, MAX_NOTIFY_WIRE, Msg, OK, WRITE};
+
+/// Remote keys cached per connection before the cache starts over.
+const MAX_RKEYS: usize = 4096;
+/// Request id of the Hello.
+const HELLO: u64 = 0;
+
+/// One connection to a peer's backend.
+#[derive(Debug)]
+pub(crate) struct OutConn {
+    /// Unpacked remote keys by region, with the blob they came from. Declared before `ep`: keys
+    /// are destroyed before their endpoint.
+    rkeys: HashMap<RegionId, (Bytes, Rc<RemoteKey>)>,
+    ep: Endpoint,
+    dead: Option<Error>,
+    connecting: Option<oneshot::Sender<Result<u64>>>,
+    grants: HashMap<u64, u64>,
+    notifies: HashMap<u64, oneshot::Sender<Result<()>>>,
+    deadlines: VecDeque<(Instant, u64)>,
+    next_req: u64,
+    ops: HashSet<u64>,
+    closing: bool,
+}
+
+impl OutConn {
+    /// Whether an answer from the peer is awaited.
+    pub(crate) fn waiting(&self) -> bool {
+        self.connecting.is_some() || !self.grants.is_empty() || !self.notifies.is_empty()
+    }
+
+    fn awaits(&self, req: u64) -> bool {
+        if req == HELLO {
+            self.connecting.is_some()
+        } else {
+            self.grants.contains_key(&req) || self.notifies.contains_key(&req)
+        }
+    }
+
+    /// Whether an awaited answer is past its deadline (answered requests are skipped).
+    pub(crate) fn overdue(&mut self, now: Instant) -> bool {
+        while let Some(&(deadline, req)) = self.deadlines.front() {
+            if self.dead.is_some() || !self.awaits(req) {
+                self.deadlines.pop_front();
+                continue;
+            }
+            return deadline <= now;
+        }
+        false
+    }
+}
+
+/// One op in flight.
+#[derive(Debug)]
+pub(crate) struct OpState {
+    pub(crate) conn: u64,
+    req: u64,
+    write: bool,
+    local: MemSlice,
+    memh: Option<Rc<MemHandle>>,
+    region: RegionId,
+    blob: Option<Bytes>,
+    rkey: Option<Rc<RemoteKey>>,
+    addr: u64,
+    next: u64,
+    inflight: u32,
+    granted: bool,
+    flushing: bool,
+    error: Option<Error>,
+    gate: Arc<OpGate>,
+    done: oneshot::Sender<Result<()>>,
+    _ticket: FenceTicket,
+    last: Instant,
+}
+
+impl OpState {
+    /// Whether requests are outstanding with no progress for `bound`.
+    pub(crate) fn stalled(&self, now: Instant, bound: Duration) -> bool {
+        (self.inflight > 0 || self.flushing) && now.duration_since(self.last) > bound
+    }
+
+    /// Resolves the op with `e` at once (shutdown of the thread: no request is left).
+    pub(crate) fn fail_now(self, e: Error) {
+        let _ = self.done.send(Err(e));
+    }
+}
+
+fn closed() -> Error {
+    Error::PeerClosed("ucx connection closed".into())
+}
+
+impl Progress {
+    pub(crate) fn connect(&mut self, address: &[u8], reply: oneshot::Sender<Result<u64>>) {
+        if self.stopping.is_some() {
+            let _ = reply.send(Err(Error::PeerClosed("local ucx backend shut down".into())));
+            return;
+        }
+        let mut id = rand::random::<u64>() & !INBOUND;
+        while id == 0 || self.out.contains_key(&id) {
+            id = rand::random::<u64>() & !INBOUND;
+        }
+        let ep = match self.worker.connect(address, id, self.cfg.peer_failure_detection) {
+            Ok(ep) => ep,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        let hello = Msg { body: &self.address, ..Msg::new(Kind::Hello, id, HELLO) };
+        if let Err(e) = self.tokens.send(&ep, id, &hello) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        let deadline = Instant::now() + self.cfg.answer_timeout;
+        self.out.insert(
+            id,
+            OutConn {
+                rkeys: HashMap::new(),
+                ep,
+                dead: None,
+                connecting: Some(reply),
+                grants: HashMap::new(),
+                notifies: HashMap::new(),
+                deadlines: VecDeque::from([(deadline, HELLO)]),
+                next_req: HELLO + 1,
+                ops: HashSet::new(),
+                closing: false,
+            },
+        );
+    }
+
+    pub(crate) fn hello_ack(&mut self, msg: &Msg<'_>) {
+        let Some(c) = self.out.get_mut(&msg.conn) else { return };
+        let Some(reply) = c.connecting.take() else { return };
+        if msg.ok() {
+            let _ = reply.send(Ok(msg.conn));
+        } else {
+            let e = decode_error(msg.body).unwrap_or_else(|e| e);
+            let _ = reply.send(Err(e.clone()));
+            self.kill(msg.conn, e);
+        }
+    }
+
+    pub(crate) fn submit(&mut self, conn: u64, ops: Vec<Submitted>) {
+        let now = Instant::now();
+        for s in ops {
+            let Some(c) = self.out.get_mut(&conn) else {
+                let _ = s.done.send(Err(closed()));
+                continue;
+            };
+            if let Some(e) = &c.dead {
+                let _ = s.done.send(Err(e.clone()));
+                continue;
+            }
+            if s.op.local.is_empty() {
+                let _ = s.done.send(Ok(()));
+                continue;
+            }
+            let write = s.op.dir == Direction::Write;
+            let req = c.next_req;
+            c.next_req += 1;
+            let begin = Msg {
+                flags: if write { WRITE } else { 0 },
+                region: s.op.remote.region,
+                key: s.op.remote.key,
+                offset: s.op.remote.offset,
+                len: s.op.local.len(),
+                ..Msg::new(Kind::Begin, conn, req)
+            };
+            if let Err(e) = self.tokens.send(&c.ep, conn, &begin) {
+                let _ = s.done.send(Err(e));
+                continue;
+            }
+            self.next_op += 1;
+            let id = self.next_op;
+            c.grants.insert(req, id);
+            c.deadlines.push_back((now + self.cfg.answer_timeout, req));
+            c.ops.insert(id);
+            let memh = self.regions.get(&s.op.local.region_id()).cloned();
+            let blob = s.op.remote.blob.clone();
+            self.ops.insert(
+                id,
+                OpState {
+                    conn,
+                    req,
+                    write,
+                    memh,
+                    region: s.op.remote.region,
+                    blob: (!blob.is_empty()).then_some(blob),
+                    local: s.op.local,
+                    rkey: None,
+                    addr: 0,
+                    next: 0,
+                    inflight: 0,
+                    granted: false,
+                    flushing: false,
+                    error: None,
+                    gate: s.gate,
+                    done: s.done,
+                    _ticket: s.ticket,
+                    last: now,
+                },
+            );
+        }
+    }
+
+    pub(crate) fn granted(&mut self, msg: &Msg<'_>) {
+        let Some(c) = self.out.get_mut(&msg.conn) else { return };
+        let Some(id) = c.grants.remove(&msg.req) else {
+            tracing::warn!(req = msg.req, "ucx: a grant for no waiting op");
+            return;
+        };
+        let Some(op) = self.ops.get_mut(&id) else { return };
+        op.last = Instant::now();
+        if !msg.ok() {
+            let e = decode_error(msg.body).unwrap_or_else(|e| e);
+            if matches!(e, Error::NotFound(Missing::Region(_) | Missing::Deregistered(_))) {
+                c.rkeys.remove(&op.region);
+            }
+            op.error = Some(e);
+            self.finish(id);
+            return;
+        }
+        op.granted = true;
+        op.addr = msg.offset;
+        let rkey = if msg.len != op.local.len() {
+            Err(Error::protocol(format!("ucx: granted {} bytes of {}", msg.len, op.local.len())))
+        } else {
+            rkey_for(c, op.region, op.blob.as_ref())
+        };
+        match rkey {
+            Ok(k) => op.rkey = Some(k),
+            Err(e) => op.error = Some(e),
+        }
+        self.pump(id);
+    }
+
+    /// Starts what the op can start; finishes it when nothing is left in flight.
+    fn pump(&mut self, id: u64) {
+        let (seg, window) = (self.cfg.segment_bytes.max(1), self.cfg.window.max(1));
+        let Some(op) = self.ops.get_mut(&id) else { return };
+        let c = self.out.get(&op.conn);
+        match c.map(|c| &c.dead) {
+            None => {
+                op.error.get_or_insert_with(closed);
+            }
+            Some(Some(e)) => {
+                op.error.get_or_insert_with(|| e.clone());
+            }
+            Some(None) => {}
+        }
+        let len = op.local.len();
+        // One segment per turn: the thread then handles new messages and gives every other
+        // runnable op (smallest remainder first) its turn, so a small op never waits for a large
+        // one to finish, even where requests complete inline (CMA copies in the call).
+        let turn = op.error.is_none() && op.next < len && op.inflight < window;
+        if let (true, Some(c), Some(rkey), true) = (turn, c, op.rkey.clone(), op.granted) {
+            if op.gate.enter() {
+                let n = (len - op.next).min(seg);
+                let token = self.tokens.add(Token::Rma(id));
+                // SAFETY: the local range is inside `op.local`, a live registered slice that this
+                // op holds until it finishes, and an op finishes only with no request in flight
+                // (a cancelled op waits too: its completion's drop waits for the gate); `rkey` was
+                // unpacked on `c.ep` for the region the peer granted, `addr + next` is inside the
+                // granted range.
+                let r = unsafe {
+                    c.ep.rma(
+                        Rma {
+                            write: op.write,
+                            local: op.local.ptr() as usize + op.next as usize,
+                            len: n as usize,
+                            remote: op.addr + op.next,
+                        },
+                        &rkey,
+                        op.memh.as_deref(),
+                        token,
+                    )
+                };
+                match r {
+                    Ok(Started::Done) => {
+                        self.tokens.forget(token);
+                        op.gate.exit();
+                        op.next += n;
+                        op.last = Instant::now();
+                    }
+                    Ok(Started::Pending) => {
+                        op.inflight += 1;
+                        op.next += n;
+                    }
+                    Err(e) => {
+                        self.tokens.forget(token);
+                        op.gate.exit();
+                        op.error = Some(e);
+                    }
+                }
+            } else {
+                op.error = Some(Error::PeerClosed("ucx: op cancelled".into()));
+            }
+        }
+        if op.granted && op.error.is_none() && op.next < len {
+            if op.inflight < window {
+                self.runnable.insert((len - op.next, id));
+            }
+            return;
+        }
+        if op.inflight > 0 || op.flushing {
+            return;
+        }
+        let complete = op.granted && op.error.is_none() && op.next == op.local.len();
+        if complete && op.write {
+            // Put completion is local; the flush makes the bytes visible at the peer before the
+            // op completes (and so before any notification after it).
+            let token = self.tokens.add(Token::Flush(id));
+            match c.map(|c| c.ep.flush(token)) {
+                Some(Ok(Started::Pending)) => {
+                    op.flushing = true;
+                    return;
+                }
+                Some(Ok(Started::Done)) => self.tokens.forget(token),
+                Some(Err(e)) => {
+                    self.tokens.forget(token);
+                    op.error = Some(e);
+                }
+                None => {
+                    self.tokens.forget(token);
+                    op.error = Some(closed());
+                }
+            }
+        }
+        if op.granted || op.error.is_some() {
+            self.finish(id);
+        }
+    }
+
+    pub(crate) fn rma_done(&mut self, id: u64, status: sys::ucs_status_t) {
+        let Some(op) = self.ops.get_mut(&id) else { return };
+        op.gate.exit();
+        op.inflight = op.inflight.saturating_sub(1);
+        op.last = Instant::now();
+        if status != sys::UCS_OK {
+            let what = if op.write { "put" } else { "get" };
+            op.error.get_or_insert_with(|| ffi::status_error(what, status));
+        }
+        self.pump(id);
+    }
+
+    pub(crate) fn flush_done(&mut self, id: u64, status: sys::ucs_status_t) {
+        let Some(op) = self.ops.get_mut(&id) else { return };
+        op.flushing = false;
+        if status != sys::UCS_OK {
+            op.error.get_or_insert_with(|| ffi::status_error("flush", status));
+        }
+        self.finish(id);
+    }
+
+    /// Gives every runnable op one turn, smallest remainder first.
+    pub(crate) fn run_turns(&mut self) {
+        for (_, id) in std::mem::take(&mut self.runnable) {
+            self.pump(id);
+        }
+    }
+
+    /// Releases the peer's hold (End), resolves the completion, drops the op's memory.
+    fn finish(&mut self, id: u64) {
+        let Some(op) = self.ops.remove(&id) else { return };
+        if let Some(c) = self.out.get_mut(&op.conn) {
+            c.ops.remove(&id);
+            if op.granted && c.dead.is_none() {
+                let end = Msg::new(Kind::End, op.conn, op.req);
+                if let Err(e) = self.tokens.send(&c.ep, op.conn, &end) {
+                    tracing::warn!(error = %e, "ucx: could not release a region at the peer");
+                }
+            }
+            if c.closing && c.ops.is_empty() {
+                self.out.remove(&op.conn);
+            }
+        }
+        let _ = op.done.send(match op.error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        });
+    }
+
+    pub(crate) fn notify(&mut self, conn: u64, body: &[u8], reply: oneshot::Sender<Result<()>>) {
+        let Some(c) = self.out.get_mut(&conn) else {
+            let _ = reply.send(Err(closed()));
+            return;
+        };
+        if let Some(e) = &c.dead {
+            let _ = reply.send(Err(e.clone()));
+            return;
+        }
+        if body.len() > MAX_NOTIFY_WIRE {
+            let _ = reply.send(Err(Error::Capacity {
+                what: "ucx notification".into(),
+                requested: body.len() as u64,
+                limit: MAX_NOTIFY_WIRE as u64,
+            }));
+            return;
+        }
+        let req = c.next_req;
+        c.next_req += 1;
+        let msg = Msg { body, ..Msg::new(Kind::Notify, conn, req) };
+        if let Err(e) = self.tokens.send(&c.ep, conn, &msg) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        c.notifies.insert(req, reply);
+        c.deadlines.push_back((Instant::now() + self.cfg.answer_timeout, req));
+    }
+
+    pub(crate) fn notify_ack(&mut self, msg: &Msg<'_>) {
+        let Some(c) = self.out.get_mut(&msg.conn) else { return };
+        let Some(reply) = c.notifies.remove(&msg.req) else { return };
+        let r = if msg.flags & OK != 0 {
+            Ok(())
+        } else {
+            Err(decode_error(msg.body).unwrap_or_else(|e| e))
+        };
+        let _ = reply.send(r);
+    }
+
+    /// Fails the connection: answers stop being awaited, the endpoint is force-closed (UCX
+    /// cancels its requests, whose ops then finish with `error`), later ops fail with `error`.
+    pub(crate) fn kill(&mut self, conn: u64, error: Error) {
+        self.leave(conn, error, true);
+    }
+
+    /// The connection's handle was dropped: tell the peer, close after in-flight requests.
+    pub(crate) fn close(&mut self, conn: u64) {
+        self.leave(conn, closed(), false);
+        if let Some(c) = self.out.get_mut(&conn) {
+            c.closing = true;
+            if c.ops.is_empty() {
+                self.out.remove(&conn);
+            }
+        }
+    }
+
+    /// Tells the peer this connection is over (best effort).
+    pub(crate) fn say_bye(&mut self, conn: u64) {
+        if let Some(c) = self.out.get(&conn).filter(|c| c.dead.is_none()) {
+            let _ = self.tokens.send(&c.ep, conn, &Msg::new(Kind::Bye, conn, 0));
+        }
+    }
+
+    fn leave(&mut self, conn: u64, error: Error, force: bool) {
+        if !force {
+            self.say_bye(conn);
+        }
+        let Some(c) = self.out.get_mut(&conn) else { return };
+        if c.dead.is_some() {
+            return;
+        }
+        c.dead = Some(error.clone());
+        if let Some(r) = c.connecting.take() {
+            let _ = r.send(Err(error.clone()));
+        }
+        for (_, r) in c.notifies.drain() {
+            let _ = r.send(Err(error.clone()));
+        }
+        c.grants.clear();
+        c.deadlines.clear();
+        c.ep.close(force, self.cfg.answer_timeout.min(Duration::from_secs(2)));
+        c.rkeys.clear();
+        let ids: Vec<u64> = c.ops.iter().copied().collect();
+        for id in ids {
+            if let Some(op) = self.ops.get_mut(&id) {
+                op.error.get_or_insert_with(|| error.clone());
+            }
+            self.pump(id);
+        }
+    }
+}
+
+/// The connection's unpacked key for `region`, unpacking `blob` the first time.
+fn rkey_for(c: &mut OutConn, region: RegionId, blob: Option<&Bytes>) -> Result<Rc<RemoteKey>> {
+    let Some(blob) = blob else {
+        return Err(Error::protocol(format!("ucx: region {} carries no ucx remote key", region.0)));
+    };
+    if let Some((b, k)) = c.rkeys.get(&region) {
+        if b == blob {
+            return Ok(k.clone());
+        }
+    }
+    let k = Rc::new(c.ep.unpack(blob)?);
+    if c.rkeys.len() >= MAX_RKEYS {
+        c.rkeys.clear(); // ops in flight keep their own Rc
+    }
+    c.rkeys.insert(region, (blob.clone(), k.clone()));
+    Ok(k)
+}

@@ -1,0 +1,533 @@
+//! The progress thread: the one thread that owns the UCP context, worker, endpoints, memory
+//! handles and remote keys. Everything else talks to it through [`Handle`]: a bounded command
+//! queue plus an eventfd that wakes it. When idle it sleeps in `poll(2)` on that eventfd and on the
+//! worker's event fd (`ucp_worker_arm`), so an idle backend uses no CPU; while requests are
+//! outstanding it wakes at least every [`BUSY_TICK`] to check its deadlines.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tensorwire_core::backend::{BackendHost, Op, RegionInfo};
+use tensorwire_core::fence::FenceTicket;
+use tensorwire_core::region::MAX_BLOB_BYTES;
+use tensorwire_core::{Error, RegionId, Result};
+use tokio::sync::oneshot;
+
+use crate::UcxConfig;
+use crate::ffi::{self, Endpoint, Event, MemHandle, Started, Worker};
+use crate::gate::OpGate;
+use crate::inbound::InConn;
+use crate::outbound::{OpState, OutConn};
+use crate::wire::Msg;
+
+/// Commands queued to the thread before it blocks the sender.
+const QUEUE: usize = 1024;
+/// Longest sleep while requests or answers are outstanding.
+const BUSY_TICK: Duration = Duration::from_millis(50);
+/// Longest sleep when idle (deadline checks only).
+const IDLE_TICK: Duration = Duration::from_secs(1);
+/// How long the thread keeps polling after UCX last did work while bytes are moving.
+const SPIN: Duration = Duration::from_millis(2);
+/// Most `ucp_worker_progress` calls in a row before the thread looks at its deadlines.
+const PROGRESS_ROUNDS: usize = 64;
+/// Endpoint tokens with this bit belong to inbound connections.
+pub(crate) const INBOUND: u64 = 1 << 63;
+
+/// One op handed to the thread.
+#[derive(Debug)]
+pub(crate) struct Submitted {
+    pub(crate) op: Op,
+    pub(crate) gate: Arc<OpGate>,
+    pub(crate) done: oneshot::Sender<Result<()>>,
+    pub(crate) ticket: FenceTicket,
+}
+
+/// What the backend and its connections ask of the thread.
+#[derive(Debug)]
+pub(crate) enum Cmd {
+    Attach(Arc<dyn BackendHost>),
+    Register {
+        info: RegionInfo,
+        reply: oneshot::Sender<Result<Bytes>>,
+    },
+    Deregister(RegionId),
+    Connect {
+        address: Bytes,
+        reply: oneshot::Sender<Result<u64>>,
+    },
+    Submit {
+        conn: u64,
+        ops: Vec<Submitted>,
+    },
+    Notify {
+        conn: u64,
+        msg: Bytes,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    /// Fail a connection now (force-closing its endpoint cancels its requests).
+    Kill {
+        conn: u64,
+        error: Error,
+    },
+    /// The connection's handle was dropped.
+    Close {
+        conn: u64,
+    },
+    Shutdown {
+        reply: Option<oneshot::Sender<()>>,
+    },
+}
+
+/// The other threads' side: queue a command, wake the thread.
+#[derive(Debug)]
+pub(crate) struct Handle {
+    tx: SyncSender<Cmd>,
+    wake: OwnedFd,
+    closed: AtomicBool,
+}
+
+impl Handle {
+    /// Queues `cmd`; gives it back when the thread is gone.
+    pub(crate) fn send(&self, cmd: Cmd) -> std::result::Result<(), Cmd> {
+        let r = match self.tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(cmd)) => {
+                self.poke();
+                self.tx.send(cmd).map_err(|e| e.0)
+            }
+            Err(TrySendError::Disconnected(cmd)) => Err(cmd),
+        };
+        if r.is_ok() {
+            self.poke();
+        }
+        r
+    }
+
+    fn poke(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd; a full counter (EAGAIN) is
+        // fine, the thread is awake anyway.
+        unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Whether shutdown began.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn mark_closed(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+}
+
+fn eventfd() -> Result<OwnedFd> {
+    // SAFETY: eventfd has no memory preconditions; the result is checked.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Starts the thread; returns its handle and the worker's address.
+pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
+    let wake = eventfd()?;
+    let wake_fd = wake.as_raw_fd();
+    let (tx, rx) = sync_channel(QUEUE);
+    let (ready_tx, ready_rx) = sync_channel(1);
+    // Detached: it ends after Shutdown (or when every handle is gone) and owns all it uses.
+    let _thread = std::thread::Builder::new().name("tensorwire-ucx".into()).spawn(move || {
+        let p = match Progress::new(cfg) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let _ = ready_tx.send(Ok(p.address.clone()));
+        p.run(rx, wake_fd);
+    })?;
+    let address = ready_rx
+        .recv()
+        .map_err(|_| Error::protocol("ucx: the progress thread ended during startup"))??;
+    let handle = Handle { tx, wake, closed: AtomicBool::new(false) };
+    Ok((Arc::new(handle), address))
+}
+
+/// What a pending request's token stands for.
+#[derive(Debug)]
+pub(crate) enum Token {
+    /// One put/get segment of an op.
+    Rma(u64),
+    /// The flush that ends a WRITE op.
+    Flush(u64),
+    /// A control message being sent on a connection (its buffer must outlive the send).
+    Send { conn: u64, _buf: Vec<u8> },
+}
+
+/// Pending requests by token.
+#[derive(Debug, Default)]
+pub(crate) struct Tokens {
+    next: u64,
+    map: HashMap<u64, Token>,
+}
+
+impl Tokens {
+    pub(crate) fn add(&mut self, t: Token) -> u64 {
+        self.next += 1;
+        self.map.insert(self.next, t);
+        self.next
+    }
+
+    pub(crate) fn forget(&mut self, token: u64) {
+        self.map.remove(&token);
+    }
+
+    fn take(&mut self, token: u64) -> Option<Token> {
+        self.map.remove(&token)
+    }
+
+    /// Sends one control message on `ep`, keeping its buffer until the send completes.
+    pub(crate) fn send(&mut self, ep: &Endpoint, conn: u64, msg: &Msg<'_>) -> Result<()> {
+        let buf = msg.encode();
+        let token = self.add(Token::Send { conn, _buf: Vec::new() });
+        match ep.send(&buf, token) {
+            Ok(Started::Done) => {
+                self.forget(token);
+                Ok(())
+            }
+            Ok(Started::Pending) => {
+                // The Vec's heap buffer does not move when the Vec does.
+                self.map.insert(token, Token::Send { conn, _buf: buf });
+                Ok(())
+            }
+            Err(e) => {
+                self.forget(token);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The thread's state.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    pub(crate) cfg: UcxConfig,
+    pub(crate) worker: Rc<Worker>,
+    /// The worker's address, sent in every Hello.
+    pub(crate) address: Vec<u8>,
+    pub(crate) host: Option<Arc<dyn BackendHost>>,
+    /// Local registrations; ops and holds keep their own `Rc`, so unmapping waits for them.
+    pub(crate) regions: HashMap<RegionId, Rc<MemHandle>>,
+    pub(crate) out: HashMap<u64, OutConn>,
+    pub(crate) inb: HashMap<u64, InConn>,
+    pub(crate) ops: HashMap<u64, OpState>,
+    pub(crate) tokens: Tokens,
+    pub(crate) next_op: u64,
+    /// Ops with segments to start, by bytes left (see `pump`).
+    pub(crate) runnable: std::collections::BTreeSet<(u64, u64)>,
+    /// Set by Shutdown: the deadline for peers to release what they hold.
+    pub(crate) stopping: Option<Instant>,
+    stop_replies: Vec<oneshot::Sender<()>>,
+    last_scan: Instant,
+}
+
+impl Progress {
+    fn new(cfg: UcxConfig) -> Result<Progress> {
+        let ctx = ffi::Context::new(&cfg.options)?;
+        let worker = Worker::new(&ctx)?;
+        let address = worker.address()?;
+        Ok(Progress {
+            cfg,
+            worker,
+            address,
+            host: None,
+            regions: HashMap::new(),
+            out: HashMap::new(),
+            inb: HashMap::new(),
+            ops: HashMap::new(),
+            tokens: Tokens::default(),
+            next_op: 0,
+            runnable: Default::default(),
+            stopping: None,
+            stop_replies: Vec::new(),
+            last_scan: Instant::now(),
+        })
+    }
+
+    fn run(mut self, rx: Receiver<Cmd>, wake: RawFd) {
+        let efd = match self.worker.event_fd() {
+            Ok(fd) => Some(fd),
+            Err(e) => {
+                tracing::warn!(error = %e, "ucx: no worker event fd; polling every {BUSY_TICK:?}");
+                None
+            }
+        };
+        let mut senders_gone = false;
+        let mut active = Instant::now();
+        loop {
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        senders_gone = true;
+                        break;
+                    }
+                }
+            }
+            if senders_gone && self.stopping.is_none() {
+                self.begin_shutdown();
+            }
+            // Bounded: a transport that keeps reporting work must not starve deadlines and commands.
+            let mut handled = false;
+            for _ in 0..PROGRESS_ROUNDS {
+                if self.worker.progress() == 0 {
+                    break;
+                }
+                handled = true;
+            }
+            handled |= self.drain_callbacks();
+            self.run_turns();
+            self.check_deadlines();
+            if self.stopping.is_some() && self.shutdown_done() {
+                break;
+            }
+            handled |= self.drain_callbacks();
+            if handled {
+                active = Instant::now();
+            }
+            if handled || !self.runnable.is_empty() {
+                continue;
+            }
+            // While bytes move (our ops, or a peer's inside a range it holds here) and UCX did
+            // work recently, keep polling: some transports need this side's progress to move a
+            // peer's data (UCX's software put/get over shared-memory messages), and a sleep per
+            // message would throttle them. Quiet for SPIN, or nothing in flight: sleep.
+            let moving = !self.ops.is_empty() || self.inb.values().any(|c| !c.holds.is_empty());
+            if moving && active.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            let busy = !self.ops.is_empty()
+                || !self.tokens.map.is_empty()
+                || self.out.values().any(OutConn::waiting);
+            let tick = if busy || self.stopping.is_some() { BUSY_TICK } else { IDLE_TICK };
+            let armed = match efd {
+                Some(_) => match self.worker.arm() {
+                    Ok(armed) => armed,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "ucx: ucp_worker_arm");
+                        true
+                    }
+                },
+                None => true,
+            };
+            if armed {
+                sleep(
+                    efd,
+                    wake,
+                    if efd.is_some() { tick } else { tick.min(Duration::from_millis(1)) },
+                );
+            }
+        }
+        self.finish_shutdown();
+    }
+
+    /// Handles what the callbacks collected; whether there was anything.
+    fn drain_callbacks(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let (events, msgs) = ffi::take_callbacks();
+            if events.is_empty() && msgs.is_empty() {
+                return any;
+            }
+            any = true;
+            for e in events {
+                self.event(e);
+            }
+            for m in msgs {
+                self.message(&m);
+            }
+        }
+    }
+
+    fn event(&mut self, e: Event) {
+        match e {
+            Event::Done(token, status) => match self.tokens.take(token) {
+                Some(Token::Rma(op)) => self.rma_done(op, status),
+                Some(Token::Flush(op)) => self.flush_done(op, status),
+                Some(Token::Send { conn, .. }) if status != tensorwire_ucx_sys::UCS_OK => {
+                    let err = ffi::status_error("sending a control message", status);
+                    if conn & INBOUND == 0 {
+                        self.kill(conn, err);
+                    } else {
+                        self.drop_inbound(conn & !INBOUND, &err);
+                    }
+                }
+                Some(Token::Send { .. }) | None => {}
+            },
+            Event::EpFailed(token, status) => {
+                let err = ffi::status_error("endpoint failed", status);
+                if token & INBOUND == 0 {
+                    self.kill(token, err);
+                } else {
+                    self.drop_inbound(token & !INBOUND, &err);
+                }
+            }
+        }
+    }
+
+    fn message(&mut self, bytes: &[u8]) {
+        let msg = match Msg::decode(bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "ucx: dropped a malformed control message");
+                return;
+            }
+        };
+        use crate::wire::Kind;
+        match msg.kind {
+            Kind::Hello => self.hello(&msg),
+            Kind::Begin => self.begin(&msg),
+            Kind::End => self.end(&msg),
+            Kind::Notify => self.notified(&msg),
+            Kind::Bye if msg.flags & crate::wire::TARGET == 0 => {
+                self.drop_inbound(msg.conn, &Error::PeerClosed("the initiator left".into()))
+            }
+            Kind::HelloAck => self.hello_ack(&msg),
+            Kind::Granted => self.granted(&msg),
+            Kind::NotifyAck => self.notify_ack(&msg),
+            Kind::Bye => self.kill(msg.conn, Error::PeerClosed("ucx: the peer shut down".into())),
+        }
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Attach(host) => self.host = Some(host),
+            Cmd::Register { info, reply } => {
+                let _ = reply.send(self.register(&info));
+            }
+            Cmd::Deregister(id) => {
+                self.regions.remove(&id);
+            }
+            Cmd::Connect { address, reply } => self.connect(&address, reply),
+            Cmd::Submit { conn, ops } => self.submit(conn, ops),
+            Cmd::Notify { conn, msg, reply } => self.notify(conn, &msg, reply),
+            Cmd::Kill { conn, error } => self.kill(conn, error),
+            Cmd::Close { conn } => self.close(conn),
+            Cmd::Shutdown { reply } => {
+                self.stop_replies.extend(reply);
+                if self.stopping.is_none() {
+                    self.begin_shutdown();
+                }
+            }
+        }
+    }
+
+    fn register(&mut self, info: &RegionInfo) -> Result<Bytes> {
+        if self.stopping.is_some() {
+            return Err(Error::PeerClosed("local ucx backend shut down".into()));
+        }
+        if info.len == 0 || !info.kind.is_host() {
+            return Ok(Bytes::new());
+        }
+        let len = usize::try_from(info.len)
+            .map_err(|_| Error::InvalidArgument(format!("region of {} bytes", info.len)))?;
+        let memh = self.worker.map(info.addr, len, info.perms.read, info.perms.write)?;
+        // Peers get a key only for memory they may touch; private regions stay local.
+        let blob = if info.perms.read || info.perms.write { memh.pack()? } else { Vec::new() };
+        if blob.len() > MAX_BLOB_BYTES {
+            return Err(Error::Capacity {
+                what: "ucx packed remote key".into(),
+                requested: blob.len() as u64,
+                limit: MAX_BLOB_BYTES as u64,
+            });
+        }
+        self.regions.insert(info.id, Rc::new(memh));
+        Ok(Bytes::from(blob))
+    }
+
+    fn begin_shutdown(&mut self) {
+        self.stopping = Some(Instant::now() + self.cfg.answer_timeout);
+        let conns: Vec<u64> = self.out.keys().copied().collect();
+        for c in conns {
+            self.say_bye(c);
+            self.kill(c, Error::PeerClosed("local ucx backend shut down".into()));
+        }
+        let ids: Vec<u64> = self.inb.keys().copied().collect();
+        for id in ids {
+            let bye = Msg { flags: crate::wire::TARGET, ..Msg::new(crate::wire::Kind::Bye, id, 0) };
+            if let Some(c) = self.inb.get(&id) {
+                let _ = self.tokens.send(&c.ep, id | INBOUND, &bye);
+            }
+        }
+    }
+
+    /// Shutdown waits (bounded) for peers to release the regions they hold, and for its own ops.
+    fn shutdown_done(&self) -> bool {
+        let held = self.inb.values().any(|c| !c.holds.is_empty());
+        let past = self.stopping.is_some_and(|d| Instant::now() >= d);
+        past || (!held && self.ops.is_empty())
+    }
+
+    fn finish_shutdown(mut self) {
+        for (_, op) in self.ops.drain() {
+            op.fail_now(Error::PeerClosed("local ucx backend shut down".into()));
+        }
+        self.inb.clear();
+        self.out.clear();
+        self.regions.clear();
+        for r in self.stop_replies.drain(..) {
+            let _ = r.send(());
+        }
+        // Worker and context drop last (endpoints and handles hold Rcs to them).
+    }
+
+    fn check_deadlines(&mut self) {
+        let now = Instant::now();
+        let bound = self.cfg.answer_timeout;
+        let mut dead = Vec::new();
+        for (id, c) in &mut self.out {
+            if c.overdue(now) {
+                dead.push(*id);
+            }
+        }
+        if now.duration_since(self.last_scan) >= BUSY_TICK {
+            self.last_scan = now;
+            for op in self.ops.values() {
+                if op.stalled(now, bound) {
+                    dead.push(op.conn);
+                }
+            }
+        }
+        dead.sort_unstable();
+        dead.dedup();
+        for id in dead {
+            self.kill(id, Error::timeout("ucx: the peer did not answer", bound));
+        }
+    }
+}
+
+/// Sleeps until the worker or the wake eventfd is readable, or `tick` passes; clears the eventfd.
+fn sleep(efd: Option<RawFd>, wake: RawFd, tick: Duration) {
+    let mut fds = [
+        libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: efd.unwrap_or(-1), events: libc::POLLIN, revents: 0 },
+    ];
+    let ms = tick.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: `fds` is a live array of two pollfd entries (a negative fd is ignored by poll).
+    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if fds[0].revents & libc::POLLIN != 0 {
+        let mut buf = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer from our nonblocking eventfd.
+        unsafe { libc::read(wake, buf.as_mut_ptr().cast(), buf.len()) };
+    }
+}
