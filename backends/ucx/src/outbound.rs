@@ -251,10 +251,17 @@ impl Progress {
             rkey_for(c, op.region, op.blob.as_ref())
         };
         match rkey {
-            Ok(k) => op.rkey = Some(k),
-            Err(e) => op.error = Some(e),
+            Ok(k) => {
+                // Started after every message of this batch is handled, smallest first: grants
+                // that arrive together start small ops before a large one.
+                op.rkey = Some(k);
+                self.runnable.insert((op.local.len(), id));
+            }
+            Err(e) => {
+                op.error = Some(e);
+                self.pump(id);
+            }
         }
-        self.pump(id);
     }
 
     /// Starts what the op can start; finishes it when nothing is left in flight.
@@ -485,12 +492,43 @@ impl Progress {
         c.deadlines.clear();
         c.ep.close(force, self.cfg.answer_timeout.min(Duration::from_secs(2)));
         c.rkeys.clear();
-        let ids: Vec<u64> = c.ops.iter().copied().collect();
+        let ids: HashSet<u64> = c.ops.iter().copied().collect();
+        if force {
+            self.abandon(conn, &ids);
+        }
         for id in ids {
             if let Some(op) = self.ops.get_mut(&id) {
                 op.error.get_or_insert_with(|| error.clone());
             }
             self.pump(id);
+        }
+    }
+
+    /// After a forced close, UCX (1.13) does not always complete the requests that were queued on
+    /// the endpoint (software put/get waiting for a stopped peer): forget them. The endpoint is
+    /// gone, so UCX no longer reads the local memory of a WRITE. A READ's reply could still come
+    /// from a peer that resumes: its local slice is kept alive (and its region stays registered)
+    /// until the backend shuts down, so a late byte never lands in freed memory.
+    fn abandon(&mut self, conn: u64, ids: &HashSet<u64>) {
+        self.tokens.retain(|t| match t {
+            Token::Rma(id) | Token::Flush(id) => !ids.contains(id),
+            Token::Send { conn: c, .. } => *c != conn,
+        });
+        for id in ids {
+            let Some(op) = self.ops.get_mut(id) else { continue };
+            if op.inflight == 0 && !op.flushing {
+                continue;
+            }
+            for _ in 0..op.inflight {
+                op.gate.exit();
+            }
+            if !op.write && op.inflight > 0 {
+                if let Ok(hold) = op.local.sub(0, op.local.len()) {
+                    self.graveyard.push(hold);
+                }
+            }
+            op.inflight = 0;
+            op.flushing = false;
         }
     }
 }

@@ -190,6 +190,11 @@ impl Tokens {
         self.map.remove(&token);
     }
 
+    /// Keeps only the pending requests `keep` accepts.
+    pub(crate) fn retain(&mut self, keep: impl Fn(&Token) -> bool) {
+        self.map.retain(|_, t| keep(t));
+    }
+
     fn take(&mut self, token: u64) -> Option<Token> {
         self.map.remove(&token)
     }
@@ -231,6 +236,8 @@ pub(crate) struct Progress {
     pub(crate) ops: HashMap<u64, OpState>,
     pub(crate) tokens: Tokens,
     pub(crate) next_op: u64,
+    /// Local memory of abandoned READs (see `abandon`), kept until the thread ends.
+    pub(crate) graveyard: Vec<tensorwire_core::region::MemSlice>,
     /// Ops with segments to start, by bytes left (see `pump`).
     pub(crate) runnable: std::collections::BTreeSet<(u64, u64)>,
     /// Set by Shutdown: the deadline for peers to release what they hold.
@@ -256,6 +263,7 @@ impl Progress {
             tokens: Tokens::default(),
             next_op: 0,
             runnable: Default::default(),
+            graveyard: Vec::new(),
             stopping: None,
             stop_replies: Vec::new(),
             last_scan: Instant::now(),

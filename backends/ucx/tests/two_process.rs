@@ -1,7 +1,7 @@
-//! Two OS processes over UCX's shared-memory transports (posix/sysv messages, CMA put/get): a
+//! Two OS processes over UCX's shared-memory transports (UCX 1.13 does put/get in software over posix/sysv messages): a
 //! chunked 64 MiB tensor to a child process, and a child stopped then killed mid-transfer (suite in
 //! `tensorwire_conformance::multiprocess`). A short answer bound detects the stopped peer.
-//! (Over UCX's TCP transport the stopped-child case is not yet reliable: see the README.)
+//! `two_process_tcp.rs` runs the same over UCX's TCP transport.
 #![cfg(feature = "ucx")]
 
 use std::time::Duration;

@@ -1,0 +1,14 @@
+//! Two OS processes over UCX's TCP transport on loopback: a
+//! chunked 64 MiB tensor to a child process, and a child stopped then killed mid-transfer (suite in
+//! `tensorwire_conformance::multiprocess`). A short answer bound detects the stopped peer.
+//! `two_process.rs` runs the same over the shared-memory transports.
+#![cfg(feature = "ucx")]
+
+use std::time::Duration;
+
+use tensorwire_ucx::{UcxBackend, UcxConfig};
+
+tensorwire_conformance::multiprocess_tests!(|| {
+    let cfg = UcxConfig { answer_timeout: Duration::from_secs(2), ..UcxConfig::transports("tcp") };
+    UcxBackend::with_config(cfg).expect("start ucx")
+});
