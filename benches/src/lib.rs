@@ -3,6 +3,7 @@
 //! ucx_perftest for ucx, memcpy for in-process and same-host backends; for the store, memcpy or a raw engine transfer).
 //! The `xfer` binary drives it and prints one JSON line per measurement.
 
+pub mod child_peer;
 pub mod connector;
 pub mod measure;
 pub mod memcpy;

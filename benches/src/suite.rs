@@ -4,6 +4,7 @@
 
 use tensorwire_core::{Error, Result};
 
+use crate::child_peer::ChildPair;
 use crate::connector::{ConnectorBench, Overlap};
 use crate::measure::{Budget, gbps, interleaved};
 use crate::memcpy::Memcpy;
@@ -82,7 +83,8 @@ pub async fn transfers(
 }
 
 /// UCX transfers against `ucx_perftest` (one process pair per sample, same size and UCX
-/// environment), runs alternating which side goes first.
+/// environment), runs alternating which side goes first. Like ucx_perftest, the two engines are
+/// two processes: the peer is this binary re-run as a child (see `child_peer`).
 async fn ucx_transfers(
     sizes: &[u64],
     ops: &[bool],
@@ -91,7 +93,7 @@ async fn ucx_transfers(
 ) -> Result<Vec<Line>> {
     let perf = Perftest::new()?;
     let max = sizes.iter().copied().max().unwrap_or(4096);
-    let pair = EnginePair::new("ucx", 1, max).await?;
+    let pair = ChildPair::new("ucx", max).await?;
     let mut lines = Vec::new();
     for &size in sizes {
         for &write in ops {
@@ -113,7 +115,6 @@ async fn ucx_transfers(
         }
     }
     pair.a.shutdown().await;
-    pair.b.shutdown().await;
     Ok(lines)
 }
 

@@ -71,7 +71,7 @@ impl EnginePair {
 }
 
 /// Writes every page of `r` once.
-fn touch(r: &Region, v: u8) -> Result<()> {
+pub fn touch(r: &Region, v: u8) -> Result<()> {
     let page = vec![v; 1 << 20];
     let mut at = 0;
     while at < r.len() {

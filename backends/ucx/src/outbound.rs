@@ -101,6 +101,11 @@ impl OpState {
         (self.inflight > 0 || self.flushing) && now.duration_since(self.last) > bound
     }
 
+    /// Whether UCX is moving this op's bytes (requests in flight).
+    pub(crate) fn moving(&self) -> bool {
+        self.inflight > 0 || self.flushing
+    }
+
     /// Resolves the op with `e` at once (shutdown of the thread: no request is left).
     pub(crate) fn fail_now(self, e: Error) {
         let _ = self.done.send(Err(e));

@@ -319,9 +319,10 @@ impl Progress {
             // work recently, keep polling: some transports need this side's progress to move a
             // peer's data (UCX's software put/get over shared-memory messages), and a sleep per
             // message would throttle them. Quiet for SPIN, or nothing in flight: sleep.
-            let moving = !self.ops.is_empty() || self.inb.values().any(|c| !c.holds.is_empty());
+            let moving = self.ops.values().any(OpState::moving)
+                || self.inb.values().any(|c| !c.holds.is_empty());
             if moving && active.elapsed() < SPIN {
-                std::hint::spin_loop();
+                std::thread::yield_now();
                 continue;
             }
             let busy = !self.ops.is_empty()

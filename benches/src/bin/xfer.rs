@@ -194,6 +194,11 @@ fn main() -> ExitCode {
     // Measure from a runtime task, not from `block_on`'s thread: completions then wake a worker
     // that is already running, as in a server, instead of a parked foreign thread.
     let r = rt.block_on(async {
+        match tensorwire_benches::child_peer::serve_if_asked().await {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(e),
+        }
         tokio::spawn(run(args)).await.unwrap_or_else(|e| Err(Error::protocol(e.to_string())))
     });
     match r {

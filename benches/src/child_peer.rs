@@ -1,0 +1,114 @@
+//! A peer engine in a child process, for media whose baseline runs as two processes
+//! (`ucx_perftest`): the harness re-runs its own binary with [`PEER_ENV`] set; the child starts an
+//! engine with the backend under test, registers one readable and writable region, prints
+//! `READY <control addr> <region id>` and serves until its stdin closes.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+
+use tensorwire_core::{
+    Engine, Error, Permissions, Region, RegionId, RemoteRegion, Result, Session, TransferOp,
+};
+
+use crate::transfer::{make_backend, touch};
+
+/// Environment variable that turns the harness binary into the peer: `<backend>:<bytes>`.
+pub const PEER_ENV: &str = "TENSORWIRE_BENCH_PEER";
+
+/// In the child: serves as the peer and returns true; false when [`PEER_ENV`] is not set.
+pub async fn serve_if_asked() -> Result<bool> {
+    let Ok(spec) = std::env::var(PEER_ENV) else { return Ok(false) };
+    let (backend, len) = spec
+        .split_once(':')
+        .and_then(|(b, n)| Some((b.to_string(), n.parse::<u64>().ok()?)))
+        .ok_or_else(|| Error::InvalidArgument(format!("{PEER_ENV}={spec}")))?;
+    let e = Engine::builder().backend(make_backend(&backend, 1)?).start().await?;
+    let region = e.alloc(len, Permissions::READ_WRITE).await?;
+    touch(&region, 6)?;
+    println!("READY {} {}", e.local_addr(), region.id().0);
+    // Serve until the parent closes our stdin (or dies).
+    tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+    })
+    .await
+    .map_err(|e| Error::protocol(e.to_string()))?;
+    e.shutdown().await;
+    Ok(true)
+}
+
+/// An engine here, its peer in a child process, one session, a local and a remote region.
+#[derive(Debug)]
+pub struct ChildPair {
+    /// The local engine.
+    pub a: Engine,
+    /// Local memory: WRITE source, READ destination.
+    pub local: Region,
+    /// The child's region.
+    pub remote: RemoteRegion,
+    /// Session to the child.
+    pub session: Session,
+    child: Child,
+}
+
+impl Drop for ChildPair {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ChildPair {
+    /// Spawns the child peer and connects to it.
+    pub async fn new(backend: &str, max: u64) -> Result<ChildPair> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .env(PEER_ENV, format!("{backend}:{max}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let stdout = child.stdout.take().ok_or_else(|| Error::protocol("child stdout"))?;
+        let ready = tokio::task::spawn_blocking(move || {
+            BufReader::new(stdout)
+                .lines()
+                .map_while(std::result::Result::ok)
+                .find_map(|l| l.strip_prefix("READY ").map(str::to_string))
+        })
+        .await
+        .map_err(|e| Error::protocol(e.to_string()))?;
+        let Some(ready) = ready else {
+            let _ = child.kill();
+            return Err(Error::protocol("the peer process never became ready"));
+        };
+        let mut f = ready.split_whitespace();
+        let addr: SocketAddr = f
+            .next()
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| Error::protocol(format!("peer said {ready:?}")))?;
+        let id: u64 = f
+            .next()
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| Error::protocol(format!("peer said {ready:?}")))?;
+        let a = Engine::builder().backend(make_backend(backend, 1)?).start().await?;
+        let local = a.alloc(max, Permissions::NONE).await?;
+        touch(&local, 5)?;
+        let session = a.connect(addr).await?;
+        let remote = session.remote_region(RegionId(id))?;
+        Ok(ChildPair { a, local, remote, session, child })
+    }
+
+    /// One op of `size` bytes; checks that the engine used `backend`.
+    pub async fn op(&self, write: bool, size: u64, backend: &str) -> Result<()> {
+        let op = if write {
+            TransferOp::write(&self.local, 0, &self.remote, 0, size)
+        } else {
+            TransferOp::read(&self.local, 0, &self.remote, 0, size)
+        };
+        let report = self.session.transfer(op).await?;
+        if report.backend != backend {
+            return Err(Error::protocol(format!("engine moved it with {}", report.backend)));
+        }
+        Ok(())
+    }
+}
