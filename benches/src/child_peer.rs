@@ -16,6 +16,37 @@ use crate::transfer::{make_backend, touch};
 /// Environment variable that turns the harness binary into the peer: `<backend>:<bytes>`.
 pub const PEER_ENV: &str = "TENSORWIRE_BENCH_PEER";
 
+#[cfg(feature = "ucx")]
+type Memory = tensorwire_ucx::UcxMemory;
+#[cfg(not(feature = "ucx"))]
+type Memory = ();
+
+/// An engine with one region of `len` bytes. With ucx the memory is allocated through UCX, as
+/// ucx_perftest allocates its buffers (one-copy put/get over UCX's shared-memory transports);
+/// the returned memory must outlive the region.
+async fn engine_with_region(
+    backend: &str,
+    len: u64,
+    perms: Permissions,
+) -> Result<(Engine, Region, Option<Memory>)> {
+    #[cfg(feature = "ucx")]
+    if backend == "ucx" {
+        let ucx = tensorwire_ucx::UcxBackend::with_config(tensorwire_ucx::UcxConfig::default())?;
+        let e = Engine::builder().backend(ucx.clone()).start().await?;
+        let memory = ucx.allocate(len).await?;
+        // SAFETY: `memory` is `len` bytes of host memory that the caller keeps alive until the
+        // region is dropped (ChildPair drops `local` before `_memory`; the child holds both to
+        // the end).
+        let region = unsafe {
+            e.register_raw(memory.as_ptr(), len, tensorwire_core::MemoryKind::Host, perms).await?
+        };
+        return Ok((e, region, Some(memory)));
+    }
+    let e = Engine::builder().backend(make_backend(backend, 1)?).start().await?;
+    let region = e.alloc(len, perms).await?;
+    Ok((e, region, None))
+}
+
 /// In the child: serves as the peer and returns true; false when [`PEER_ENV`] is not set.
 pub async fn serve_if_asked() -> Result<bool> {
     let Ok(spec) = std::env::var(PEER_ENV) else { return Ok(false) };
@@ -23,8 +54,7 @@ pub async fn serve_if_asked() -> Result<bool> {
         .split_once(':')
         .and_then(|(b, n)| Some((b.to_string(), n.parse::<u64>().ok()?)))
         .ok_or_else(|| Error::InvalidArgument(format!("{PEER_ENV}={spec}")))?;
-    let e = Engine::builder().backend(make_backend(&backend, 1)?).start().await?;
-    let region = e.alloc(len, Permissions::READ_WRITE).await?;
+    let (e, region, _memory) = engine_with_region(&backend, len, Permissions::READ_WRITE).await?;
     touch(&region, 6)?;
     println!("READY {} {}", e.local_addr(), region.id().0);
     // Serve until the parent closes our stdin (or dies).
@@ -43,17 +73,20 @@ pub async fn serve_if_asked() -> Result<bool> {
 pub struct ChildPair {
     /// The local engine.
     pub a: Engine,
-    /// Local memory: WRITE source, READ destination.
-    pub local: Region,
+    /// Local memory: WRITE source, READ destination (taken out only on drop).
+    local: Option<Region>,
     /// The child's region.
     pub remote: RemoteRegion,
     /// Session to the child.
     pub session: Session,
     child: Child,
+    /// Memory behind `local` when the backend allocated it; dropped after `local`.
+    _memory: Option<Memory>,
 }
 
 impl Drop for ChildPair {
     fn drop(&mut self) {
+        drop(self.local.take());
         drop(self.child.stdin.take());
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -90,20 +123,20 @@ impl ChildPair {
             .next()
             .and_then(|a| a.parse().ok())
             .ok_or_else(|| Error::protocol(format!("peer said {ready:?}")))?;
-        let a = Engine::builder().backend(make_backend(backend, 1)?).start().await?;
-        let local = a.alloc(max, Permissions::NONE).await?;
+        let (a, local, memory) = engine_with_region(backend, max, Permissions::NONE).await?;
         touch(&local, 5)?;
         let session = a.connect(addr).await?;
         let remote = session.remote_region(RegionId(id))?;
-        Ok(ChildPair { a, local, remote, session, child })
+        Ok(ChildPair { a, local: Some(local), remote, session, child, _memory: memory })
     }
 
     /// One op of `size` bytes; checks that the engine used `backend`.
     pub async fn op(&self, write: bool, size: u64, backend: &str) -> Result<()> {
+        let local = self.local.as_ref().ok_or_else(|| Error::protocol("pair dropped"))?;
         let op = if write {
-            TransferOp::write(&self.local, 0, &self.remote, 0, size)
+            TransferOp::write(local, 0, &self.remote, 0, size)
         } else {
-            TransferOp::read(&self.local, 0, &self.remote, 0, size)
+            TransferOp::read(local, 0, &self.remote, 0, size)
         };
         let report = self.session.transfer(op).await?;
         if report.backend != backend {

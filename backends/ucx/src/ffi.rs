@@ -17,6 +17,15 @@ use tensorwire_ucx_sys as sys;
 
 use crate::NAME;
 
+/// Serialises creating and destroying UCX contexts and workers in this process: UCX's global
+/// state (its async thread, interface queries) is not safe to set up and tear down from several
+/// threads at once, and two backends in one process (tests, benches) do exactly that.
+static LIFECYCLE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn lifecycle() -> std::sync::MutexGuard<'static, ()> {
+    LIFECYCLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The active-message id of the backend's control messages.
 pub(crate) const AM_ID: u32 = 0x7457;
 
@@ -179,6 +188,7 @@ impl Context {
     /// Reads UCX's configuration (its `UCX_*` environment variables), applies `options` (names
     /// without the `UCX_` prefix) on top, and initialises.
     pub(crate) fn new(options: &[(String, String)]) -> Result<Rc<Context>> {
+        let _serial = lifecycle();
         let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
         // SAFETY: null prefix and file are allowed; `config` receives a new object.
         check("ucp_config_read", unsafe {
@@ -222,6 +232,7 @@ impl Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
+        let _serial = lifecycle();
         // SAFETY: every worker and memory handle holds an Rc to this context, so none is left.
         unsafe { sys::ucp_cleanup(self.h) };
     }
@@ -251,8 +262,10 @@ impl Worker {
             ..Default::default()
         };
         let mut h: sys::ucp_worker_h = std::ptr::null_mut();
+        let serial = lifecycle();
         // SAFETY: live context, valid params; `h` receives the worker.
         check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.h, &params, &mut h) })?;
+        drop(serial);
         let w = Rc::new(Worker { h, ctx: ctx.clone() });
         let am = sys::ucp_am_handler_param_t {
             field_mask: u64::from(
@@ -372,8 +385,42 @@ impl Worker {
     }
 }
 
+impl Worker {
+    /// Allocates `len` bytes through UCX (`ucp_mem_map` with `UCP_MEM_MAP_ALLOCATE`): with the
+    /// shared-memory transports the memory lives in a segment peers map, so their put/get is one
+    /// copy. Returns the handle and the memory's address.
+    pub(crate) fn allocate(&self, len: usize) -> Result<(MemHandle, usize)> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: u64::from(
+                sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+            ),
+            address: std::ptr::null_mut(),
+            length: len,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
+            ..Default::default()
+        };
+        let mut h: sys::ucp_mem_h = std::ptr::null_mut();
+        // SAFETY: live context, valid params (UCX chooses the address); `h` receives the handle.
+        check("ucp_mem_map(ALLOCATE)", unsafe { sys::ucp_mem_map(self.ctx.h, &params, &mut h) })?;
+        let memh = MemHandle { h, ctx: self.ctx.clone() };
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: u64::from(sys::UCP_MEM_ATTR_FIELD_ADDRESS | sys::UCP_MEM_ATTR_FIELD_LENGTH),
+            ..Default::default()
+        };
+        // SAFETY: live handle; `attr` is a valid out-struct with its field mask set.
+        check("ucp_mem_query", unsafe { sys::ucp_mem_query(memh.h, &mut attr) })?;
+        if attr.address.is_null() || attr.length < len {
+            return Err(Error::protocol(format!("ucx allocated {} of {len} bytes", attr.length)));
+        }
+        Ok((memh, attr.address as usize))
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
+        let _serial = lifecycle();
         // SAFETY: every endpoint holds an Rc to this worker, so none is left; single thread.
         unsafe { sys::ucp_worker_destroy(self.h) };
     }

@@ -44,7 +44,7 @@ use std::time::Duration;
 use tensorwire_core::{Backend, Result};
 
 #[cfg(feature = "ucx")]
-pub use backend::UcxBackend;
+pub use backend::{UcxBackend, UcxMemory};
 
 /// The backend's name.
 pub const NAME: &str = "ucx";
@@ -72,8 +72,8 @@ impl Default for UcxConfig {
         UcxConfig {
             options: Vec::new(),
             answer_timeout: Duration::from_secs(10),
-            segment_bytes: 8 << 20,
-            window: 4,
+            segment_bytes: 16 << 20,
+            window: 2,
             peer_failure_detection: false,
         }
     }

@@ -87,6 +87,7 @@ pub(crate) struct OpState {
     next: u64,
     inflight: u32,
     granted: bool,
+    flush_started: bool,
     flushing: bool,
     error: Option<Error>,
     gate: Arc<OpGate>,
@@ -220,6 +221,7 @@ impl Progress {
                     next: 0,
                     inflight: 0,
                     granted: false,
+                    flush_started: false,
                     flushing: false,
                     error: None,
                     gate: s.gate,
@@ -337,19 +339,16 @@ impl Progress {
             }
             return;
         }
-        if op.inflight > 0 || op.flushing {
-            return;
-        }
-        let complete = op.granted && op.error.is_none() && op.next == op.local.len();
-        if complete && op.write {
-            // Put completion is local; the flush makes the bytes visible at the peer before the
-            // op completes (and so before any notification after it).
+        let issued = op.granted && op.error.is_none() && op.next == op.local.len();
+        if issued && op.write && !op.flush_started {
+            // Put completion is local; a flush issued right after this op's last segment completes
+            // once they (and what was issued before them) are at the peer, so the op completes
+            // with its bytes in place (and before any notification after it), without waiting for
+            // segments other ops issue later.
+            op.flush_started = true;
             let token = self.tokens.add(Token::Flush(id));
             match c.map(|c| c.ep.flush(token)) {
-                Some(Ok(Started::Pending)) => {
-                    op.flushing = true;
-                    return;
-                }
+                Some(Ok(Started::Pending)) => op.flushing = true,
                 Some(Ok(Started::Done)) => self.tokens.forget(token),
                 Some(Err(e)) => {
                     self.tokens.forget(token);
@@ -360,6 +359,9 @@ impl Progress {
                     op.error = Some(closed());
                 }
             }
+        }
+        if op.inflight > 0 || op.flushing {
+            return;
         }
         if op.granted || op.error.is_some() {
             self.finish(id);
@@ -384,7 +386,7 @@ impl Progress {
         if status != sys::UCS_OK {
             op.error.get_or_insert_with(|| ffi::status_error("flush", status));
         }
-        self.finish(id);
+        self.pump(id);
     }
 
     /// Gives every runnable op one turn, smallest remainder first.

@@ -26,6 +26,8 @@ use crate::inbound::InConn;
 use crate::outbound::{OpState, OutConn};
 use crate::wire::Msg;
 
+/// Bound on starting UCX (context, worker, address).
+const STARTUP: Duration = Duration::from_secs(30);
 /// Commands queued to the thread before it blocks the sender.
 const QUEUE: usize = 1024;
 /// Longest sleep while requests or answers are outstanding.
@@ -57,6 +59,15 @@ pub(crate) enum Cmd {
         reply: oneshot::Sender<Result<Bytes>>,
     },
     Deregister(RegionId),
+    /// Allocate memory through UCX; the reply is its address.
+    Allocate {
+        len: u64,
+        reply: oneshot::Sender<Result<usize>>,
+    },
+    /// Free memory from `Allocate` (once no region uses it).
+    Free {
+        addr: usize,
+    },
     Connect {
         address: Bytes,
         reply: oneshot::Sender<Result<u64>>,
@@ -88,7 +99,9 @@ pub(crate) enum Cmd {
 #[derive(Debug)]
 pub(crate) struct Handle {
     tx: SyncSender<Cmd>,
-    wake: OwnedFd,
+    /// Shared with the thread, which keeps its own reference: the descriptor stays open until
+    /// both are done with it (a closed number could be reused by another thread's socket).
+    wake: Arc<OwnedFd>,
     closed: AtomicBool,
 }
 
@@ -138,8 +151,8 @@ fn eventfd() -> Result<OwnedFd> {
 
 /// Starts the thread; returns its handle and the worker's address.
 pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
-    let wake = eventfd()?;
-    let wake_fd = wake.as_raw_fd();
+    let wake = Arc::new(eventfd()?);
+    let thread_wake = wake.clone();
     let (tx, rx) = sync_channel(QUEUE);
     let (ready_tx, ready_rx) = sync_channel(1);
     // Detached: it ends after Shutdown (or when every handle is gone) and owns all it uses.
@@ -152,11 +165,16 @@ pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
             }
         };
         let _ = ready_tx.send(Ok(p.address.clone()));
-        p.run(rx, wake_fd);
+        p.run(rx, thread_wake.as_raw_fd());
+        drop(thread_wake);
     })?;
-    let address = ready_rx
-        .recv()
-        .map_err(|_| Error::protocol("ucx: the progress thread ended during startup"))??;
+    let address = match ready_rx.recv_timeout(STARTUP) {
+        Ok(r) => r?,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            return Err(Error::timeout("ucx: starting UCX (ucp_init, worker)", STARTUP));
+        }
+        Err(_) => return Err(Error::protocol("ucx: the progress thread ended during startup")),
+    };
     let handle = Handle { tx, wake, closed: AtomicBool::new(false) };
     Ok((Arc::new(handle), address))
 }
@@ -236,6 +254,8 @@ pub(crate) struct Progress {
     pub(crate) ops: HashMap<u64, OpState>,
     pub(crate) tokens: Tokens,
     pub(crate) next_op: u64,
+    /// Memory allocated through UCX, by address: (length, handle).
+    pub(crate) allocations: HashMap<usize, (usize, Rc<MemHandle>)>,
     /// Local memory of abandoned READs (see `abandon`), kept until the thread ends.
     pub(crate) graveyard: Vec<tensorwire_core::region::MemSlice>,
     /// Ops with segments to start, by bytes left (see `pump`).
@@ -264,6 +284,7 @@ impl Progress {
             next_op: 0,
             runnable: Default::default(),
             graveyard: Vec::new(),
+            allocations: HashMap::new(),
             stopping: None,
             stop_replies: Vec::new(),
             last_scan: Instant::now(),
@@ -427,6 +448,19 @@ impl Progress {
             Cmd::Deregister(id) => {
                 self.regions.remove(&id);
             }
+            Cmd::Allocate { len, reply } => {
+                let r = usize::try_from(len)
+                    .map_err(|_| Error::InvalidArgument(format!("allocation of {len} bytes")))
+                    .and_then(|n| self.worker.allocate(n).map(|(m, addr)| (m, addr, n)));
+                let _ = reply.send(r.map(|(m, addr, n)| {
+                    self.allocations.insert(addr, (n, Rc::new(m)));
+                    addr
+                }));
+            }
+            Cmd::Free { addr } => {
+                // Regions still registered on it keep the handle (and the memory) alive.
+                self.allocations.remove(&addr);
+            }
             Cmd::Connect { address, reply } => self.connect(&address, reply),
             Cmd::Submit { conn, ops } => self.submit(conn, ops),
             Cmd::Notify { conn, msg, reply } => self.notify(conn, &msg, reply),
@@ -450,7 +484,15 @@ impl Progress {
         }
         let len = usize::try_from(info.len)
             .map_err(|_| Error::InvalidArgument(format!("region of {} bytes", info.len)))?;
-        let memh = self.worker.map(info.addr, len, info.perms.read, info.perms.write)?;
+        // Memory this backend allocated: its own handle (and remote key) reaches it with one copy.
+        let own = self.allocations.iter().find_map(|(&base, (n, m))| {
+            let end = base.checked_add(*n)?;
+            (info.addr >= base && info.addr.checked_add(len)? <= end).then(|| m.clone())
+        });
+        let memh = match own {
+            Some(m) => m,
+            None => Rc::new(self.worker.map(info.addr, len, info.perms.read, info.perms.write)?),
+        };
         // Peers get a key only for memory they may touch; private regions stay local.
         let blob = if info.perms.read || info.perms.write { memh.pack()? } else { Vec::new() };
         if blob.len() > MAX_BLOB_BYTES {
@@ -460,7 +502,7 @@ impl Progress {
                 limit: MAX_BLOB_BYTES as u64,
             });
         }
-        self.regions.insert(info.id, Rc::new(memh));
+        self.regions.insert(info.id, memh);
         Ok(Bytes::from(blob))
     }
 
@@ -494,6 +536,11 @@ impl Progress {
         self.inb.clear();
         self.out.clear();
         self.regions.clear();
+        // Memory handed out by `Allocate` and not yet freed may still be in use by its owner:
+        // leak it (and so the UCX context) rather than unmap it under them.
+        for (_, (_, m)) in self.allocations.drain() {
+            std::mem::forget(m);
+        }
         for r in self.stop_replies.drain(..) {
             let _ = r.send(());
         }

@@ -400,17 +400,23 @@ impl Engine {
     /// or, if the region is simply dropped, until every transfer that used it has completed or been
     /// dropped. Peers granted `perms` may read or write it at any time while registered; the caller
     /// must not rely on its contents while transfers into it are in flight.
-    pub async unsafe fn register_raw(
+    ///
+    /// The returned future is `Send` (it holds the address, not the pointer), so registration can
+    /// run inside spawned tasks.
+    pub unsafe fn register_raw(
         &self,
         ptr: *mut u8,
         len: u64,
         kind: MemoryKind,
         perms: Permissions,
-    ) -> Result<Region> {
-        if ptr.is_null() && len > 0 {
-            return Err(Error::InvalidArgument("register_raw: null pointer".into()));
+    ) -> impl std::future::Future<Output = Result<Region>> + Send + '_ {
+        let addr = ptr as usize;
+        async move {
+            if addr == 0 && len > 0 {
+                return Err(Error::InvalidArgument("register_raw: null pointer".into()));
+            }
+            self.shared.register(Storage::Raw(addr), len, kind, perms).await
         }
-        self.shared.register(Storage::Raw(ptr as usize), len, kind, perms).await
     }
 
     /// Connects to the engine whose control endpoint is `addr` (handshake: both sides exchange
