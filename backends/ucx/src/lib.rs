@@ -22,6 +22,9 @@
 //!   the ones in flight; if they do not finish within the answer timeout the endpoint is
 //!   force-closed (UCX cancels them) before the drop returns. UCX never writes into memory whose
 //!   op was dropped.
+//! - **UCX-allocated memory.** [`UcxBackend::allocate`] hands out memory UCX allocated (register it
+//!   with `register_raw`): UCX's shared-memory transports map it at the peer, so put/get into it is
+//!   one copy; on other memory UCX 1.13 falls back to software put/get (two copies).
 //! - **Transports** are UCX's choice, steered by its own environment variables (`UCX_TLS`,
 //!   `UCX_NET_DEVICES`, ...) or by [`UcxConfig::options`] (the same names without `UCX_`).
 
