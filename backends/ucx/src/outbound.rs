@@ -21,7 +21,7 @@ use tokio::sync::oneshot;
 use crate::ffi::{self, Endpoint, MemHandle, RemoteKey, Rma, Started};
 use crate::gate::OpGate;
 use crate::progress::{INBOUND, Progress, Submitted, Token};
-use crate::wire::{Kind, MAX_NOTIFY_WIRE, Msg, OK, WRITE};
+use crate::wire::{Kind, MAX_NOTIFY_WIRE, Msg, WRITE};
 
 /// Remote keys cached per connection before the cache starts over.
 const MAX_RKEYS: usize = 4096;
@@ -448,11 +448,7 @@ impl Progress {
     pub(crate) fn notify_ack(&mut self, msg: &Msg<'_>) {
         let Some(c) = self.out.get_mut(&msg.conn) else { return };
         let Some(reply) = c.notifies.remove(&msg.req) else { return };
-        let r = if msg.flags & OK != 0 {
-            Ok(())
-        } else {
-            Err(decode_error(msg.body).unwrap_or_else(|e| e))
-        };
+        let r = if msg.ok() { Ok(()) } else { Err(decode_error(msg.body).unwrap_or_else(|e| e)) };
         let _ = reply.send(r);
     }
 

@@ -395,23 +395,22 @@ impl Progress {
                 Some(Token::Rma(op)) => self.rma_done(op, status),
                 Some(Token::Flush(op)) => self.flush_done(op, status),
                 Some(Token::Send { conn, .. }) if status != tensorwire_ucx_sys::UCS_OK => {
-                    let err = ffi::status_error("sending a control message", status);
-                    if conn & INBOUND == 0 {
-                        self.kill(conn, err);
-                    } else {
-                        self.drop_inbound(conn & !INBOUND, &err);
-                    }
+                    self.fail_conn(conn, ffi::status_error("sending a control message", status))
                 }
                 Some(Token::Send { .. }) | None => {}
             },
             Event::EpFailed(token, status) => {
-                let err = ffi::status_error("endpoint failed", status);
-                if token & INBOUND == 0 {
-                    self.kill(token, err);
-                } else {
-                    self.drop_inbound(token & !INBOUND, &err);
-                }
+                self.fail_conn(token, ffi::status_error("endpoint failed", status))
             }
+        }
+    }
+
+    /// Fails the connection an endpoint token names: ours (outbound) or a peer's (inbound).
+    fn fail_conn(&mut self, token: u64, err: Error) {
+        if token & INBOUND == 0 {
+            self.kill(token, err);
+        } else {
+            self.drop_inbound(token & !INBOUND, &err);
         }
     }
 
