@@ -35,10 +35,12 @@ async fn engine(backend: Arc<dyn Backend>, transfer_timeout: Duration) -> Engine
     Engine::builder().backend(backend).config(cfg).start().await.expect("start engine")
 }
 
-/// The child's body; returns at once unless [`CHILD_ENV`] is set.
-pub async fn child(backend: Arc<dyn Backend>) {
+/// The child's body; returns at once unless [`CHILD_ENV`] is set. The backend is made only in the
+/// child, so the parent's own tests never see a stray backend (its sockets, its threads) appear
+/// and vanish while they count resources.
+pub async fn child(make: impl FnOnce() -> Arc<dyn Backend>) {
     let Ok(mode) = std::env::var(CHILD_ENV) else { return };
-    let e = engine(backend, Duration::from_secs(30)).await;
+    let e = engine(make(), Duration::from_secs(30)).await;
     let meta = meta();
     let len = if mode == "hold" { 512 << 20 } else { meta.nbytes().unwrap() };
     let dst = e.alloc(len, Permissions::WRITE).await.unwrap();
@@ -208,7 +210,7 @@ macro_rules! multiprocess_tests {
             crate = "tensorwire_conformance::__private::tokio"
         )]
         async fn child_engine() {
-            $crate::multiprocess::child(($make)()).await
+            $crate::multiprocess::child($make).await
         }
 
         #[$crate::__private::tokio::test(

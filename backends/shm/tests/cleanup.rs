@@ -16,7 +16,7 @@ fn shm() -> Arc<dyn Backend> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child_engine() {
-    child(shm()).await
+    child(shm).await
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
