@@ -161,6 +161,28 @@ impl MemSlice {
     }
 }
 
+impl MemSlice {
+    /// Stops holding up deregistration while keeping engine-allocated memory mapped until the
+    /// returned value drops. For a backend that gives up on an op its transport may still touch
+    /// (requests left queued after a forced close): the region can be deregistered, its memory is
+    /// not freed under the transport. Memory the caller registered with `register_raw` cannot be
+    /// kept alive by the engine: the slice is handed back (`Err`) and deregistration keeps waiting
+    /// for it (bounded by the engine's `deregister_timeout`).
+    pub fn detach(self) -> std::result::Result<DetachedMemory, MemSlice> {
+        match self.region.storage {
+            Storage::Owned(_) => Ok(DetachedMemory { _region: self.region.clone() }),
+            Storage::Raw(_) => Err(self),
+        }
+    }
+}
+
+/// Engine-allocated memory kept mapped after its slice released the region (see
+/// [`MemSlice::detach`]).
+#[derive(Debug)]
+pub struct DetachedMemory {
+    _region: Arc<RegionInner>,
+}
+
 impl Drop for MemSlice {
     fn drop(&mut self) {
         if self.region.gate.exit() {
@@ -334,5 +356,50 @@ impl RemoteRegion {
             blobs.push((name, blob));
         }
         Ok(RemoteRegion { engine, id, key, len, kind, perms, blobs })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::HostMapping;
+
+    fn region(storage: Storage, len: u64) -> Arc<RegionInner> {
+        Arc::new(RegionInner {
+            id: RegionId(1),
+            key: AccessKey::random(),
+            kind: MemoryKind::Host,
+            perms: Permissions::READ_WRITE,
+            len,
+            storage,
+            gate: InflightGate::new(),
+            drained: tokio::sync::Notify::new(),
+            blobs: Vec::new(),
+            engine_id: EngineId(1),
+        })
+    }
+
+    #[test]
+    fn detached_memory_stays_mapped_but_no_longer_holds_deregistration() {
+        let r = region(Storage::Owned(HostMapping::new(4096).unwrap()), 4096);
+        let s = r.slice(0, 4096, "test").unwrap();
+        let p = s.ptr();
+        let kept = s.detach().expect("engine memory can be detached");
+        assert!(r.gate.close(), "the detached slice no longer counts as in flight");
+        drop(r);
+        // SAFETY: `kept` holds the region (and its mapping) alive; 4096 bytes at `p`.
+        unsafe { std::ptr::write_bytes(p, 7, 4096) };
+        drop(kept);
+    }
+
+    #[test]
+    fn raw_memory_cannot_be_detached() {
+        let mut buf = vec![0u8; 64];
+        let r = region(Storage::Raw(buf.as_mut_ptr() as usize), 64);
+        let s = r.slice(0, 64, "test").unwrap();
+        let s = s.detach().expect_err("the engine cannot keep caller memory alive");
+        assert!(!r.gate.close(), "the slice still holds deregistration");
+        drop(s);
+        assert!(r.gate.is_drained());
     }
 }

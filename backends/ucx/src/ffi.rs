@@ -535,6 +535,9 @@ impl Endpoint {
                 tracing::warn!("ucx: endpoint close did not finish within {bound:?}");
                 break;
             }
+            if crate::exit::closing() {
+                break;
+            }
             std::thread::yield_now();
         }
         // SAFETY: release the close request once (UCX frees it when it completes).

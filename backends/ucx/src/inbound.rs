@@ -17,7 +17,7 @@ use tensorwire_core::wire::error::encode_error;
 use tensorwire_core::{Error, Result};
 
 use crate::ffi::{Endpoint, MemHandle};
-use crate::progress::{INBOUND, Progress};
+use crate::progress::{Graveyard, INBOUND, Progress};
 use crate::wire::{Kind, Msg, OK, WRITE};
 
 /// Regions one peer may hold at once (Begin without End).
@@ -26,8 +26,15 @@ const MAX_HOLDS: usize = 1 << 16;
 /// A region range a peer was granted, held until its End.
 #[derive(Debug)]
 pub(crate) struct Hold {
-    _slice: MemSlice,
-    _memh: Option<Rc<MemHandle>>,
+    slice: MemSlice,
+    memh: Option<Rc<MemHandle>>,
+}
+
+impl Hold {
+    /// Keeps the range for puts the peer may still have queued (see [`Graveyard`]).
+    pub(crate) fn bury(self, graveyard: &mut Graveyard) {
+        graveyard.bury(self.slice, self.memh, None);
+    }
 }
 
 /// A peer's connection to this backend.
@@ -93,7 +100,7 @@ impl Progress {
                     len: msg.len,
                     ..Msg::new(Kind::Granted, msg.conn, msg.req)
                 };
-                c.holds.insert(msg.req, Hold { _slice: slice, _memh: memh });
+                c.holds.insert(msg.req, Hold { slice, memh });
             }
             Err(e) => {
                 err = encode_error(&e);
@@ -135,10 +142,15 @@ impl Progress {
         }
     }
 
-    /// Forgets a peer's connection: its holds are released, its endpoint closed.
+    /// Forgets a peer's connection and closes its endpoint. Ranges it still held go to the
+    /// graveyard, not back to their regions: a peer that left mid-op (or UCX on its behalf) may
+    /// still deliver queued puts into them.
     pub(crate) fn drop_inbound(&mut self, conn: u64, why: &Error) {
         if let Some(c) = self.inb.remove(&conn) {
             tracing::debug!(conn, held = c.holds.len(), reason = %why, "ucx: peer connection over");
+            for (_, hold) in c.holds {
+                hold.bury(&mut self.graveyard);
+            }
         }
     }
 }

@@ -21,7 +21,10 @@
 //! - **Cancellation.** Dropping a READ's completion stops new segments and waits until UCX finished
 //!   the ones in flight; if they do not finish within the answer timeout the endpoint is
 //!   force-closed (UCX cancels them) before the drop returns. UCX never writes into memory whose
-//!   op was dropped.
+//!   op was dropped. Requests UCX keeps after a forced close, and ranges a departed peer held,
+//!   keep their memory until the worker is destroyed (engine memory detached, so regions still
+//!   deregister). Process exit right after dropping a backend is safe: an `atexit` hook keeps the
+//!   progress threads out of UCX while libucs tears down.
 //! - **UCX-allocated memory.** [`UcxBackend::allocate`] hands out memory UCX allocated (register it
 //!   with `register_raw`): UCX's shared-memory transports map it at the peer, so put/get into it is
 //!   one copy; on other memory UCX 1.13 falls back to software put/get (two copies).
@@ -30,6 +33,8 @@
 
 #[cfg(feature = "ucx")]
 mod backend;
+#[cfg(feature = "ucx")]
+mod exit;
 #[cfg(feature = "ucx")]
 mod ffi;
 pub mod gate;

@@ -20,7 +20,7 @@ use tokio::sync::oneshot;
 
 use crate::ffi::{self, Endpoint, MemHandle, RemoteKey, Rma, Started};
 use crate::gate::OpGate;
-use crate::progress::{INBOUND, Progress, Submitted, Token};
+use crate::progress::{Graveyard, INBOUND, Progress, Submitted, Token};
 use crate::wire::{Kind, MAX_NOTIFY_WIRE, Msg, WRITE};
 
 /// Remote keys cached per connection before the cache starts over.
@@ -89,6 +89,8 @@ pub(crate) struct OpState {
     granted: bool,
     flush_started: bool,
     flushing: bool,
+    /// Requests were forgotten after a forced close (see `Progress::abandon`).
+    abandoned: bool,
     error: Option<Error>,
     gate: Arc<OpGate>,
     done: oneshot::Sender<Result<()>>,
@@ -107,9 +109,11 @@ impl OpState {
         self.inflight > 0 || self.flushing
     }
 
-    /// Resolves the op with `e` at once (shutdown of the thread: no request is left).
-    pub(crate) fn fail_now(self, e: Error) {
+    /// Resolves the op with `e` at once (the thread is shutting down); what its requests may
+    /// still touch goes to `graveyard`.
+    pub(crate) fn fail_now(self, e: Error, graveyard: &mut Graveyard) {
         let _ = self.done.send(Err(e));
+        graveyard.bury(self.local, self.memh, self.rkey);
     }
 }
 
@@ -223,6 +227,7 @@ impl Progress {
                     granted: false,
                     flush_started: false,
                     flushing: false,
+                    abandoned: false,
                     error: None,
                     gate: s.gate,
                     done: s.done,
@@ -415,6 +420,9 @@ impl Progress {
             Some(e) => Err(e),
             None => Ok(()),
         });
+        if op.abandoned {
+            self.graveyard.bury(op.local, op.memh, op.rkey);
+        }
     }
 
     pub(crate) fn notify(&mut self, conn: u64, body: &[u8], reply: oneshot::Sender<Result<()>>) {
@@ -497,6 +505,9 @@ impl Progress {
         c.rkeys.clear();
         let ids: HashSet<u64> = c.ops.iter().copied().collect();
         if force {
+            // Requests the close completed (cancelled) are handled first: only those UCX still
+            // holds are abandoned.
+            self.drain_callbacks();
             self.abandon(conn, &ids);
         }
         for id in ids {
@@ -508,15 +519,19 @@ impl Progress {
     }
 
     /// After a forced close, UCX (1.13) does not always complete the requests that were queued on
-    /// the endpoint (software put/get waiting for a stopped peer): forget them. The endpoint is
-    /// gone, so UCX no longer reads the local memory of a WRITE. A READ's reply could still come
-    /// from a peer that resumes: its local slice is kept alive (and its region stays registered)
-    /// until the backend shuts down, so a late byte never lands in freed memory.
+    /// the endpoint (software put/get waiting for a stopped peer): forget them. Forgotten requests
+    /// can still run later (the transport dispatches its pending queue, reading a WRITE's source
+    /// or a control message's buffer), and a READ's reply could still come from a peer that
+    /// resumes: what they touch goes to the graveyard when the op finishes, alive (its region
+    /// stays registered) until the worker is destroyed, so UCX never touches freed memory.
     fn abandon(&mut self, conn: u64, ids: &HashSet<u64>) {
-        self.tokens.retain(|t| match t {
-            Token::Rma(id) | Token::Flush(id) => !ids.contains(id),
-            Token::Send { conn: c, .. } => *c != conn,
+        let lost = self.tokens.take_if(|t| match t {
+            Token::Rma(id) | Token::Flush(id) => ids.contains(id),
+            Token::Send { conn: c, .. } => *c == conn,
         });
+        for t in lost {
+            self.graveyard.bury_send(t);
+        }
         for id in ids {
             let Some(op) = self.ops.get_mut(id) else { continue };
             if op.inflight == 0 && !op.flushing {
@@ -525,11 +540,7 @@ impl Progress {
             for _ in 0..op.inflight {
                 op.gate.exit();
             }
-            if !op.write && op.inflight > 0 {
-                if let Ok(hold) = op.local.sub(0, op.local.len()) {
-                    self.graveyard.push(hold);
-                }
-            }
+            op.abandoned = true;
             op.inflight = 0;
             op.flushing = false;
         }

@@ -15,12 +15,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tensorwire_core::backend::{BackendHost, Op, RegionInfo};
 use tensorwire_core::fence::FenceTicket;
-use tensorwire_core::region::MAX_BLOB_BYTES;
+use tensorwire_core::region::{DetachedMemory, MAX_BLOB_BYTES, MemSlice};
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::sync::oneshot;
 
 use crate::UcxConfig;
-use crate::ffi::{self, Endpoint, Event, MemHandle, Started, Worker};
+use crate::exit::InUcx;
+use crate::ffi::{self, Endpoint, Event, MemHandle, RemoteKey, Started, Worker};
 use crate::gate::OpGate;
 use crate::inbound::InConn;
 use crate::outbound::{OpState, OutConn};
@@ -157,6 +158,8 @@ pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
     let (ready_tx, ready_rx) = sync_channel(1);
     // Detached: it ends after Shutdown (or when every handle is gone) and owns all it uses.
     let _thread = std::thread::Builder::new().name("tensorwire-ucx".into()).spawn(move || {
+        // Held for every UCX call, from ucp_init to the context's destruction (see `exit`).
+        let mut inside = crate::exit::enter();
         let p = match Progress::new(cfg) {
             Ok(p) => p,
             Err(e) => {
@@ -165,7 +168,12 @@ pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
             }
         };
         let _ = ready_tx.send(Ok(p.address.clone()));
-        p.run(rx, thread_wake.as_raw_fd());
+        let replies = p.run(rx, thread_wake.as_raw_fd(), &mut inside);
+        drop(inside);
+        // Only now is UCX torn down: a shutdown's caller may exit the process at once.
+        for r in replies {
+            let _ = r.send(());
+        }
         drop(thread_wake);
     })?;
     let address = match ready_rx.recv_timeout(STARTUP) {
@@ -190,6 +198,40 @@ pub(crate) enum Token {
     Send { conn: u64, _buf: Vec<u8> },
 }
 
+/// What requests UCX may still run can touch, after they were abandoned (see `abandon`) or their
+/// peer left mid-op (see `drop_inbound`): kept until the thread ends, after the worker (and every
+/// request on it) is destroyed. Engine-allocated memory is detached (its region can deregister;
+/// the mapping stays); memory registered with `register_raw` keeps its region's deregistration
+/// waiting. It grows only when connections end abnormally with requests in flight.
+#[derive(Debug, Default)]
+pub(crate) struct Graveyard {
+    memory: Vec<std::result::Result<DetachedMemory, MemSlice>>,
+    handles: Vec<Rc<MemHandle>>,
+    /// Destroyed before the worker: UCX allocates unpacked keys from it.
+    rkeys: Vec<Rc<RemoteKey>>,
+    /// Control messages still queued for sending (their buffers).
+    sends: Vec<Token>,
+}
+
+impl Graveyard {
+    pub(crate) fn bury(
+        &mut self,
+        memory: MemSlice,
+        memh: Option<Rc<MemHandle>>,
+        rkey: Option<Rc<RemoteKey>>,
+    ) {
+        self.memory.push(memory.detach());
+        self.handles.extend(memh);
+        self.rkeys.extend(rkey);
+    }
+
+    pub(crate) fn bury_send(&mut self, token: Token) {
+        if matches!(token, Token::Send { .. }) {
+            self.sends.push(token);
+        }
+    }
+}
+
 /// Pending requests by token.
 #[derive(Debug, Default)]
 pub(crate) struct Tokens {
@@ -208,9 +250,10 @@ impl Tokens {
         self.map.remove(&token);
     }
 
-    /// Keeps only the pending requests `keep` accepts.
-    pub(crate) fn retain(&mut self, keep: impl Fn(&Token) -> bool) {
-        self.map.retain(|_, t| keep(t));
+    /// Removes and returns the pending requests `pick` selects.
+    pub(crate) fn take_if(&mut self, pick: impl Fn(&Token) -> bool) -> Vec<Token> {
+        let ids: Vec<u64> = self.map.iter().filter(|(_, t)| pick(t)).map(|(&k, _)| k).collect();
+        ids.into_iter().filter_map(|k| self.map.remove(&k)).collect()
     }
 
     fn take(&mut self, token: u64) -> Option<Token> {
@@ -256,8 +299,8 @@ pub(crate) struct Progress {
     pub(crate) next_op: u64,
     /// Memory allocated through UCX, by address: (length, handle).
     pub(crate) allocations: HashMap<usize, (usize, Rc<MemHandle>)>,
-    /// Local memory of abandoned READs (see `abandon`), kept until the thread ends.
-    pub(crate) graveyard: Vec<tensorwire_core::region::MemSlice>,
+    /// What abandoned requests may still touch (see `abandon`), kept until the worker is gone.
+    pub(crate) graveyard: Graveyard,
     /// Ops with segments to start, by bytes left (see `pump`).
     pub(crate) runnable: std::collections::BTreeSet<(u64, u64)>,
     /// Set by Shutdown: the deadline for peers to release what they hold.
@@ -283,7 +326,7 @@ impl Progress {
             tokens: Tokens::default(),
             next_op: 0,
             runnable: Default::default(),
-            graveyard: Vec::new(),
+            graveyard: Graveyard::default(),
             allocations: HashMap::new(),
             stopping: None,
             stop_replies: Vec::new(),
@@ -291,7 +334,13 @@ impl Progress {
         })
     }
 
-    fn run(mut self, rx: Receiver<Cmd>, wake: RawFd) {
+    /// Runs until shut down; returns the shutdown requests to answer once UCX is torn down.
+    fn run(
+        mut self,
+        rx: Receiver<Cmd>,
+        wake: RawFd,
+        inside: &mut InUcx,
+    ) -> Vec<oneshot::Sender<()>> {
         let efd = match self.worker.event_fd() {
             Ok(fd) => Some(fd),
             Err(e) => {
@@ -302,6 +351,10 @@ impl Progress {
         let mut senders_gone = false;
         let mut active = Instant::now();
         loop {
+            if crate::exit::closing() {
+                // The process is exiting: leave UCX (this parks the thread for good).
+                inside.outside(|| ());
+            }
             loop {
                 match rx.try_recv() {
                     Ok(cmd) => self.command(cmd),
@@ -361,18 +414,15 @@ impl Progress {
                 None => true,
             };
             if armed {
-                sleep(
-                    efd,
-                    wake,
-                    if efd.is_some() { tick } else { tick.min(Duration::from_millis(1)) },
-                );
+                let tick = if efd.is_some() { tick } else { tick.min(Duration::from_millis(1)) };
+                inside.outside(|| sleep(efd, wake, tick));
             }
         }
-        self.finish_shutdown();
+        self.finish_shutdown()
     }
 
     /// Handles what the callbacks collected; whether there was anything.
-    fn drain_callbacks(&mut self) -> bool {
+    pub(crate) fn drain_callbacks(&mut self) -> bool {
         let mut any = false;
         loop {
             let (events, msgs) = ffi::take_callbacks();
@@ -528,11 +578,17 @@ impl Progress {
         past || (!held && self.ops.is_empty())
     }
 
-    fn finish_shutdown(mut self) {
+    /// Fails what is left and tears UCX down; returns the shutdown requests to answer.
+    fn finish_shutdown(mut self) -> Vec<oneshot::Sender<()>> {
         for (_, op) in self.ops.drain() {
-            op.fail_now(Error::PeerClosed("local ucx backend shut down".into()));
+            let e = Error::PeerClosed("local ucx backend shut down".into());
+            op.fail_now(e, &mut self.graveyard);
         }
-        self.inb.clear();
+        for (_, c) in self.inb.drain() {
+            for (_, hold) in c.holds {
+                hold.bury(&mut self.graveyard);
+            }
+        }
         self.out.clear();
         self.regions.clear();
         // Memory handed out by `Allocate` and not yet freed may still be in use by its owner:
@@ -540,10 +596,14 @@ impl Progress {
         for (_, (_, m)) in self.allocations.drain() {
             std::mem::forget(m);
         }
-        for r in self.stop_replies.drain(..) {
-            let _ = r.send(());
-        }
-        // Worker and context drop last (endpoints and handles hold Rcs to them).
+        let replies = std::mem::take(&mut self.stop_replies);
+        let mut graveyard = std::mem::take(&mut self.graveyard);
+        graveyard.rkeys.clear();
+        // Worker and context go last of the UCX objects (endpoints and handles hold Rcs to them);
+        // the memory abandoned requests might touch only after them.
+        drop(self);
+        drop(graveyard);
+        replies
     }
 
     fn check_deadlines(&mut self) {
