@@ -12,5 +12,6 @@ pub mod raw_tcp;
 pub mod report;
 pub mod store;
 pub mod suite;
+pub mod thread_cpu;
 pub mod transfer;
 pub mod ucx_perftest;

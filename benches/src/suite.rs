@@ -2,6 +2,8 @@
 //! the raw medium interleaved and returns one [`Line`] per (op, size), calling `on_line` as each
 //! line is ready.
 
+use std::time::Duration;
+
 use tensorwire_core::{Error, Result};
 
 use crate::child_peer::ChildPair;
@@ -114,6 +116,16 @@ async fn ucx_transfers(
             lines.push(line);
         }
     }
+    // Idle: connected, nothing moving. The progress thread should sleep in poll(2).
+    let idle = Duration::from_secs(1);
+    let before = crate::thread_cpu::used("tensorwire-ucx");
+    tokio::time::sleep(idle).await;
+    let spent = crate::thread_cpu::used("tensorwire-ucx").saturating_sub(before);
+    eprintln!(
+        "    idle     ucx: progress thread used {} ms of CPU in {} ms with nothing to move",
+        spent.as_millis(),
+        idle.as_millis()
+    );
     pair.a.shutdown().await;
     Ok(lines)
 }
