@@ -226,7 +226,9 @@ mod tests {
 
         #[test]
         fn decode_is_total(buf in proptest::collection::vec(any::<u8>(), 0..200)) {
-            let _ = Msg::decode(&buf);
+            if let Ok(m) = Msg::decode(&buf) {
+                prop_assert_eq!(m.encode(), buf, "decoding is canonical");
+            }
         }
 
         #[test]
@@ -238,7 +240,9 @@ mod tests {
             if at < enc.len() {
                 enc[at] = byte;
             }
-            let _ = Msg::decode(&enc);
+            if let Ok(d) = Msg::decode(&enc) {
+                prop_assert_eq!(d.encode(), enc, "decoding is canonical");
+            }
         }
     }
 
