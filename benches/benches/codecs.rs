@@ -3,7 +3,7 @@
 
 use criterion::{Criterion, black_box, criterion_group, criterion_main};
 use tensorwire_core::wire::envelope::{Envelope, Message};
-use tensorwire_core::wire::frame::{FrameHeader, FrameKind};
+use tensorwire_core::wire::frame::{CONTROL, FrameHeader};
 use tensorwire_core::{AccessKey, ChunkPlan, DType, EngineId, RegionId, TensorMeta};
 use tensorwire_tcp::wire::{DataHeader, Kind};
 
@@ -22,9 +22,9 @@ fn data_header(c: &mut Criterion) {
 }
 
 fn control(c: &mut Criterion) {
-    let f = FrameHeader { kind: FrameKind::Hello, len: 1234 }.encode();
+    let f = CONTROL.header(FrameHeader { kind: 1, len: 1234 });
     c.bench_function("control FrameHeader decode", |b| {
-        b.iter(|| FrameHeader::decode(black_box(&f)))
+        b.iter(|| CONTROL.decode_header(black_box(&f)))
     });
     let env =
         Envelope { from: EngineId(5), msg: Message::User(bytes::Bytes::from_static(&[1; 256])) };

@@ -3,12 +3,13 @@
 //! engine with the backend under test, registers one readable and writable region, prints
 //! `READY <control addr> <region id>` and serves until its stdin closes.
 
+use crate::Result;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 
 use tensorwire_core::{
-    Engine, Error, Permissions, Region, RegionId, RemoteRegion, Result, Session, TransferOp,
+    Engine, Error, Permissions, Region, RegionId, RemoteRegion, Session, TransferOp,
 };
 
 use crate::transfer::{make_backend, touch};
@@ -112,7 +113,7 @@ impl ChildPair {
         .map_err(|e| Error::protocol(e.to_string()))?;
         let Some(ready) = ready else {
             let _ = child.kill();
-            return Err(Error::protocol("the peer process never became ready"));
+            return Err(Error::protocol("the peer process never became ready").into());
         };
         let mut f = ready.split_whitespace();
         let addr: SocketAddr = f
@@ -140,7 +141,7 @@ impl ChildPair {
         };
         let report = self.session.transfer(op).await?;
         if report.backend != backend {
-            return Err(Error::protocol(format!("engine moved it with {}", report.backend)));
+            return Err(Error::protocol(format!("engine moved it with {}", report.backend)).into());
         }
         Ok(())
     }

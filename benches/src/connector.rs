@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tensorwire_core::{
-    DType, Engine, Permissions, Region, Result, Session, TensorMeta, TransferOp,
-};
+use tensorwire_core::{DType, Engine, Permissions, Region, Session, TensorMeta, TransferOp};
 use tensorwire_diffusion::{
-    Chunking, ConnectorConfig, DiffusionConnector, LeasePolicy, Mode, PayloadKind, Role,
-    StagePayload,
+    Chunking, ConnectorConfig, DiffusionConnector, LeasePolicy, Mode, PayloadKind, StagePayload,
 };
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+use crate::Result;
 
 /// Two connectors (producer, consumer) over tcp engines, with buffers of one payload size.
 #[derive(Debug)]
@@ -29,7 +28,7 @@ pub struct ConnectorBench {
 
 async fn engine(streams: usize) -> Result<Engine> {
     let tcp = TcpBackend::new(TcpConfig { streams, ..TcpConfig::default() })?;
-    Engine::builder().backend(tcp).start().await
+    Ok(Engine::builder().backend(tcp).start().await?)
 }
 
 /// A tensor of `size` bytes as [8, size/16] bf16 (so it can be chunked 8 ways along dim 0).
@@ -46,10 +45,10 @@ impl ConnectorBench {
         src.write_bytes(0, &vec![3u8; max as usize])?;
         dst.write_bytes(0, &vec![4u8; max as usize])?;
         let raw = b.connect(a.local_addr()).await?;
-        let cfg = |role| ConnectorConfig { role, mode: Mode::P2p, ..ConnectorConfig::default() };
+        let cfg = || ConnectorConfig { mode: Mode::P2p, ..ConnectorConfig::default() };
         Ok(ConnectorBench {
-            producer: DiffusionConnector::new(a, None, cfg(Role::Denoise)),
-            consumer: DiffusionConnector::new(b, None, cfg(Role::Decode)),
+            producer: DiffusionConnector::new(a, None, cfg()),
+            consumer: DiffusionConnector::new(b, None, cfg()),
             src,
             dst,
             raw,
@@ -77,14 +76,16 @@ impl ConnectorBench {
     /// One publish + consume of `size` bytes.
     pub async fn handoff(&self, size: u64) -> Result<()> {
         let p = self.producer.publish(self.payload(size, None), None)?;
-        self.consumer.consume(&p.reference, self.dst.clone(), 0, None)?.all().await.map(drop)
+        self.consumer.consume(&p.reference, self.dst.clone(), 0, None)?.all().await?;
+        Ok(())
     }
 
     /// One raw engine READ of the same bytes.
     pub async fn raw_read(&self, size: u64) -> Result<()> {
         let n = meta(size).nbytes()?;
         let op = TransferOp::read(&self.dst, 0, &self.src.remote(), 0, n);
-        self.raw.transfer(op).await.map(drop)
+        self.raw.transfer(op).await?;
+        Ok(())
     }
 
     /// The overlap figure: the trial with the median ratio out of `trials`.

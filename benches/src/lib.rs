@@ -3,6 +3,11 @@
 //! ucx_perftest for ucx, memcpy for in-process and same-host backends; for the store, memcpy or a raw engine transfer).
 //! The `xfer` binary drives it and prints one JSON line per measurement.
 
+/// What a measurement can fail with: an engine, store or connector error, or the harness's own.
+pub type BenchError = Box<dyn std::error::Error + Send + Sync>;
+/// Result of the harness.
+pub type Result<T, E = BenchError> = std::result::Result<T, E>;
+
 pub mod child_peer;
 pub mod connector;
 pub mod measure;

@@ -1,9 +1,8 @@
 //! Timing loops and statistics.
 
+use crate::Result;
 use std::future::Future;
 use std::time::{Duration, Instant};
-
-use tensorwire_core::Result;
 
 /// How long one measurement runs.
 #[derive(Debug, Clone, Copy)]

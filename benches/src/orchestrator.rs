@@ -7,10 +7,10 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tensorwire_diffusion::sched::{
+use tensorwire_orchestrator::sched::{
     Dispatch, MaxFreeCredit, SchedConfig, Scheduler, Submit, WorkerId,
 };
-use tensorwire_diffusion::{Priority, Stage};
+use tensorwire_orchestrator::{Priority, Stage};
 
 /// The measurement.
 #[derive(Debug, Clone, Serialize)]

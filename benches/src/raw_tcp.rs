@@ -4,7 +4,8 @@
 //! share and answered one byte; a READ sends a 9-byte request on every stream and completes when
 //! every share has been read. Each stream is driven by its own task, as tensorwire's are.
 
-use tensorwire_core::{Error, Result};
+use crate::Result;
+use tensorwire_core::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -107,7 +108,7 @@ impl RawTcp {
                 result = Err(io(e));
             }
         }
-        result
+        Ok(result?)
     }
 }
 

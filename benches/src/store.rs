@@ -2,11 +2,12 @@
 //! memcpy for the embedded store, a raw engine transfer over tcp to the node's pool for a remote
 //! store node (same session, same engine, same sizes, interleaved).
 
+use crate::Result;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use clap::ValueEnum;
-use tensorwire_core::{DType, Engine, Permissions, Region, Result, TensorMeta, TransferOp};
+use tensorwire_core::{DType, Engine, Permissions, Region, TensorMeta, TransferOp};
 use tensorwire_store::{EmbeddedStore, RemoteStore, Retention, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
@@ -48,7 +49,7 @@ pub struct StoreBench {
 
 async fn engine(streams: usize) -> Result<Engine> {
     let tcp = TcpBackend::new(TcpConfig { streams, ..TcpConfig::default() })?;
-    Engine::builder().backend(tcp).start().await
+    Ok(Engine::builder().backend(tcp).start().await?)
 }
 
 fn meta(len: u64) -> TensorMeta {
@@ -70,13 +71,7 @@ impl StoreBench {
                     let backing =
                         EmbeddedStore::new(&node_engine, StoreConfig { shared: true, ..cfg })
                             .await?;
-                    let node = StoreNode::serve(
-                        backing,
-                        "127.0.0.1:0"
-                            .parse()
-                            .map_err(|_| tensorwire_core::Error::protocol("address"))?,
-                    )
-                    .await?;
+                    let node = StoreNode::serve(backing, "127.0.0.1:0".parse()?, None).await?;
                     let r = Arc::new(
                         RemoteStore::connect(&client, node_engine.local_addr(), node.addr())
                             .await?,
@@ -144,7 +139,7 @@ impl StoreBench {
             self.store
                 .put_from(key.as_bytes(), &meta(size), &self.src, 0, size, Retention::Normal)
                 .await?;
-            self.store.remove(key.as_bytes()).await.map(drop)
+            self.store.remove(key.as_bytes()).await.map(drop).map_err(Into::into)
         } else {
             // One stored object per size, put on first use.
             let key = format!("read-{size}");
@@ -153,7 +148,7 @@ impl StoreBench {
                     .put_from(key.as_bytes(), &meta(size), &self.src, 0, size, Retention::Pinned)
                     .await?;
             }
-            self.store.get_into(key.as_bytes(), &self.dst, 0).await.map(drop)
+            self.store.get_into(key.as_bytes(), &self.dst, 0).await.map(drop).map_err(Into::into)
         }
     }
 
@@ -167,7 +162,7 @@ impl StoreBench {
                 } else {
                     TransferOp::read(&self.dst, 0, pool, self.scratch, size)
                 };
-                r.session().transfer(op).await.map(drop)
+                r.session().transfer(op).await.map(drop).map_err(Into::into)
             }
             None => {
                 self.copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).copy(size);

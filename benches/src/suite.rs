@@ -2,9 +2,10 @@
 //! the raw medium interleaved and returns one [`Line`] per (op, size), calling `on_line` as each
 //! line is ready.
 
+use crate::Result;
 use std::time::Duration;
 
-use tensorwire_core::{Error, Result};
+use tensorwire_core::Error;
 
 use crate::child_peer::ChildPair;
 use crate::connector::{ConnectorBench, Overlap};
@@ -40,7 +41,8 @@ pub async fn transfers(
     if !BACKENDS.contains(&backend) {
         return Err(Error::InvalidArgument(format!(
             "--backend {backend}: this harness knows {BACKENDS:?}"
-        )));
+        ))
+        .into());
     }
     if backend == "ucx" {
         return ucx_transfers(sizes, ops, plan, on_line).await;

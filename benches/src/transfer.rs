@@ -1,10 +1,11 @@
 //! The tensorwire side of a measurement: two engines on this host joined by the backend under test,
 //! a source and a destination region of the largest size, and one session.
 
+use crate::Result;
 use std::sync::Arc;
 
 use tensorwire_core::{
-    Backend, Engine, Error, MemBackend, Permissions, Region, Result, Session, TransferOp,
+    Backend, Engine, Error, MemBackend, Permissions, Region, Session, TransferOp,
 };
 use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
@@ -19,10 +20,11 @@ pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
         "shm" => Ok(ShmBackend::new()?),
         "mem" => Ok(MemBackend::new()),
         // Transports from UCX's environment (UCX_TLS, ...), which the baseline inherits too.
-        "ucx" => tensorwire_ucx::new_backend(tensorwire_ucx::UcxConfig::default()),
+        "ucx" => Ok(tensorwire_ucx::new_backend(tensorwire_ucx::UcxConfig::default())?),
         other => Err(Error::InvalidArgument(format!(
             "unknown backend {other:?}; this harness knows {BACKENDS:?}"
-        ))),
+        ))
+        .into()),
     }
 }
 
@@ -64,7 +66,7 @@ impl EnginePair {
         };
         let report = self.session.transfer(op).await?;
         if report.backend != backend {
-            return Err(Error::protocol(format!("engine moved it with {}", report.backend)));
+            return Err(Error::protocol(format!("engine moved it with {}", report.backend)).into());
         }
         Ok(())
     }

@@ -4,11 +4,12 @@
 //! since both inherit this process's. The figure is the client's overall bandwidth from its
 //! `Final:` line.
 
+use crate::Result;
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tensorwire_core::{Error, Result};
+use tensorwire_core::Error;
 
 use crate::measure::Budget;
 
@@ -48,7 +49,8 @@ impl Perftest {
         if !ok {
             return Err(unsupported(format!(
                 "baseline `{PROGRAM}` not found: apt-get install ucx-utils"
-            )));
+            ))
+            .into());
         }
         let tls = std::env::var("UCX_TLS").unwrap_or_else(|_| "UCX default".into());
         Ok(Perftest { tls })
@@ -104,14 +106,14 @@ fn run_pair(write: bool, size: u64, iters: u64) -> Result<f64> {
             None => last = out,
         }
     }
-    Err(unsupported(format!("{PROGRAM} {test} -s {size} gave no result: {}", tail(&last))))
+    Err(unsupported(format!("{PROGRAM} {test} -s {size} gave no result: {}", tail(&last))).into())
 }
 
 fn wait_output(child: &mut Child, bound: Duration) -> Result<String> {
     let deadline = Instant::now() + bound;
     while child.try_wait()?.is_none() {
         if Instant::now() >= deadline {
-            return Err(Error::timeout(format!("{PROGRAM} client"), bound));
+            return Err(Error::timeout(format!("{PROGRAM} client"), bound).into());
         }
         std::thread::sleep(Duration::from_millis(20));
     }

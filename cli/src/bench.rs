@@ -33,7 +33,7 @@ pub(crate) struct BenchArgs {
     pub(crate) min_time_ms: u64,
 }
 
-fn err(e: tensorwire_core::Error) -> String {
+fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 

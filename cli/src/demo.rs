@@ -7,16 +7,20 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use tensorwire_core::{DType, Engine, Error, Permissions, TensorMeta};
-use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig, Submit};
+use parking_lot::Mutex;
+use tensorwire_core::{DType, Engine, Permissions, TensorMeta};
 use tensorwire_diffusion::{
-    Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, Orchestrator,
-    PayloadKind, PayloadRef, Priority, Role, Stage, StagePayload, Work,
+    Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
+    PayloadRef, StagePayload,
+};
+use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig, Submit};
+use tensorwire_orchestrator::{
+    HandlerError, Orchestrator, Outcome, Priority, Stage, StageHandler, Work,
 };
 use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
@@ -131,7 +135,7 @@ pub(crate) fn latent_meta(m: &Model) -> TensorMeta {
     TensorMeta::contiguous(DType::BF16, &m.latent_shape)
 }
 
-fn err(e: Error) -> String {
+fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
@@ -154,10 +158,10 @@ struct Ctx {
     bars: [ProgressBar; 3],
 }
 
-async fn encode(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
+async fn encode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     let r = &c.reqs[w.request as usize];
     let m = &c.models[r.model];
-    let cached = tensorwire_core::sync::lock(&c.cache).get(&(r.model, r.prompt)).cloned();
+    let cached = c.cache.lock().get(&(r.model, r.prompt)).cloned();
     let reference = match cached {
         Some(x) => {
             c.hits.fetch_add(1, Ordering::Relaxed);
@@ -180,26 +184,23 @@ async fn encode(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
                 None,
             )?;
             p.stored().await?; // the denoise worker finds it without polling the store
-            tensorwire_core::sync::lock(&c.cache).insert((r.model, r.prompt), p.reference.clone());
+            c.cache.lock().insert((r.model, r.prompt), p.reference.clone());
             p.reference.clone()
         }
     };
-    tensorwire_core::sync::lock(&c.emb).insert(w.request, reference);
+    c.emb.lock().insert(w.request, reference);
     c.bars[0].inc(1);
     Ok(())
 }
 
-async fn denoise(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
+async fn denoise(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     let r = &c.reqs[w.request as usize];
     let m = &c.models[r.model];
-    let emb = tensorwire_core::sync::lock(&c.emb)
-        .get(&w.request)
-        .cloned()
-        .ok_or_else(|| Error::protocol("no embedding"))?;
+    let emb = c.emb.lock().get(&w.request).cloned().ok_or("no embedding")?;
     let dst = Arc::new(c.den.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
     let t = Instant::now();
     c.den.consume(&emb, dst, 0, Some(&embed_meta(m)))?.all().await?;
-    *tensorwire_core::sync::lock(&c.handoff) += t.elapsed();
+    *c.handoff.lock() += t.elapsed();
     c.moved.fetch_add(m.embed_bytes, Ordering::Relaxed);
     tokio::time::sleep(scaled(m.denoise_ms(), c.scale)).await;
     let buf = Arc::new(c.den.engine().alloc(m.latent_bytes, Permissions::READ).await?);
@@ -217,31 +218,28 @@ async fn denoise(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
         Some(ConsumerHint { credit: 1 }),
     )?;
     p.mark_all_ready()?;
-    tensorwire_core::sync::lock(&c.lat).insert(w.request, p.reference.clone());
+    c.lat.lock().insert(w.request, p.reference.clone());
     c.bars[1].inc(1);
     Ok(())
 }
 
-async fn decode(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
+async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     let r = &c.reqs[w.request as usize];
     let m = &c.models[r.model];
-    let lat = tensorwire_core::sync::lock(&c.lat)
-        .get(&w.request)
-        .cloned()
-        .ok_or_else(|| Error::protocol("no latent"))?;
+    let lat = c.lat.lock().get(&w.request).cloned().ok_or("no latent")?;
     let dst = Arc::new(c.dec.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
     let chunks = m.chunks().map_or(1, |(_, n)| n);
     let t = Instant::now();
     let mut cons = c.dec.consume(&lat, dst.clone(), 0, Some(&latent_meta(m)))?;
     // Chunks land in the background (timed on arrival) while earlier ones are decoded.
     let (tx, mut rx) = tokio::sync::mpsc::channel(chunks as usize + 1);
-    let drain: tokio::task::JoinHandle<tensorwire_core::Result<()>> = tokio::spawn(async move {
+    let drain = tokio::spawn(async move {
         while let Some(v) = cons.next().await? {
             if tx.send((v, t.elapsed())).await.is_err() {
                 break;
             }
         }
-        Ok(())
+        Ok::<(), tensorwire_diffusion::ConnectorError>(())
     });
     let mut first = true;
     let mut landed = Duration::ZERO;
@@ -249,19 +247,19 @@ async fn decode(c: Arc<Ctx>, w: Work) -> tensorwire_core::Result<()> {
         landed = at;
         tokio::time::sleep(scaled(m.decode_ms / f64::from(chunks), c.scale)).await; // decode this chunk
         if first {
-            tensorwire_core::sync::lock(&c.ttff).push(c.submitted.elapsed());
+            c.ttff.lock().push(c.submitted.elapsed());
             first = false;
         }
     }
-    drain.await.map_err(|e| Error::protocol(e.to_string()))??;
-    *tensorwire_core::sync::lock(&c.handoff) += landed;
+    drain.await??;
+    *c.handoff.lock() += landed;
 
     c.moved.fetch_add(m.latent_bytes, Ordering::Relaxed);
     let want = fill(m.latent_bytes, w.request);
     if dst.to_vec(0, m.latent_bytes)? != want {
-        return Err(Error::protocol(format!("request {}: latent bytes differ", w.request)));
+        return Err(format!("request {}: latent bytes differ", w.request).into());
     }
-    tensorwire_core::sync::lock(&c.e2e).push(c.submitted.elapsed());
+    c.e2e.lock().push(c.submitted.elapsed());
     c.bars[2].inc(1);
     Ok(())
 }
@@ -300,19 +298,15 @@ async fn disaggregated(
     )
     .await
     .map_err(err)?;
-    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().map_err(|_| "address")?)
-        .await
-        .map_err(err)?;
+    let listen = "127.0.0.1:0".parse().map_err(|_| "address")?;
+    let node = StoreNode::serve(store.clone(), listen, None).await.map_err(err)?;
     let mut conns = Vec::new();
-    for (role, mode) in
-        [(Role::Encode, Mode::Store), (Role::Denoise, Mode::Auto), (Role::Decode, Mode::Auto)]
-    {
+    for mode in [Mode::Store, Mode::Auto, Mode::Auto] {
         let e = tcp_engine().await?;
         let s: Arc<dyn Store> = Arc::new(
             RemoteStore::connect(&e, node_engine.local_addr(), node.addr()).await.map_err(err)?,
         );
-        let cfg =
-            ConnectorConfig { role, mode, checksum: false, wait_timeout: Duration::from_secs(30) };
+        let cfg = ConnectorConfig { mode, checksum: false, wait_timeout: Duration::from_secs(30) };
         conns.push(DiffusionConnector::new(e, Some(s), cfg));
     }
     let (dec, den, enc) = (
@@ -351,7 +345,7 @@ async fn disaggregated(
     ] {
         for _ in 0..count {
             let c = ctx.clone();
-            let h: Arc<dyn tensorwire_diffusion::StageHandler> = match stage {
+            let h: Arc<dyn StageHandler> = match stage {
                 Stage::Encode => Arc::new(move |w| encode(c.clone(), w)),
                 Stage::Denoise => Arc::new(move |w| denoise(c.clone(), w)),
                 Stage::Decode => Arc::new(move |w| decode(c.clone(), w)),
@@ -373,8 +367,8 @@ async fn disaggregated(
     }
     for w in waits {
         match w.await.map_err(|_| "orchestrator stopped")? {
-            tensorwire_diffusion::sched::Outcome::Completed { .. } => {}
-            tensorwire_diffusion::sched::Outcome::Failed { request, reason } => {
+            Outcome::Completed { .. } => {}
+            Outcome::Failed { request, reason } => {
                 return Err(format!("request {request} failed: {reason}"));
             }
         }
@@ -389,8 +383,7 @@ async fn disaggregated(
         [&ctx.den, &ctx.dec].iter().map(|c| c.engine().stats().bytes_read).sum::<u64>()
             + [&ctx.enc].iter().map(|c| c.engine().stats().bytes_written).sum::<u64>();
     // Drop the embedding cache; the store must end empty.
-    let keys: Vec<PayloadRef> =
-        tensorwire_core::sync::lock(&ctx.cache).drain().map(|(_, v)| v).collect();
+    let keys: Vec<PayloadRef> = ctx.cache.lock().drain().map(|(_, v)| v).collect();
     let store_client =
         RemoteStore::connect(ctx.enc.engine(), node_engine.local_addr(), node.addr())
             .await
@@ -402,14 +395,14 @@ async fn disaggregated(
     }
     let left = store.stats().await.map_err(err)?;
     let moved = ctx.moved.load(Ordering::Relaxed);
-    let handoff = *tensorwire_core::sync::lock(&ctx.handoff);
+    let handoff = *ctx.handoff.lock();
     let busy: [f64; 3] = std::array::from_fn(|i| st.busy[i].as_secs_f64());
     let workers = [split.encode, split.denoise, split.decode];
     Ok(Summary {
         requests: n,
         elapsed,
-        ttff: std::mem::take(&mut *tensorwire_core::sync::lock(&ctx.ttff)),
-        e2e: std::mem::take(&mut *tensorwire_core::sync::lock(&ctx.e2e)),
+        ttff: std::mem::take(&mut *ctx.ttff.lock()),
+        e2e: std::mem::take(&mut *ctx.e2e.lock()),
         utilisation: Some(std::array::from_fn(|i| {
             busy[i] / (elapsed.as_secs_f64() * f64::from(workers[i]))
         })),
@@ -456,7 +449,7 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
         tasks.push(tokio::spawn(async move {
             let Ok(_gpu) = sem.acquire().await else { return };
             let t = Instant::now();
-            let hit = !tensorwire_core::sync::lock(&cache).insert(key);
+            let hit = !cache.lock().insert(key);
             if hit {
                 hits.fetch_add(1, Ordering::Relaxed);
             } else {
@@ -471,16 +464,16 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
             for i in 0..chunks {
                 tokio::time::sleep(scaled(m.decode_ms / f64::from(chunks), scale)).await;
                 if i == 0 {
-                    tensorwire_core::sync::lock(&ttff).push(start.elapsed());
+                    ttff.lock().push(start.elapsed());
                 }
             }
-            let mut b = tensorwire_core::sync::lock(&busy);
+            let mut b = busy.lock();
             b[0] += (t1 - t).as_secs_f64();
             b[1] += (t2 - t1).as_secs_f64();
             b[2] += t2.elapsed().as_secs_f64();
             drop(b);
             bars[2].inc(1);
-            tensorwire_core::sync::lock(&e2e).push(start.elapsed());
+            e2e.lock().push(start.elapsed());
         }));
     }
     for t in tasks {
@@ -490,13 +483,13 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
     for b in bars.iter() {
         b.finish();
     }
-    let b = *tensorwire_core::sync::lock(&busy);
+    let b = *busy.lock();
     let total = elapsed.as_secs_f64() * f64::from(gpus);
     Summary {
         requests: n,
         elapsed,
-        ttff: std::mem::take(&mut *tensorwire_core::sync::lock(&ttff)),
-        e2e: std::mem::take(&mut *tensorwire_core::sync::lock(&e2e)),
+        ttff: std::mem::take(&mut *ttff.lock()),
+        e2e: std::mem::take(&mut *e2e.lock()),
         utilisation: Some(std::array::from_fn(|i| b[i] / total)),
         moved: 0,
         engine_bytes: None,

@@ -13,16 +13,17 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tensorwire_core::Permissions;
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::{Error, Permissions};
-use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig};
-use tensorwire_diffusion::service::{
-    Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
-};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
-    PayloadRef, Priority, Role, Stage, StagePayload,
+    PayloadRef, StagePayload,
 };
+use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_orchestrator::service::{
+    Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
+};
+use tensorwire_orchestrator::{HandlerError, Priority, Stage};
 use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
 
 use crate::demo::{DemoArgs, Split, embed_meta, fill, latent_meta, tcp_engine};
@@ -57,7 +58,7 @@ async fn run_item(
     m: &Model,
     a: &Assignment,
     scale: f64,
-) -> tensorwire_core::Result<Vec<u8>> {
+) -> Result<Vec<u8>, HandlerError> {
     let sleep = |ms: f64| tokio::time::sleep(Duration::from_secs_f64((ms * scale / 1e3).max(0.0)));
     let (embed, latent) = (embed_meta(m), latent_meta(m));
     match a.stage {
@@ -80,15 +81,11 @@ async fn run_item(
         }
         Stage::Denoise => {
             let refs = decode_refs(&a.inputs)?;
-            let emb =
-                refs.first().ok_or_else(|| Error::protocol("denoise without an embedding"))?;
+            let emb = refs.first().ok_or("denoise without an embedding")?;
             let dst = Arc::new(c.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
             c.consume(emb, dst.clone(), 0, Some(&embed))?.all().await?;
             if dst.to_vec(0, m.embed_bytes)? != fill(m.embed_bytes, a.request) {
-                return Err(Error::protocol(format!(
-                    "request {}: embedding bytes differ",
-                    a.request
-                )));
+                return Err(format!("request {}: embedding bytes differ", a.request).into());
             }
             sleep(m.denoise_ms()).await;
             let buf = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::READ).await?);
@@ -108,7 +105,7 @@ async fn run_item(
         }
         Stage::Decode => {
             let refs = decode_refs(&a.inputs)?;
-            let lat = refs.first().ok_or_else(|| Error::protocol("decode without a latent"))?;
+            let lat = refs.first().ok_or("decode without a latent")?;
             let dst = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
             let chunks = m.chunks().map_or(1, |(_, n)| n);
             let mut cons = c.consume(lat, dst.clone(), 0, Some(&latent))?;
@@ -121,7 +118,7 @@ async fn run_item(
                 }
             }
             if dst.to_vec(0, m.latent_bytes)? != fill(m.latent_bytes, a.request + 1) {
-                return Err(Error::protocol(format!("request {}: latent bytes differ", a.request)));
+                return Err(format!("request {}: latent bytes differ", a.request).into());
             }
             Ok(Vec::new())
         }
@@ -142,13 +139,7 @@ pub(crate) async fn payload_worker(
     let store: Arc<dyn Store> = Arc::new(
         RemoteStore::connect(&engine, store_engine, store_rpc).await.map_err(|e| e.to_string())?,
     );
-    let role = match stage {
-        Stage::Encode => Role::Encode,
-        Stage::Denoise => Role::Denoise,
-        Stage::Decode => Role::Decode,
-    };
     let cfg = ConnectorConfig {
-        role,
         mode: Mode::Auto,
         checksum: false,
         wait_timeout: Duration::from_secs(30),
@@ -199,7 +190,7 @@ pub(crate) async fn disaggregated(
     )
     .await
     .map_err(|e| e.to_string())?;
-    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().map_err(|_| "address")?)
+    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().map_err(|_| "address")?, None)
         .await
         .map_err(|e| e.to_string())?;
     let cfg = ServiceConfig {

@@ -11,9 +11,9 @@ use std::time::Duration;
 use serde::Deserialize;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::{Engine, EngineConfig};
-use tensorwire_diffusion::Stage;
-use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig};
-use tensorwire_diffusion::service::{OrchestratorService, ServiceConfig, WorkerClient};
+use tensorwire_orchestrator::Stage;
+use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, WorkerClient};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
@@ -114,7 +114,9 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         ..StoreConfig::default()
     };
     let store = EmbeddedStore::new(&engine, store_cfg).await.map_err(|e| e.to_string())?;
-    let node = StoreNode::serve(store.clone(), store_listen).await.map_err(|e| e.to_string())?;
+    let node = StoreNode::serve(store.clone(), store_listen, secret.clone())
+        .await
+        .map_err(|e| e.to_string())?;
     println!("engine {} control {}", engine.id(), engine.local_addr());
     println!(
         "store node {} (pool {} MiB{})",
@@ -181,12 +183,10 @@ pub(crate) struct WorkerArgs {
 
 /// Runs `worker`.
 pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
-    let stage = match a.role.as_str() {
-        "encode" => Stage::Encode,
-        "denoise" => Stage::Denoise,
-        "decode" => Stage::Decode,
-        r => return Err(format!("--role {r:?}: expected encode, denoise or decode")),
-    };
+    let stage = Stage::ALL
+        .into_iter()
+        .find(|s| s.name() == a.role)
+        .ok_or_else(|| format!("--role {:?}: expected encode, denoise or decode", a.role))?;
     let all = profiles::load(a.profiles.as_deref())?;
     if let (Some(se), Some(st)) = (a.store_engine, a.store) {
         let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
@@ -220,7 +220,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         let t = Duration::from_secs_f64((ms * a.time_scale / 1e3).max(0.0));
         tokio::spawn(async move {
             tokio::time::sleep(t).await;
-            let _ = w.report(&job, Ok(())).await;
+            let _ = w.report(&job, Ok::<(), String>(())).await;
         });
     }
     Err(format!("the orchestrator at {} closed the connection", a.connect))

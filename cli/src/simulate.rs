@@ -1,6 +1,6 @@
 //! `tensorwire simulate`: a discrete-event simulation of a serving cluster. Requests arrive as a
-//! Poisson process; the orchestrator's own scheduler (`tensorwire_diffusion::sched`, the same code
-//! the library orchestrator runs) makes every dispatch decision; a stage's service time is its
+//! Poisson process; the orchestrator's own driver and scheduler (`tensorwire_orchestrator::Driver`,
+//! the same code the library orchestrator and the service run) make every dispatch decision; a stage's service time is its
 //! profiled compute plus the transfer of its input (bytes / bandwidth + per-hop latency). No bytes
 //! move and nothing sleeps. The colocated baseline serves whole requests on the same GPUs.
 
@@ -9,11 +9,10 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tensorwire_diffusion::sched::{
-    AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Scheduler,
-    Submit, WorkerId,
+use tensorwire_orchestrator::sched::{
+    AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Submit, WorkerId,
 };
-use tensorwire_diffusion::{Priority, Stage};
+use tensorwire_orchestrator::{Driver, Priority, Stage};
 
 use crate::demo::{Split, auto_split, parse_split};
 use crate::profiles::{self, Model};
@@ -99,14 +98,6 @@ fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
     })
 }
 
-fn stage_i(s: Stage) -> usize {
-    match s {
-        Stage::Encode => 0,
-        Stage::Denoise => 1,
-        Stage::Decode => 2,
-    }
-}
-
 /// (time, sequence, arrival (None) or completion of an item on a worker, request).
 type SimEvent = (Duration, u64, Option<(ItemKey, WorkerId)>, u64);
 
@@ -114,16 +105,12 @@ type SimEvent = (Duration, u64, Option<(ItemKey, WorkerId)>, u64);
 fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimResult, String> {
     let wall = Instant::now();
     let cfg = SchedConfig { heartbeat_timeout: Duration::MAX, ..SchedConfig::default() };
-    let mut s = Scheduler::new(cfg, policy(&a.policy)?);
-    let mut id = 0;
-    for (stage, n) in [
-        (Stage::Encode, split.encode),
-        (Stage::Denoise, split.denoise),
-        (Stage::Decode, split.decode),
-    ] {
-        for _ in 0..n {
-            id += 1;
-            s.join(WorkerId(id), stage, 1, "node", vec![], Duration::ZERO);
+    // Workers are reached through nothing (the events below play them); a request's waiter is
+    // its arrival time.
+    let mut d: Driver<(), Duration> = Driver::new(cfg, policy(&a.policy)?);
+    for stage in Stage::ALL {
+        for _ in 0..[split.encode, split.denoise, split.decode][stage.index()] {
+            d.join(stage, 1, "node", vec![], (), Duration::ZERO);
         }
     }
     let xfer = |bytes: u64| {
@@ -142,35 +129,32 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
     let mut seq = a.requests;
     let mut arrived: HashMap<u64, Duration> = HashMap::new();
     let (mut ttff, mut e2e) = (Vec::new(), Vec::new());
-    let mut busy = [Duration::ZERO; 3];
     let mut now = Duration::ZERO;
     while let Some(Reverse((at, _, ev, r))) = events.pop() {
         now = at;
         match ev {
             None => {
                 arrived.insert(r, at);
-                s.submit(
-                    Submit {
-                        request: r,
-                        priority: Priority::Batch,
-                        deadline: None,
-                        host: None,
-                        labels: vec![],
-                    },
-                    at,
-                );
+                let s = Submit {
+                    request: r,
+                    priority: Priority::Batch,
+                    deadline: None,
+                    host: None,
+                    labels: vec![],
+                };
+                let _ = d.submit(s, at, at);
             }
             Some((key, w)) => {
-                s.finished(key, w, at);
-                if key.stage == Stage::Decode {
-                    if let Some(t0) = arrived.remove(&key.request) {
-                        e2e.push(at - t0);
-                    }
-                }
+                d.result(w, key, Ok(Vec::new()), at);
             }
         }
-        for d in s.dispatch(now) {
-            let k = d.item.key;
+        for (_, arrival) in d.take_outcomes() {
+            if let Some(t0) = arrival {
+                e2e.push(now - t0);
+            }
+        }
+        for x in d.dispatch(now) {
+            let k = x.dispatch.item.key;
             let service = match k.stage {
                 Stage::Encode => ms(m.encode_ms),
                 Stage::Denoise => xfer(m.embed_bytes) + ms(m.denoise_ms()),
@@ -184,11 +168,11 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
                     ttff.push(now + first - *t0);
                 }
             }
-            busy[stage_i(k.stage)] += service;
             seq += 1;
-            events.push(Reverse((now + service, seq, Some((k, d.worker)), k.request)));
+            events.push(Reverse((now + service, seq, Some((k, x.dispatch.worker)), k.request)));
         }
     }
+    let busy = d.stats(now).busy;
     let span = now.as_secs_f64().max(1e-9);
     let pools = [split.encode, split.denoise, split.decode];
     Ok(SimResult {
@@ -196,7 +180,7 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
         ttff,
         e2e,
         utilisation: std::array::from_fn(|i| busy[i].as_secs_f64() / (span * f64::from(pools[i]))),
-        decisions: s.stats().dispatched,
+        decisions: d.sched().stats().dispatched,
         wall: wall.elapsed(),
     })
 }

@@ -6,8 +6,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_diffusion::Priority;
-use tensorwire_diffusion::service::SubmitClient;
+use tensorwire_orchestrator::Priority;
+use tensorwire_orchestrator::service::SubmitClient;
 
 struct Kill(Child);
 

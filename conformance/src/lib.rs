@@ -18,8 +18,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tensorwire_core::{Backend, Capabilities, Engine, EngineConfig, Session};
 
+pub mod harness;
 pub mod multiprocess;
-pub mod store;
 pub mod tests;
 
 #[doc(hidden)]

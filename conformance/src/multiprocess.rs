@@ -1,25 +1,22 @@
 //! Tests across two OS processes, written once for every backend. The test binary re-runs itself
-//! as the child (its `child_engine` test, active only when [`CHILD_ENV`] is set); the child owns a
-//! writable region, prints `READY <control addr> <region> <chunked transfer id>` and either
-//! receives a chunked 64 MiB tensor (checking every byte) or just holds still to be stopped and
-//! killed. A backend's `tests/two_process.rs` is one line:
+//! as the child (the [`crate::harness`] child entry point `engine`); the child owns a writable
+//! region, prints `READY <control addr> <region> <chunked transfer id>` and either receives a
+//! chunked 64 MiB tensor (checking every byte) or just holds still to be stopped and killed. A
+//! backend's `tests/two_process.rs` (a `[[test]]` with `harness = false`) is one line:
 //!
 //! ```ignore
-//! tensorwire_conformance::multiprocess_tests!(|| my_backend());
+//! tensorwire_conformance::multiprocess_main!(|| my_backend());
 //! ```
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorwire_core::{
     Backend, ChunkPlan, DType, Engine, EngineConfig, Permissions, RegionId, TensorMeta, TransferOp,
 };
-
-/// Environment variable that turns the `child_engine` test into the child.
-pub const CHILD_ENV: &str = "TENSORWIRE_CHILD";
 
 /// [8, 32, 256, 512] bf16 = 64 MiB, chunked in 8 along dim 1.
 fn meta() -> TensorMeta {
@@ -35,11 +32,10 @@ async fn engine(backend: Arc<dyn Backend>, transfer_timeout: Duration) -> Engine
     Engine::builder().backend(backend).config(cfg).start().await.expect("start engine")
 }
 
-/// The child's body; returns at once unless [`CHILD_ENV`] is set. The backend is made only in the
-/// child, so the parent's own tests never see a stray backend (its sockets, its threads) appear
-/// and vanish while they count resources.
-pub async fn child(make: impl FnOnce() -> Arc<dyn Backend>) {
-    let Ok(mode) = std::env::var(CHILD_ENV) else { return };
+/// The child's body, in `mode` ("receive" or "hold"). The backend is made only in the child, so
+/// the parent's own tests never see a stray backend (its sockets, its threads) appear and vanish
+/// while they count resources.
+pub async fn child(make: impl FnOnce() -> Arc<dyn Backend>, mode: &str) {
     let e = engine(make(), Duration::from_secs(30)).await;
     let meta = meta();
     let len = if mode == "hold" { 512 << 20 } else { meta.nbytes().unwrap() };
@@ -84,26 +80,24 @@ impl Drop for Spawned {
     }
 }
 
-/// Spawns this test binary's `child_engine` test in `mode` ("receive" or "hold").
+/// Spawns this test binary's child entry point `engine` in `mode` ("receive" or "hold").
 pub fn spawn_child(mode: &str) -> Spawned {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_engine", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, mode)
+    let mut child = crate::harness::child_command("engine")
+        .arg(mode)
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn child test process");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    // libtest may print "test child_engine ... " on the same line first.
     let ready = lines
         .by_ref()
         .map_while(Result::ok)
-        .find_map(|l| l.find("READY ").map(|at| l[at..].to_string()))
+        .find_map(|l| l.strip_prefix("READY ").map(str::to_string))
         .expect("child never became ready");
     let f: Vec<&str> = ready.split_whitespace().collect();
     Spawned {
-        addr: f[1].parse().unwrap(),
-        region: RegionId(f[2].parse().unwrap()),
-        transfer: f[3].parse().unwrap(),
+        addr: f[0].parse().unwrap(),
+        region: RegionId(f[1].parse().unwrap()),
+        transfer: f[2].parse().unwrap(),
         child,
         lines,
     }
@@ -199,42 +193,29 @@ pub async fn child_stopped_then_killed(backend: Arc<dyn Backend>) {
     drop(child);
 }
 
-/// Expands to the three two-process tests (`child_engine`, `chunked_tensor_to_child`,
-/// `child_stopped_then_killed`) for backends made by `$make`.
+/// The two-process tests of a backend made by `$make`, as a harness: the tests
+/// `chunked_tensor_to_child` and `child_stopped_then_killed`, and the child entry point `engine`.
+pub fn harness<F>(make: F) -> crate::harness::Harness
+where
+    F: Fn() -> Arc<dyn Backend> + Clone + 'static,
+{
+    let (a, b, c) = (make.clone(), make.clone(), make);
+    crate::harness::Harness::new()
+        .test("chunked_tensor_to_child", move || chunked_tensor_to_child(a()))
+        .test("child_stopped_then_killed", move || child_stopped_then_killed(b()))
+        .child("engine", move |args| {
+            let c = c.clone();
+            async move { child(c, args.first().map_or("receive", String::as_str)).await }
+        })
+}
+
+/// Expands to the `main` of a `harness = false` test binary running the two-process tests for
+/// backends made by `$make`.
 #[macro_export]
-macro_rules! multiprocess_tests {
+macro_rules! multiprocess_main {
     ($make:expr) => {
-        #[$crate::__private::tokio::test(
-            flavor = "multi_thread",
-            worker_threads = 2,
-            crate = "tensorwire_conformance::__private::tokio"
-        )]
-        async fn child_engine() {
-            $crate::multiprocess::child($make).await
-        }
-
-        #[$crate::__private::tokio::test(
-            flavor = "multi_thread",
-            worker_threads = 2,
-            crate = "tensorwire_conformance::__private::tokio"
-        )]
-        async fn chunked_tensor_to_child() {
-            if std::env::var($crate::multiprocess::CHILD_ENV).is_ok() {
-                return;
-            }
-            $crate::multiprocess::chunked_tensor_to_child(($make)()).await
-        }
-
-        #[$crate::__private::tokio::test(
-            flavor = "multi_thread",
-            worker_threads = 2,
-            crate = "tensorwire_conformance::__private::tokio"
-        )]
-        async fn child_stopped_then_killed() {
-            if std::env::var($crate::multiprocess::CHILD_ENV).is_ok() {
-                return;
-            }
-            $crate::multiprocess::child_stopped_then_killed(($make)()).await
+        fn main() -> std::process::ExitCode {
+            $crate::multiprocess::harness($make).run()
         }
     };
 }

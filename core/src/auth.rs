@@ -1,6 +1,7 @@
-//! Cluster-secret authentication for the handshake: HMAC-SHA256 over both sides' nonces, with a
-//! different label per direction, so each side proves it knows the secret without revealing it and a
-//! recorded answer cannot be replayed (fresh nonces) or reflected (labels).
+//! Cluster-secret authentication for the handshake every framed protocol opens with: HMAC-SHA256
+//! over both sides' nonces and the protocol's magic, with a different label per direction, so each
+//! side proves it knows the secret without revealing it, and a recorded answer cannot be replayed
+//! (fresh nonces), reflected (labels) or carried to another protocol (magic).
 
 use std::fmt;
 use std::sync::Arc;
@@ -11,10 +12,19 @@ use sha2::Sha256;
 /// Length of handshake nonces and MACs.
 pub const AUTH_LEN: usize = 32;
 
-const SERVER_LABEL: &[u8] = b"tensorwire/v1 server proof";
-const CLIENT_LABEL: &[u8] = b"tensorwire/v1 client proof";
+const SERVER_LABEL: &[u8] = b"tensorwire/v2 server proof";
+const CLIENT_LABEL: &[u8] = b"tensorwire/v2 client proof";
 
-/// A secret shared by every engine of a cluster. Its `Debug` output never shows the bytes.
+/// Which side a proof speaks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The side that accepted the connection.
+    Server,
+    /// The side that opened it.
+    Client,
+}
+
+/// A secret shared by every member of a cluster. Its `Debug` output never shows the bytes.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ClusterSecret(Arc<[u8]>);
 
@@ -24,44 +34,47 @@ impl ClusterSecret {
         ClusterSecret(Arc::from(bytes.as_ref()))
     }
 
-    fn mac(&self, label: &[u8], first: &[u8; AUTH_LEN], second: &[u8; AUTH_LEN]) -> Hmac<Sha256> {
+    fn mac(
+        &self,
+        side: Side,
+        magic: [u8; 2],
+        client: &[u8; AUTH_LEN],
+        server: &[u8; AUTH_LEN],
+    ) -> Hmac<Sha256> {
         // HMAC accepts keys of any length, so this cannot fail.
         let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
             .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-        m.update(label);
-        m.update(first);
-        m.update(second);
+        m.update(match side {
+            Side::Server => SERVER_LABEL,
+            Side::Client => CLIENT_LABEL,
+        });
+        m.update(&magic);
+        m.update(client);
+        m.update(server);
         m
     }
 
-    /// The server's proof for (client nonce, server nonce).
-    pub fn server_proof(&self, client: &[u8; AUTH_LEN], server: &[u8; AUTH_LEN]) -> [u8; AUTH_LEN] {
-        self.mac(SERVER_LABEL, client, server).finalize().into_bytes().into()
-    }
-
-    /// The client's proof for (server nonce, client nonce).
-    pub fn client_proof(&self, server: &[u8; AUTH_LEN], client: &[u8; AUTH_LEN]) -> [u8; AUTH_LEN] {
-        self.mac(CLIENT_LABEL, server, client).finalize().into_bytes().into()
-    }
-
-    /// Checks a server proof in constant time.
-    pub fn verify_server(
+    /// `side`'s proof for a handshake of the protocol with `magic` and these nonces.
+    pub fn proof(
         &self,
+        side: Side,
+        magic: [u8; 2],
+        client: &[u8; AUTH_LEN],
+        server: &[u8; AUTH_LEN],
+    ) -> [u8; AUTH_LEN] {
+        self.mac(side, magic, client, server).finalize().into_bytes().into()
+    }
+
+    /// Checks `side`'s proof in constant time.
+    pub fn verify(
+        &self,
+        side: Side,
+        magic: [u8; 2],
         client: &[u8; AUTH_LEN],
         server: &[u8; AUTH_LEN],
         proof: &[u8],
     ) -> bool {
-        self.mac(SERVER_LABEL, client, server).verify_slice(proof).is_ok()
-    }
-
-    /// Checks a client proof in constant time.
-    pub fn verify_client(
-        &self,
-        server: &[u8; AUTH_LEN],
-        client: &[u8; AUTH_LEN],
-        proof: &[u8],
-    ) -> bool {
-        self.mac(CLIENT_LABEL, server, client).verify_slice(proof).is_ok()
+        self.mac(side, magic, client, server).verify_slice(proof).is_ok()
     }
 }
 
@@ -81,17 +94,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn proofs_verify_only_with_the_same_secret_nonces_and_direction() {
+    fn proofs_verify_only_with_the_same_secret_nonces_side_and_protocol() {
         let s = ClusterSecret::new(b"cluster secret");
         let (c, v) = (nonce(), nonce());
-        let sp = s.server_proof(&c, &v);
-        assert!(s.verify_server(&c, &v, &sp));
-        assert!(!ClusterSecret::new(b"other").verify_server(&c, &v, &sp));
-        assert!(!s.verify_server(&v, &c, &sp), "swapped nonces");
-        assert!(!s.verify_client(&v, &c, &sp), "a server proof reflected as a client proof");
-        assert!(!s.verify_server(&c, &v, &sp[..31]));
-        let cp = s.client_proof(&v, &c);
-        assert!(s.verify_client(&v, &c, &cp));
+        let sp = s.proof(Side::Server, *b"TW", &c, &v);
+        assert!(s.verify(Side::Server, *b"TW", &c, &v, &sp));
+        assert!(!ClusterSecret::new(b"other").verify(Side::Server, *b"TW", &c, &v, &sp));
+        assert!(!s.verify(Side::Server, *b"TW", &v, &c, &sp), "swapped nonces");
+        assert!(!s.verify(Side::Client, *b"TW", &c, &v, &sp), "a server proof reflected");
+        assert!(!s.verify(Side::Server, *b"TR", &c, &v, &sp), "carried to another protocol");
+        assert!(!s.verify(Side::Server, *b"TW", &c, &v, &sp[..31]));
         assert_eq!(format!("{s:?}"), "ClusterSecret(..)");
     }
 }

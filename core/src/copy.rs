@@ -10,7 +10,7 @@ use crate::error::Result;
 pub const SEGMENT: u64 = 16 << 20;
 /// Copies at least this large use non-temporal stores (x86_64): they do not pull the destination
 /// through the cache, which is what makes a large memcpy run at memory bandwidth.
-pub const STREAM_THRESHOLD: usize = 16 << 20;
+pub(crate) const STREAM_THRESHOLD: usize = 16 << 20;
 
 /// How a [`gated_copy`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +59,7 @@ pub async unsafe fn gated_copy(
 ///
 /// # Safety
 /// `[src, src+n)` readable and `[dst, dst+n)` writable for the duration of the call.
-pub unsafe fn copy_bytes(src: usize, dst: usize, n: usize) {
+pub(crate) unsafe fn copy_bytes(src: usize, dst: usize, n: usize) {
     let disjoint = src.checked_add(n).is_some_and(|e| e <= dst)
         || dst.checked_add(n).is_some_and(|e| e <= src);
     #[cfg(target_arch = "x86_64")]

@@ -1,5 +1,6 @@
-//! The one error type of tensorwire. Callers branch on its variants; backends map their private errors
-//! into it (usually [`Error::Backend`]).
+//! The transport's error type. Callers branch on its variants; backends map their private errors
+//! into it (usually [`Error::Backend`]). The layers above (store, connector, orchestrator) have
+//! their own enums that wrap it where a transport error is the cause.
 
 use std::fmt;
 use std::sync::Arc;
@@ -102,9 +103,12 @@ pub enum Error {
         /// The checksum of the bytes as received.
         actual: u32,
     },
-    /// A malformed, truncated, oversized or unexpected frame or message.
+    /// A malformed, truncated, oversized or unexpected frame or message from a peer.
     #[error("protocol: {0}")]
     Protocol(String),
+    /// An invariant of tensorwire itself broke (a bug, never a peer's or a caller's doing).
+    #[error("internal error (a tensorwire bug; please report it): {0}")]
+    Internal(String),
     /// An argument that can never be valid (zero chunk count, a chunk index past the plan, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

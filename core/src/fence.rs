@@ -1,48 +1,70 @@
-//! `OpFence`: orders notifications after data. Each submitted operation holds a `FenceTicket`;
-//! `wait_earlier` returns once every ticket issued before the call has been dropped (completed,
-//! failed or cancelled). Backends use it so a notification is delivered after the ops before it.
+//! `OpFence`: how the engine orders a notification after the data before it. The engine gives every
+//! op it submits on a backend connection a [`FenceTicket`] (inside the [`crate::backend::Op`]);
+//! the backend drops the op, and with it the ticket, when the op has ended. Before handing a
+//! notification to the connection the engine waits for [`OpFence::wait_earlier`]: every ticket
+//! issued before the call has been dropped. Backends never see the fence: the rule is enforced
+//! once, here.
+//!
+//! Plain state behind a mutex plus wakers, so the loom model below checks it without tokio.
 
 use std::collections::BTreeSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 
-use tokio::sync::Notify;
-
-use crate::sync::{Mutex, lock};
+use crate::sync::{Arc, Mutex, lock};
 
 #[derive(Debug, Default)]
 struct FenceState {
     next: u64,
     pending: BTreeSet<u64>,
+    /// Waiters to wake when a ticket drops: (waiter id, its waker).
+    waiters: Vec<(u64, Waker)>,
+    next_waiter: u64,
 }
 
-/// Tracks outstanding operations of one connection in submission order.
-#[derive(Debug, Default)]
-pub struct OpFence {
-    state: Mutex<FenceState>,
-    changed: Notify,
+impl FenceState {
+    fn clear_below(&self, horizon: u64) -> bool {
+        self.pending.first().is_none_or(|&s| s >= horizon)
+    }
 }
 
-/// One outstanding operation; dropping it marks the operation done.
+/// Tracks the outstanding ops of one connection in submission order. Cheap to clone (a handle).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct OpFence {
+    state: Arc<Mutex<FenceState>>,
+}
+
+/// One outstanding op; dropping it marks the op ended.
 #[derive(Debug)]
-pub struct FenceTicket {
-    fence: std::sync::Arc<OpFence>,
+pub(crate) struct FenceTicket {
+    fence: OpFence,
     seq: u64,
 }
 
 impl Drop for FenceTicket {
     fn drop(&mut self) {
-        lock(&self.fence.state).pending.remove(&self.seq);
-        self.fence.changed.notify_waiters();
+        let wake = {
+            let mut st = lock(&self.fence.state);
+            let was_first = st.pending.first() == Some(&self.seq);
+            st.pending.remove(&self.seq);
+            // Only the oldest ticket moves any waiter's horizon.
+            if was_first { std::mem::take(&mut st.waiters) } else { Vec::new() }
+        };
+        for (_, w) in wake {
+            w.wake();
+        }
     }
 }
 
 impl OpFence {
     /// A fence with nothing outstanding.
-    pub fn new() -> std::sync::Arc<Self> {
-        std::sync::Arc::new(Self::default())
+    pub(crate) fn new() -> Self {
+        Self::default()
     }
 
-    /// Registers an operation submitted now.
-    pub fn ticket(self: &std::sync::Arc<Self>) -> FenceTicket {
+    /// Registers an op submitted now.
+    pub(crate) fn ticket(&self) -> FenceTicket {
         let mut st = lock(&self.state);
         let seq = st.next;
         st.next += 1;
@@ -50,32 +72,51 @@ impl OpFence {
         FenceTicket { fence: self.clone(), seq }
     }
 
-    /// Number of operations outstanding.
-    pub fn outstanding(&self) -> usize {
+    /// Ops outstanding.
+    #[cfg(test)]
+    pub(crate) fn outstanding(&self) -> usize {
         lock(&self.state).pending.len()
     }
 
-    /// Waits until every operation registered before this call is done. The horizon is taken when
-    /// this is called, not when the future is first polled. Callers bound it with a timeout.
-    pub fn wait_earlier(
-        self: &std::sync::Arc<Self>,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let horizon = lock(&self.state).next;
-        let fence = self.clone();
-        async move { fence.wait_until(horizon).await }
+    /// Resolves once every op registered before this call has ended. The horizon is taken now,
+    /// not when the future is first polled. Callers bound it with a timeout.
+    pub(crate) fn wait_earlier(&self) -> WaitEarlier {
+        let mut st = lock(&self.state);
+        let horizon = st.next;
+        st.next_waiter += 1;
+        WaitEarlier { fence: self.clone(), horizon, id: st.next_waiter }
     }
+}
 
-    async fn wait_until(&self, horizon: u64) {
-        loop {
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let done = lock(&self.state).pending.first().is_none_or(|&s| s >= horizon);
-            if done {
-                return;
-            }
-            notified.await;
+/// The future of [`OpFence::wait_earlier`].
+#[derive(Debug)]
+pub(crate) struct WaitEarlier {
+    fence: OpFence,
+    horizon: u64,
+    id: u64,
+}
+
+impl Future for WaitEarlier {
+    type Output = ();
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let mut st = lock(&self.fence.state);
+        if st.clear_below(self.horizon) {
+            return Poll::Ready(());
         }
+        // Registered under the same lock a dropping ticket takes, so no wake-up is lost.
+        let id = self.id;
+        match st.waiters.iter_mut().find(|(w, _)| *w == id) {
+            Some((_, waker)) => waker.clone_from(cx.waker()),
+            None => st.waiters.push((id, cx.waker().clone())),
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for WaitEarlier {
+    fn drop(&mut self) {
+        let id = self.id;
+        lock(&self.fence.state).waiters.retain(|(w, _)| *w != id);
     }
 }
 
@@ -89,12 +130,55 @@ mod tests {
         use futures::FutureExt;
         let fence = OpFence::new();
         let a = fence.ticket();
+        let b = fence.ticket();
         let wait = fence.wait_earlier();
         tokio::pin!(wait);
         let _later = fence.ticket();
-        assert!((&mut wait).now_or_never().is_none(), "returned with an earlier op outstanding");
+        assert!((&mut wait).now_or_never().is_none(), "returned with earlier ops outstanding");
+        drop(b);
+        assert!((&mut wait).now_or_never().is_none(), "returned with the oldest op outstanding");
         drop(a);
         tokio::time::timeout(Duration::from_secs(5), wait).await.expect("fence wait hung");
         assert_eq!(fence.outstanding(), 1);
+    }
+
+    #[test]
+    fn dropped_waiters_leave_no_waker_behind() {
+        use futures::FutureExt;
+        let fence = OpFence::new();
+        let _a = fence.ticket();
+        for _ in 0..3 {
+            let mut w = fence.wait_earlier();
+            assert!((&mut w).now_or_never().is_none());
+        }
+        assert!(lock(&fence.state).waiters.is_empty());
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+
+    /// Two ops end on another thread (the later one first) while a notification waits for
+    /// them: the wait always completes (no lost wake-up), and never before both ended.
+    #[test]
+    fn loom_fence_orders_after_earlier_ops() {
+        loom::model(|| {
+            let fence = OpFence::new();
+            let ended = Arc::new(crate::sync::AtomicUsize::new(0));
+            let (a, b) = (fence.ticket(), fence.ticket());
+            let wait = fence.wait_earlier();
+            let _later = fence.ticket();
+            let e = ended.clone();
+            let t = loom::thread::spawn(move || {
+                for ticket in [b, a] {
+                    e.fetch_add(1, crate::sync::Ordering::SeqCst);
+                    drop(ticket);
+                }
+            });
+            loom::future::block_on(wait);
+            assert_eq!(ended.load(crate::sync::Ordering::SeqCst), 2, "notified before an op ended");
+            t.join().unwrap();
+        });
     }
 }

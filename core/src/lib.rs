@@ -40,11 +40,11 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 // Under `--cfg loom` only the sans-IO pieces and shared primitives are built (for the loom models).
-#![cfg_attr(loom, allow(dead_code, unused_imports))]
+#![cfg_attr(loom, allow(dead_code, unused_imports, unreachable_pub))]
 
-pub mod sync;
+mod sync;
 
-pub mod cancel;
+mod cancel;
 pub mod chunk;
 pub mod dtype;
 pub mod error;
@@ -59,21 +59,22 @@ pub mod auth;
 #[cfg(not(loom))]
 pub mod backend;
 #[cfg(not(loom))]
-pub mod completion;
+mod completion;
 #[cfg(not(loom))]
-pub mod copy;
+mod copy;
 #[cfg(not(loom))]
 mod engine;
+mod fence;
 #[cfg(not(loom))]
-pub mod fence;
+pub mod handshake;
 #[cfg(not(loom))]
 pub mod reference;
 #[cfg(not(loom))]
 pub mod region;
 #[cfg(not(loom))]
-pub mod tasks;
+mod tasks;
 
-pub use chunk::{ByteRange, Chunk, ChunkPlan, ChunkTracker};
+pub use chunk::{ByteRange, Chunk, ChunkPlan, ChunkTracker, LandedChunk};
 pub use dtype::{DType, DlDataType};
 pub use error::{Error, Missing, Result};
 pub use ids::{AccessKey, EngineId, RegionId};
@@ -89,9 +90,11 @@ pub use backend::{
 };
 #[cfg(not(loom))]
 pub use engine::{
-    ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, LandedChunk,
-    Notification, Session, TransferHandle, TransferOp, TransferReport,
+    ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, Notification,
+    Session, TransferHandle, TransferOp, TransferReport,
 };
+#[cfg(not(loom))]
+pub use memory::DeviceCopier;
 #[cfg(not(loom))]
 pub use reference::MemBackend;
 #[cfg(not(loom))]

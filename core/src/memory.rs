@@ -1,7 +1,12 @@
-//! Memory kinds and engine-allocated host memory (memfd-backed, so a same-host peer can map it).
+//! Memory kinds, engine-allocated host memory (memfd-backed, so a same-host peer can map it), the
+//! handle through which a same-host backend shares that memory, and the device copier seam a GPU
+//! crate plugs into.
 
+use std::fmt::Debug;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
+#[cfg(not(loom))]
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
@@ -105,7 +110,7 @@ impl HostMapping {
             return Err(std::io::Error::last_os_error().into());
         }
         let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| Error::protocol("mmap returned a null mapping"))?;
+            .ok_or_else(|| Error::Internal("mmap returned a null mapping".into()))?;
         Ok(HostMapping { ptr, len, fd: Some(fd) })
     }
 
@@ -114,9 +119,71 @@ impl HostMapping {
     }
 
     /// The memfd behind the mapping (None for an empty mapping), for same-host sharing.
-    pub(crate) fn fd(&self) -> Option<RawFd> {
+    fn fd(&self) -> Option<RawFd> {
         self.fd.as_ref().map(AsRawFd::as_raw_fd)
     }
+}
+
+/// Engine-allocated host memory as a same-host backend sees it at registration: something it can
+/// hand to another process of this host (a descriptor to map), never an address to copy through.
+/// Caller memory registered with `register_raw` has none.
+#[cfg(not(loom))]
+#[derive(Debug, Clone)]
+pub struct ShareableMemory {
+    mapping: Arc<HostMapping>,
+}
+
+#[cfg(not(loom))]
+impl ShareableMemory {
+    pub(crate) fn of(mapping: &Arc<HostMapping>) -> Option<ShareableMemory> {
+        mapping.fd().map(|_| ShareableMemory { mapping: mapping.clone() })
+    }
+
+    /// Bytes of the memory.
+    pub fn len(&self) -> u64 {
+        self.mapping.len as u64
+    }
+
+    /// Whether it is empty (never: empty mappings are not shareable).
+    pub fn is_empty(&self) -> bool {
+        self.mapping.len == 0
+    }
+
+    /// A new descriptor of the memory to pass to a peer process (e.g. over `SCM_RIGHTS`).
+    /// `writable: false` gives a read-only descriptor (reopened through `/proc/self/fd`), so the
+    /// peer cannot map it writable; `true` a duplicate of the memfd.
+    pub fn open(&self, writable: bool) -> Result<OwnedFd> {
+        let fd =
+            self.mapping.fd().ok_or_else(|| Error::Internal("shared an empty mapping".into()))?;
+        let raw = if writable {
+            // SAFETY: F_DUPFD_CLOEXEC on the mapping's memfd, open while `self` holds the mapping.
+            unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) }
+        } else {
+            let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}"))
+                .map_err(|_| Error::Internal("a /proc path with a NUL byte".into()))?;
+            // SAFETY: opening a NUL-terminated path; the result is checked below.
+            unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) }
+        };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        // SAFETY: `raw` is a fresh descriptor nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    }
+}
+
+/// Copies between memory the CPU cannot touch (device memory) and any other registered memory.
+/// A GPU crate implements it (with `cuMemcpy` and friends) and gives it to the engine
+/// ([`crate::EngineBuilder::device_copier`]); [`crate::MemSlice::copy_from`] routes every copy
+/// that involves a device region through it, and without one such a copy is
+/// [`Error::Unsupported`], never a CPU dereference of a device pointer.
+#[cfg(not(loom))]
+pub trait DeviceCopier: Send + Sync + Debug + 'static {
+    /// Short name for errors ("cuda").
+    fn name(&self) -> &'static str;
+    /// Copies every byte of `src` into `dst` (equal lengths, checked by the caller; the slices'
+    /// kinds say where each side lives). Returns once the bytes are in place.
+    fn copy(&self, dst: &crate::MemSlice, src: &crate::MemSlice) -> Result<()>;
 }
 
 impl Drop for HostMapping {

@@ -1,7 +1,7 @@
 //! The in-process reference backend ("mem"): two engines in one process move bytes with a memcpy
 //! between their registered regions, like libp2p's memory transport. Upper layers and the
 //! conformance suite use it without sockets; it honours the whole backend contract (per-op
-//! completion, cancellation, ordering of notifications, peer shutdown).
+//! completion, cancellation, ops dropped when they end, peer shutdown).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -10,18 +10,14 @@ use std::sync::{Arc, LazyLock, Mutex, OnceLock, Weak};
 use async_trait::async_trait;
 use bytes::Bytes;
 
+use crate::backend::kit::{CancelGate, Reader, Writer, gated_copy, spawn_cancellable};
 use crate::backend::{
     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
     RegionInfo,
 };
-use crate::cancel::CancelGate;
-use crate::completion::spawn_cancellable;
-use crate::copy::gated_copy;
 use crate::error::{Error, Missing, Result};
-use crate::fence::OpFence;
 use crate::ids::RegionId;
 use crate::memory::MemoryKinds;
-use crate::wire::codec::{Reader, Writer};
 
 const NAME: &str = "mem";
 
@@ -92,8 +88,11 @@ impl Backend for MemBackend {
         }
     }
 
-    fn attach(&self, host: Arc<dyn BackendHost>) {
-        let _ = self.shared.host.set(host);
+    async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
+        self.shared
+            .host
+            .set(host)
+            .map_err(|_| Error::InvalidArgument("mem backend started twice".into()))
     }
 
     fn endpoint(&self) -> Bytes {
@@ -102,8 +101,9 @@ impl Backend for MemBackend {
         Bytes::from(w.finish())
     }
 
-    async fn register(&self, _region: &RegionInfo) -> Result<Bytes> {
-        Ok(Bytes::new())
+    async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
+        // Reached through the peer engine's `resolve`: any host memory, nothing to publish.
+        Ok(region.kind.is_host().then(Bytes::new))
     }
 
     async fn deregister(&self, _id: RegionId) -> Result<()> {
@@ -123,11 +123,7 @@ impl Backend for MemBackend {
         let target = registry().get(&id).cloned().ok_or_else(|| {
             Error::NotFound(Missing::Peer(format!("mem backend {id} of {}", peer.engine)))
         })?;
-        Ok(Arc::new(MemConnection {
-            local: self.shared.clone(),
-            peer: target,
-            fence: OpFence::new(),
-        }))
+        Ok(Arc::new(MemConnection { local: self.shared.clone(), peer: target }))
     }
 
     async fn shutdown(&self) {
@@ -140,7 +136,6 @@ impl Backend for MemBackend {
 struct MemConnection {
     local: Arc<MemShared>,
     peer: Weak<MemShared>,
-    fence: Arc<OpFence>,
 }
 
 /// Fails unless both ends are still up.
@@ -157,19 +152,14 @@ async fn run_op(
     gate: Arc<CancelGate>,
 ) -> Result<()> {
     let host = both_alive(&local, &peer)?;
-    let len = op.local.len();
-    let remote = host.resolve(
-        op.remote.region,
-        op.remote.key,
-        op.remote.offset,
-        len,
-        op.dir.remote_access(),
-    )?;
+    let len = op.local().len();
+    let r = op.remote();
+    let remote = host.resolve(r.region, r.key, r.offset, len, op.dir().remote_access())?;
     drop(host);
     // Addresses, not pointers, so the future stays `Send` across the yields below.
-    let (src, dst) = match op.dir {
-        Direction::Read => (remote.ptr() as usize, op.local.ptr() as usize),
-        Direction::Write => (op.local.ptr() as usize, remote.ptr() as usize),
+    let (src, dst) = match op.dir() {
+        Direction::Read => (remote.ptr() as usize, op.local().ptr() as usize),
+        Direction::Write => (op.local().ptr() as usize, remote.ptr() as usize),
     };
     // SAFETY: `remote` and `op.local` are bounds-checked slices of `len` bytes of live registered
     // host memory, held open by their in-flight gates until this function returns.
@@ -181,23 +171,14 @@ impl Connection for MemConnection {
     fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
         ops.into_iter()
             .map(|op| {
-                let ticket = self.fence.ticket();
                 let (local, peer) = (self.local.clone(), self.peer.clone());
-                spawn_cancellable(move |gate| async move {
-                    let r = run_op(op, local, peer, gate).await;
-                    drop(ticket);
-                    r
-                })
+                spawn_cancellable(move |gate| run_op(op, local, peer, gate))
             })
             .collect()
     }
 
     fn notify(&self, msg: Bytes) -> Completion {
-        let earlier = self.fence.wait_earlier();
         let (local, peer) = (self.local.clone(), self.peer.clone());
-        Box::pin(async move {
-            earlier.await;
-            both_alive(&local, &peer)?.deliver(msg)
-        })
+        Box::pin(async move { both_alive(&local, &peer)?.deliver(msg) })
     }
 }

@@ -1,5 +1,6 @@
 //! Registered memory: the region handle users hold, the descriptor peers hold, and the guarded slices
-//! backends copy through.
+//! every byte of registered memory is reached through ([`MemSlice`]: bounds, memory kind and the
+//! in-flight gate checked once, here).
 
 use std::sync::{Arc, Weak};
 
@@ -9,7 +10,7 @@ use crate::engine::EngineShared;
 use crate::error::{Error, Result};
 pub use crate::ids::{AccessKey, EngineId, RegionId};
 use crate::inflight::InflightGate;
-use crate::memory::{HostMapping, MemoryKind};
+use crate::memory::{DeviceCopier, HostMapping, MemoryKind};
 use crate::tensor::{decode_kind, encode_kind};
 use crate::wire::codec::{Reader, Writer};
 
@@ -54,7 +55,7 @@ pub enum Access {
 
 #[derive(Debug)]
 pub(crate) enum Storage {
-    Owned(HostMapping),
+    Owned(Arc<HostMapping>),
     /// Caller memory at this address (see `Engine::register_raw`'s contract).
     Raw(usize),
 }
@@ -70,9 +71,11 @@ pub(crate) struct RegionInner {
     pub(crate) storage: Storage,
     pub(crate) gate: InflightGate,
     pub(crate) drained: tokio::sync::Notify,
-    /// Each backend's public blob for this region.
+    /// Each backend's public blob for this region (a backend that cannot reach it has none).
     pub(crate) blobs: Vec<(&'static str, Bytes)>,
     pub(crate) engine_id: EngineId,
+    /// The engine's copier for device memory, if a GPU crate gave it one.
+    pub(crate) copier: Option<Arc<dyn DeviceCopier>>,
 }
 
 impl RegionInner {
@@ -107,7 +110,13 @@ impl RegionInner {
 }
 
 /// A bounds-checked window of registered memory, holding the region's in-flight gate open while it
-/// lives: deregistration waits for every `MemSlice` to drop. Backends copy through its pointer.
+/// lives: deregistration waits for every `MemSlice` to drop.
+///
+/// Host bytes are reached through its safe accessors ([`MemSlice::with_host_bytes`],
+/// [`MemSlice::write_at`], [`MemSlice::read_at`], [`MemSlice::crc32c`]), any kind through
+/// [`MemSlice::copy_from`] (device memory only through the engine's [`DeviceCopier`]); each
+/// refuses what it cannot do for the slice's memory kind with [`Error::Unsupported`]. Backends
+/// that hand the memory to hardware or the kernel take its [`MemSlice::ptr`].
 #[derive(Debug)]
 pub struct MemSlice {
     region: Arc<RegionInner>,
@@ -136,9 +145,11 @@ impl MemSlice {
     pub fn kind(&self) -> MemoryKind {
         self.region.kind
     }
-    /// Pointer to the first byte of the slice; valid for `len()` bytes while the slice lives. Other
-    /// transfers may access the same bytes concurrently (as with memory shown to a NIC): use
-    /// `ptr::copy`, never form references that assume exclusivity.
+    /// Pointer to the first byte of the slice, for backends handing the memory to a NIC, a
+    /// socket or a driver; valid for `len()` bytes while the slice lives, in the address space of
+    /// its [`MemSlice::kind`] (a device pointer for device memory: never dereference it on the
+    /// CPU). Other transfers may access the same bytes concurrently (as with memory shown to a
+    /// NIC): use `ptr::copy`, never form references that assume exclusivity.
     pub fn ptr(&self) -> *mut u8 {
         // `offset + len <= region len` was checked at construction, so this stays in the allocation.
         self.region.base().wrapping_add(self.offset as usize)
@@ -162,6 +173,97 @@ impl MemSlice {
 }
 
 impl MemSlice {
+    fn host_only(&self, what: &str) -> Result<()> {
+        if self.kind().is_host() {
+            return Ok(());
+        }
+        Err(Error::Unsupported {
+            backend: "engine",
+            what: format!("{what} of {:?} region {} on the CPU", self.kind(), self.region.id.0),
+        })
+    }
+
+    fn host_len(&self) -> Result<usize> {
+        usize::try_from(self.len).map_err(|_| Error::Capacity {
+            what: "host view".into(),
+            requested: self.len,
+            limit: usize::MAX as u64,
+        })
+    }
+
+    /// Runs `f` over the slice's bytes (host memory only). The view is of registered memory: a
+    /// peer allowed to WRITE into the region, or a transfer this process started into it, may
+    /// change the bytes while `f` runs; read them after the transfers that fill them completed.
+    pub fn with_host_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.host_only("reading bytes")?;
+        let n = self.host_len()?;
+        if n == 0 {
+            return Ok(f(&[]));
+        }
+        // SAFETY: host memory of the region, `n` bytes from the slice's start, in bounds (checked
+        // when the slice was made) and kept registered and mapped by the slice's gate.
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr().cast_const(), n) };
+        Ok(f(bytes))
+    }
+
+    /// Copies `data` into the slice at `offset` (host memory only).
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.host_only("writing bytes")?;
+        let dst = self.sub(offset, data.len() as u64)?;
+        // SAFETY: `dst` is `data.len()` bytes of live host memory (checked by `sub`); `data` is a
+        // distinct Rust allocation, so the ranges cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst.ptr(), data.len()) };
+        Ok(())
+    }
+
+    /// Copies the slice's bytes at `offset` into `out` (host memory only).
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.host_only("reading bytes")?;
+        let src = self.sub(offset, out.len() as u64)?;
+        // SAFETY: as in `write_at`, in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(src.ptr(), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// The crc32c of the slice's bytes (host memory only).
+    pub fn crc32c(&self) -> Result<u32> {
+        self.with_host_bytes(crc32c::crc32c)
+    }
+
+    /// Copies every byte of `src` into this slice (equal lengths). Host to host is a CPU copy
+    /// (streaming stores for large ones); a copy that involves device memory goes through the
+    /// engine's [`DeviceCopier`], and without one is [`Error::Unsupported`].
+    pub fn copy_from(&self, src: &MemSlice) -> Result<()> {
+        if src.len != self.len {
+            return Err(Error::InvalidArgument(format!(
+                "copy of {} bytes of region {} into {} bytes of region {}",
+                src.len, src.region.id.0, self.len, self.region.id.0
+            )));
+        }
+        if self.kind().is_host() && src.kind().is_host() {
+            let n = self.host_len()?;
+            // SAFETY: both are live host slices of `n` bytes (their gates hold them); overlap is
+            // allowed (an engine may copy within one region) and handled by `copy_bytes`.
+            unsafe { crate::copy::copy_bytes(src.ptr() as usize, self.ptr() as usize, n) };
+            return Ok(());
+        }
+        let copier = self.region.copier.as_ref().or(src.region.copier.as_ref());
+        match copier {
+            Some(c) => c.copy(self, src),
+            None => Err(Error::Unsupported {
+                backend: "engine",
+                what: format!(
+                    "copy from {:?} region {} to {:?} region {}: no device copier (give the \
+                     engine one with EngineBuilder::device_copier)",
+                    src.kind(),
+                    src.region.id.0,
+                    self.kind(),
+                    self.region.id.0
+                ),
+            }),
+        }
+    }
+
     /// Stops holding up deregistration while keeping engine-allocated memory mapped until the
     /// returned value drops. For a backend that gives up on an op its transport may still touch
     /// (requests left queued after a forced close): the region can be deregistered, its memory is
@@ -221,10 +323,10 @@ impl Region {
     pub fn permissions(&self) -> Permissions {
         self.inner.perms
     }
-    /// Base address of the region (for handing to kernels or frameworks). Transfers may write into
-    /// the memory concurrently; synchronise on their completions before reading.
-    pub fn as_ptr(&self) -> *mut u8 {
-        self.inner.base()
+    /// A checked window `[offset, offset + len)` of the region (see [`MemSlice`]); the region
+    /// cannot finish deregistering while the slice lives.
+    pub fn slice(&self, offset: u64, len: u64) -> Result<MemSlice> {
+        self.inner.slice(offset, len, "local")
     }
     /// Everything a peer needs to address this region: hand it over out of band (a queue message,
     /// a payload ref) or let peers see it in the handshake descriptor.
@@ -240,31 +342,14 @@ impl Region {
         }
     }
 
-    pub(crate) fn host_slice(&self, offset: u64, len: u64) -> Result<MemSlice> {
-        if !self.inner.kind.is_host() {
-            return Err(Error::Unsupported {
-                backend: "engine",
-                what: format!("CPU access to {:?} region {}", self.inner.kind, self.inner.id.0),
-            });
-        }
-        self.inner.slice(offset, len, "local")
-    }
-
     /// Copies `data` into the region at `offset` (host memory only).
     pub fn write_bytes(&self, offset: u64, data: &[u8]) -> Result<()> {
-        let s = self.host_slice(offset, data.len() as u64)?;
-        // SAFETY: `s` is in bounds of live registered host memory (checked by `host_slice`), held
-        // open by the slice's gate; `data` is a distinct Rust allocation, so the ranges cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), s.ptr(), data.len()) };
-        Ok(())
+        self.slice(offset, data.len() as u64)?.write_at(0, data)
     }
 
     /// Copies region bytes at `offset` into `out` (host memory only).
     pub fn read_bytes(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        let s = self.host_slice(offset, out.len() as u64)?;
-        // SAFETY: as in `write_bytes`, with the copy in the other direction.
-        unsafe { std::ptr::copy_nonoverlapping(s.ptr(), out.as_mut_ptr(), out.len()) };
-        Ok(())
+        self.slice(offset, out.len() as u64)?.read_at(0, out)
     }
 
     /// A copy of `len` bytes at `offset`.
@@ -376,12 +461,13 @@ mod tests {
             drained: tokio::sync::Notify::new(),
             blobs: Vec::new(),
             engine_id: EngineId(1),
+            copier: None,
         })
     }
 
     #[test]
     fn detached_memory_stays_mapped_but_no_longer_holds_deregistration() {
-        let r = region(Storage::Owned(HostMapping::new(4096).unwrap()), 4096);
+        let r = region(Storage::Owned(Arc::new(HostMapping::new(4096).unwrap())), 4096);
         let s = r.slice(0, 4096, "test").unwrap();
         let p = s.ptr();
         let kept = s.detach().expect("engine memory can be detached");

@@ -1,5 +1,6 @@
 //! The `DiffusionConnector`: what a stage worker calls to hand its output to the next stage and to
-//! fetch its inputs.
+//! fetch its inputs. The decisions are the sans-IO state machines of [`crate::handoff`]; this
+//! file is the IO around them (the engine, the store, the notification stream).
 //!
 //! - **p2p**: the payload stays in the producer's registered buffer (kept alive by the connector
 //!   until its lease ends). A consumer subscribes; the producer announces chunks as it marks them
@@ -10,39 +11,30 @@
 //!   and the store's lease (consumer count or TTL) removes the object.
 //! - **auto**: p2p when the consumer is known and has credit at publish time, store otherwise.
 //!
-//! Every wait is bounded by [`ConnectorConfig::wait_timeout`]; a producer that died surfaces as a
-//! transfer error or a timeout, never a hang.
+//! Every wait is bounded by [`ConnectorConfig::wait_timeout`]; a producer that died surfaces as
+//! [`ConnectorError::ProducerGone`] or a timeout, never a hang.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tensorwire_core::sync::lock;
+use parking_lot::Mutex;
 use tensorwire_core::{
-    ByteRange, ChunkPlan, Engine, EngineId, Error, Missing, Region, RemoteRegion, Result, Session,
-    TensorMeta, TransferOp,
+    ByteRange, ChunkPlan, Engine, EngineId, Region, RegionId, RemoteRegion, Session, TensorMeta,
+    TransferHandle, TransferOp,
 };
 use tensorwire_store::{Retention, Store};
 use tokio::sync::mpsc;
 
 use crate::control::Control;
-use crate::lease::{Lease, LeaseState};
+use crate::error::{ConnectorError, Result};
+use crate::handoff::{Action, Fetch, FetchStep, Next, Publisher};
+use crate::lease::Lease;
 use crate::payload::{Chunking, LeasePolicy, StagePayload};
 use crate::reference::{PayloadRef, Source};
-
-/// The stage a connector serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Condition encoder.
-    Encode,
-    /// DiT denoiser.
-    Denoise,
-    /// VAE decoder.
-    Decode,
-}
 
 /// How payloads travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,8 +57,6 @@ pub struct ConsumerHint {
 /// Connector settings.
 #[derive(Debug, Clone)]
 pub struct ConnectorConfig {
-    /// Stage.
-    pub role: Role,
     /// Transfer mode.
     pub mode: Mode,
     /// crc32c per chunk (p2p) or per payload (store), verified by the consumer.
@@ -77,52 +67,37 @@ pub struct ConnectorConfig {
 
 impl Default for ConnectorConfig {
     fn default() -> Self {
-        ConnectorConfig {
-            role: Role::Denoise,
-            mode: Mode::Auto,
-            checksum: false,
-            wait_timeout: Duration::from_secs(30),
-        }
+        ConnectorConfig { mode: Mode::Auto, checksum: false, wait_timeout: Duration::from_secs(30) }
     }
 }
 
-/// One chunk of a payload, now in the consumer's destination.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChunkView {
-    /// Chunk index.
-    pub index: u32,
-    /// First index along the chunk dimension.
-    pub start: u64,
-    /// One past the last index along the chunk dimension.
-    pub end: u64,
-    /// The bytes now valid, as offsets in the destination region.
-    pub ranges: Vec<ByteRange>,
-}
+/// One chunk of a payload, now in the consumer's destination (its ranges are offsets in the
+/// destination region).
+pub type ChunkView = tensorwire_core::LandedChunk;
 
+/// A held payload's memory, and where it goes in store mode.
 #[derive(Debug)]
-struct Published {
+struct Buffer {
     region: Arc<Region>,
     offset: u64,
     plan: ChunkPlan,
-    /// Per chunk: None = not ready; Some(crc) = ready.
-    ready: Vec<Option<Option<u32>>>,
-    subscribers: Vec<EngineId>,
-    lease: Lease,
-    /// Store mode: where the bytes go once every chunk is ready.
-    store: Option<(Vec<u8>, Retention)>,
+    meta: TensorMeta,
+    /// Store mode: the key, retention and lease it is stored with.
+    store: Option<(Vec<u8>, Retention, LeasePolicy)>,
 }
+
+/// Chunks in flight per consume (reads of later chunks proceed while earlier ones land).
+const WINDOW: usize = 4;
 
 #[derive(Debug)]
 struct Inner {
     engine: Engine,
     store: Option<Arc<dyn Store>>,
     cfg: ConnectorConfig,
-    published: Mutex<HashMap<u64, Published>>,
+    publisher: Mutex<Publisher<Buffer>>,
     waiters: Mutex<HashMap<(EngineId, u64), mpsc::Sender<Control>>>,
-    /// Per producer: (data session, control session). Control messages get their own session so
-    /// they never wait behind data ops (a notification is ordered after earlier ops on its
-    /// connection).
-    sessions: tokio::sync::Mutex<HashMap<SocketAddr, (Session, Session)>>,
+    /// Sessions with producers, by control address (one handshake per producer).
+    sessions: tokio::sync::Mutex<HashMap<SocketAddr, Session>>,
     next: AtomicU64,
 }
 
@@ -139,20 +114,36 @@ impl Drop for DiffusionConnector {
     }
 }
 
-fn crc_of(base: *const u8, ranges: &[ByteRange]) -> u32 {
-    ranges.iter().fold(0u32, |crc, r| {
-        // SAFETY: callers pass ranges inside a live region of which `base` is the start (checked
-        // against the plan's extent when the payload was published or the consume began).
-        let s = unsafe { std::slice::from_raw_parts(base.add(r.offset as usize), r.len as usize) };
-        crc32c::crc32c_append(crc, s)
+/// The crc32c of `ranges` of `region` (offsets relative to `base`).
+fn crc_of(region: &Region, base: u64, ranges: &[ByteRange]) -> Result<u32> {
+    ranges.iter().try_fold(0u32, |crc, r| {
+        let s = region.slice(base + r.offset, r.len)?;
+        Ok(s.with_host_bytes(|b| crc32c::crc32c_append(crc, b))?)
     })
 }
 
 fn plan_of(meta: &TensorMeta, chunking: Option<Chunking>) -> Result<ChunkPlan> {
-    match chunking {
+    let plan = match chunking {
         Some(c) => ChunkPlan::new(meta, c.dim as usize, c.count),
-        None if meta.shape.is_empty() => Err(Error::InvalidTensor("a scalar payload".into())),
+        None if meta.shape.is_empty() => {
+            return Err(ConnectorError::Mismatch(
+                "a scalar payload has nothing to hand off".into(),
+            ));
+        }
         None => ChunkPlan::new(meta, 0, 1),
+    };
+    plan.map_err(|e| ConnectorError::Mismatch(e.to_string()))
+}
+
+fn fits(region: &Region, offset: u64, plan: &ChunkPlan) -> Result<()> {
+    match offset.checked_add(plan.extent()) {
+        Some(end) if end <= region.len() => Ok(()),
+        _ => Err(ConnectorError::DestinationTooSmall {
+            region: region.id().0,
+            offset,
+            needed: plan.extent(),
+            len: region.len(),
+        }),
     }
 }
 
@@ -171,7 +162,7 @@ impl DiffusionConnector {
             engine,
             store,
             cfg,
-            published: Mutex::default(),
+            publisher: Mutex::default(),
             waiters: Mutex::default(),
             sessions: tokio::sync::Mutex::default(),
             next: AtomicU64::new(1),
@@ -188,7 +179,7 @@ impl DiffusionConnector {
     /// Payloads this connector still holds (p2p buffers waiting for consumers, store puts
     /// waiting for chunks).
     pub fn held(&self) -> usize {
-        lock(&self.inner.published).len()
+        self.inner.publisher.lock().held()
     }
 
     /// Publishes a payload; returns at once. An unchunked payload is ready now; a chunked one
@@ -196,30 +187,17 @@ impl DiffusionConnector {
     pub fn publish(&self, p: StagePayload, hint: Option<ConsumerHint>) -> Result<Publication> {
         let inner = &self.inner;
         let plan = plan_of(&p.meta, p.chunking)?;
-        match p.offset.checked_add(plan.extent()) {
-            Some(end) if end <= p.region.len() => {}
-            _ => {
-                return Err(Error::OutOfBounds {
-                    what: "payload in its region".into(),
-                    offset: p.offset,
-                    len: plan.extent(),
-                    limit: p.region.len(),
-                });
-            }
-        }
+        fits(&p.region, p.offset, &plan)?;
         let p2p = match inner.cfg.mode {
             Mode::P2p => true,
             Mode::Store => false,
             Mode::Auto => hint.is_some_and(|h| h.credit > 0),
         };
         if !p2p && inner.store.is_none() {
-            return Err(Error::Unsupported {
-                backend: "connector",
-                what: "store mode without a store".into(),
-            });
+            return Err(ConnectorError::InvalidArgument("store mode without a store".into()));
         }
         if p2p && !p.region.permissions().read {
-            return Err(Error::AccessDenied(format!(
+            return Err(ConnectorError::InvalidArgument(format!(
                 "p2p payload region {} must be readable by peers (Permissions::READ)",
                 p.region.id().0
             )));
@@ -227,19 +205,16 @@ impl DiffusionConnector {
         let id = inner.next.fetch_add(1, Ordering::Relaxed);
         let engine = inner.engine.id();
         let chunked = p.chunking.is_some();
-        let checksum = (!chunked && inner.cfg.checksum).then(|| {
-            // SAFETY: the plan's extent from `offset` lies inside the region (checked above).
-            crc_of(unsafe { p.region.as_ptr().add(p.offset as usize) }, &plan.chunks()[0].ranges)
-        });
+        // p2p chunks carry their checksums in their announcements; a stored payload carries the
+        // checksum of all its bytes.
+        let checksum = match !p2p && inner.cfg.checksum {
+            true => Some(p.region.slice(p.offset, plan.extent())?.crc32c()?),
+            false => None,
+        };
         let source = if p2p {
-            Source::P2p {
-                engine,
-                addr: inner.engine.local_addr(),
-                payload: id,
-                region: p.region.id(),
-                key: p.region.remote().key,
-                offset: p.offset,
-            }
+            let (region, key) = (p.region.id(), p.region.remote().key);
+            let addr = inner.engine.local_addr();
+            Source::P2p { engine, addr, payload: id, region, key, offset: p.offset }
         } else {
             Source::Store { key: store_key(engine, id) }
         };
@@ -256,18 +231,17 @@ impl DiffusionConnector {
             LeasePolicy::SoftPin => Retention::Soft,
             _ => Retention::Pinned, // consumer counts and TTLs remove it; never evicted before
         };
-        let n = plan.len() as usize;
-        let entry = Published {
+        let chunks = plan.len();
+        let buffer = Buffer {
             region: p.region,
             offset: p.offset,
             plan,
-            ready: vec![None; n],
-            subscribers: Vec::new(),
-            lease: Lease::new(p.lease, Instant::now()),
-            store: (!p2p).then(|| (store_key(engine, id), retention)),
+            meta: p.meta,
+            store: (!p2p).then(|| (store_key(engine, id), retention, p.lease)),
         };
-        lock(&inner.published).insert(id, entry);
-        let publication = Publication {
+        let lease = Lease::new(p.lease, Instant::now());
+        inner.publisher.lock().publish(id, buffer, chunks, lease, !p2p);
+        let mut publication = Publication {
             reference,
             id,
             inner: Arc::downgrade(inner),
@@ -275,9 +249,7 @@ impl DiffusionConnector {
             stored: None,
         };
         if !chunked {
-            let mut publication = publication;
-            publication.ready_inner(0)?;
-            return Ok(publication);
+            publication.mark_ready(0)?;
         }
         Ok(publication)
     }
@@ -293,33 +265,22 @@ impl DiffusionConnector {
     ) -> Result<Consumption> {
         if let Some(e) = expect {
             if e.dtype != r.meta.dtype || e.shape != r.meta.shape {
-                return Err(Error::InvalidTensor(format!(
+                return Err(ConnectorError::Mismatch(format!(
                     "payload is {:?} {:?}, destination expects {:?} {:?}",
                     r.meta.dtype, r.meta.shape, e.dtype, e.shape
                 )));
             }
         }
         let plan = plan_of(&r.meta, r.chunking)?;
-        match offset.checked_add(plan.extent()) {
-            Some(end) if end <= dst.len() => {}
-            _ => {
-                return Err(Error::OutOfBounds {
-                    what: format!("destination region {}", dst.id().0),
-                    offset,
-                    len: plan.extent(),
-                    limit: dst.len(),
-                });
-            }
-        }
+        fits(&dst, offset, &plan)?;
         let (tx, rx) = mpsc::channel(plan.len() as usize + 1);
         let inner = self.inner.clone();
         let r = r.clone();
         let task = tokio::spawn(async move {
+            let at = Destination { region: &dst, offset, plan: &plan };
             let out = match &r.source {
-                Source::P2p { .. } => consume_p2p(&inner, &r, &plan, &dst, offset, &tx).await,
-                Source::Store { key } => {
-                    consume_store(&inner, &r, key, &plan, &dst, offset, &tx).await
-                }
+                Source::P2p { .. } => consume_p2p(&inner, &r, at, &tx).await,
+                Source::Store { key } => consume_store(&inner, &r, key, at, &tx).await,
             };
             if let Err(e) = out {
                 let _ = tx.send(Err(e)).await;
@@ -329,16 +290,59 @@ impl DiffusionConnector {
     }
 
     /// Drops a p2p payload now (its lease notwithstanding); subscribers are told it is gone.
-    pub async fn retire(&self, p: &Publication) {
-        let gone = lock(&self.inner.published).remove(&p.id);
-        if let Some(g) = gone {
-            let e = Error::NotFound(Missing::Other(format!(
-                "payload {} retired by its producer",
-                p.id
-            )));
-            tell(&self.inner, &g.subscribers, &Control::Gone { payload: p.id, error: e }).await;
+    pub fn retire(&self, p: &Publication) {
+        let mut out = Vec::new();
+        self.inner.publisher.lock().retire(p.id, &mut out);
+        act(&self.inner, out);
+    }
+}
+
+/// Carries out the publisher's actions; returns the store put a `Store` action started.
+fn act(
+    inner: &Arc<Inner>,
+    actions: Vec<Action<Buffer>>,
+) -> Option<tokio::task::JoinHandle<Result<()>>> {
+    let mut put = None;
+    for a in actions {
+        match a {
+            Action::Send { to, msg } => {
+                let inner = inner.clone();
+                tokio::spawn(async move { tell(&inner, to, &msg).await });
+            }
+            Action::Release { buffer, .. } => drop(buffer),
+            Action::Store { buffer, .. } => {
+                let store = inner.store.clone();
+                put = Some(tokio::spawn(async move {
+                    let r = store_put(store, buffer).await;
+                    if let Err(e) = &r {
+                        tracing::warn!(error = %e, "connector: store put failed");
+                    }
+                    r
+                }));
+            }
         }
     }
+    put
+}
+
+/// Puts a complete store-mode payload and sets its lease; the buffer is released once the store
+/// has the bytes.
+async fn store_put(store: Option<Arc<dyn Store>>, b: Buffer) -> Result<()> {
+    let store =
+        store.ok_or_else(|| ConnectorError::Internal("a store payload without a store".into()))?;
+    let (key, retention, lease) = b
+        .store
+        .ok_or_else(|| ConnectorError::Internal("a p2p payload sent to the store".into()))?;
+    store.put_from(&key, &b.meta, &b.region, b.offset, b.plan.extent(), retention).await?;
+    drop(b.region);
+    match lease {
+        LeasePolicy::DeleteOnConsume { consumers } => {
+            store.set_lease(&key, consumers, None).await?
+        }
+        LeasePolicy::Ttl(d) => store.set_lease(&key, 0, Some(d)).await?,
+        LeasePolicy::SoftPin | LeasePolicy::Pinned => {}
+    }
+    Ok(())
 }
 
 /// A published payload.
@@ -358,73 +362,31 @@ impl Publication {
         self.id
     }
 
-    /// Chunk `index` is written and may be sent.
+    /// Chunk `index` is written and may be sent. Marking a chunk twice, or one past the plan,
+    /// is [`ConnectorError::InvalidArgument`].
     pub fn mark_ready(&mut self, index: u32) -> Result<()> {
-        self.ready_inner(index)
-    }
-
-    fn ready_inner(&mut self, index: u32) -> Result<()> {
-        let inner =
-            self.inner.upgrade().ok_or_else(|| Error::PeerClosed("connector dropped".into()))?;
-        let (subs, crc, all, store_job) = {
-            let mut map = lock(&inner.published);
-            let p = map.get_mut(&self.id).ok_or_else(|| {
-                Error::NotFound(Missing::Other(format!("payload {} is no longer held", self.id)))
-            })?;
-            let chunk = p.plan.chunk(index)?.clone();
-            if p.ready[index as usize].is_some() {
-                return Err(Error::InvalidArgument(format!("chunk {index} marked ready twice")));
-            }
-            let crc = (inner.cfg.checksum && p.store.is_none()).then(|| {
-                // SAFETY: the plan's extent from `offset` lies inside the region (checked at
-                // publish) and the region is held by this entry.
-                crc_of(unsafe { p.region.as_ptr().add(p.offset as usize) }, &chunk.ranges)
-            });
-            p.ready[index as usize] = Some(crc);
-            let all = p.ready.iter().all(Option::is_some);
-            let job = match (&p.store, all) {
-                (Some((key, retention)), true) => Some((
-                    key.clone(),
-                    *retention,
-                    p.region.clone(),
-                    p.offset,
-                    p.plan.extent(),
-                    p.lease.policy(),
-                )),
+        let inner = self
+            .inner
+            .upgrade()
+            .ok_or_else(|| ConnectorError::Internal("connector dropped".into()))?;
+        let mut out = Vec::new();
+        let complete = {
+            let mut publisher = inner.publisher.lock();
+            let crc = match publisher.buffer(self.id) {
+                Some(b) if inner.cfg.checksum && b.store.is_none() => {
+                    let chunk = b
+                        .plan
+                        .chunk(index)
+                        .map_err(|e| ConnectorError::InvalidArgument(e.to_string()))?;
+                    Some(crc_of(&b.region, b.offset, &chunk.ranges)?)
+                }
                 _ => None,
             };
-            if job.is_some() {
-                map.remove(&self.id); // the store takes it from here; the buffer goes with the put
-            }
-            (p_subs(&map, self.id), crc, all, job)
+            publisher.mark_ready(self.id, index, crc, &mut out)?
         };
-        self.complete = all;
-        if !subs.is_empty() {
-            let msg = Control::Ready { payload: self.id, index, crc };
-            let inner2 = inner.clone();
-            tokio::spawn(async move { tell(&inner2, &subs, &msg).await });
-        }
-        if let Some((key, retention, region, offset, len, lease)) = store_job {
-            let store = inner.store.clone().ok_or_else(|| Error::protocol("store vanished"))?;
-            let meta = self.reference.meta.clone();
-            self.stored = Some(tokio::spawn(async move {
-                let r = async {
-                    store.put_from(&key, &meta, &region, offset, len, retention).await?;
-                    drop(region); // released the moment the store has the bytes
-                    match lease {
-                        LeasePolicy::DeleteOnConsume { consumers } => {
-                            store.set_lease(&key, consumers, None).await
-                        }
-                        LeasePolicy::Ttl(d) => store.set_lease(&key, 0, Some(d)).await,
-                        _ => Ok(()),
-                    }
-                }
-                .await;
-                if let Err(e) = &r {
-                    tracing::warn!(error = %e, "connector: store put failed");
-                }
-                r
-            }));
+        self.complete = complete;
+        if let Some(put) = act(&inner, out) {
+            self.stored = Some(put);
         }
         Ok(())
     }
@@ -434,66 +396,61 @@ impl Publication {
     /// consumers to find the payload without waiting calls it before announcing the reference.
     pub async fn stored(&mut self) -> Result<()> {
         match self.stored.take() {
-            Some(job) => job.await.map_err(|e| Error::protocol(format!("store put task: {e}")))?,
+            Some(job) => {
+                job.await.map_err(|e| ConnectorError::Internal(format!("store put task: {e}")))?
+            }
             None => Ok(()),
         }
     }
 
     /// Marks every chunk not yet marked.
     pub fn mark_all_ready(&mut self) -> Result<()> {
+        let inner = self
+            .inner
+            .upgrade()
+            .ok_or_else(|| ConnectorError::Internal("connector dropped".into()))?;
         let n = plan_of(&self.reference.meta, self.reference.chunking)?.len();
         for i in 0..n {
-            match self.mark_ready(i) {
-                Ok(()) | Err(Error::InvalidArgument(_)) => {}
-                Err(e) => return Err(e),
+            let ready = inner.publisher.lock().is_ready(self.id, i);
+            if ready == Some(false) {
+                self.mark_ready(i)?;
             }
         }
         Ok(())
     }
 }
 
-fn p_subs(map: &HashMap<u64, Published>, id: u64) -> Vec<EngineId> {
-    map.get(&id).map(|p| p.subscribers.clone()).unwrap_or_default()
-}
-
 impl Drop for Publication {
     fn drop(&mut self) {
-        if self.complete {
-            return;
-        }
         // Abandoned before every chunk was ready: tell subscribers instead of letting them wait.
-        let Some(inner) = self.inner.upgrade() else { return };
-        let gone = lock(&inner.published).remove(&self.id);
-        if let Some(g) = gone {
-            let e = Error::PeerClosed(format!("payload {}: the producer abandoned it", self.id));
-            let msg = Control::Gone { payload: self.id, error: e };
-            if let Ok(h) = tokio::runtime::Handle::try_current() {
-                h.spawn(async move { tell(&inner, &g.subscribers, &msg).await });
-            }
+        let Some(inner) = self.inner.upgrade().filter(|_| !self.complete) else { return };
+        let mut out = Vec::new();
+        inner.publisher.lock().abandon(self.id, &mut out);
+        if tokio::runtime::Handle::try_current().is_ok() {
+            act(&inner, out);
         }
     }
 }
 
-/// Sends `msg` to each engine in `to` (best effort: a consumer that went away is not an error).
-async fn tell(inner: &Inner, to: &[EngineId], msg: &Control) {
-    let bytes = Bytes::from(msg.encode());
-    for &e in to {
-        if let Ok(s) = inner.engine.session(e) {
-            if let Err(err) = s.notify(bytes.clone()).await {
-                tracing::debug!(peer = %e, error = %err, "connector: could not notify");
-            }
+/// Sends `msg` to `to` (best effort: a consumer that went away is not an error).
+async fn tell(inner: &Inner, to: EngineId, msg: &Control) {
+    if let Ok(s) = inner.engine.session(to) {
+        if let Err(err) = s.notify(Bytes::from(msg.encode())).await {
+            tracing::debug!(peer = %to, error = %err, "connector: could not notify");
         }
     }
 }
 
-/// The connector's notification loop: serves subscriptions and routes announcements.
+/// The connector's notification loop: feeds the publisher and routes announcements to fetches.
 async fn dispatch(inner: Weak<Inner>) {
     loop {
         let Some(i) = inner.upgrade() else { return };
         let n = match i.engine.recv_notification(Duration::from_millis(500)).await {
             Ok(n) => n,
-            Err(Error::Timeout { .. }) => {
-                sweep(&i);
+            Err(tensorwire_core::Error::Timeout { .. }) => {
+                let mut out = Vec::new();
+                i.publisher.lock().sweep(Instant::now(), &mut out);
+                act(&i, out);
                 continue;
             }
             Err(_) => return, // engine shut down
@@ -506,58 +463,23 @@ async fn dispatch(inner: Weak<Inner>) {
                 continue;
             }
         };
+        let mut out = Vec::new();
         match c {
             Control::Subscribe { payload } => {
-                let replies = subscribe(&i, n.from, payload);
-                for r in replies {
-                    tell(&i, &[n.from], &r).await;
-                }
+                i.publisher.lock().subscribe(n.from, payload, Instant::now(), &mut out);
             }
             Control::Consumed { payload } => {
-                let mut map = lock(&i.published);
-                let done = match map.get_mut(&payload) {
-                    Some(p) => {
-                        p.subscribers.retain(|&s| s != n.from);
-                        p.lease.consume(Instant::now()) != LeaseState::Live
-                    }
-                    None => false,
-                };
-                if done {
-                    map.remove(&payload); // the buffer is released here
-                }
+                i.publisher.lock().consumed(n.from, payload, Instant::now(), &mut out);
             }
             Control::Ready { payload, .. } | Control::Gone { payload, .. } => {
-                let tx = lock(&i.waiters).get(&(n.from, payload)).cloned();
+                let tx = i.waiters.lock().get(&(n.from, payload)).cloned();
                 if let Some(tx) = tx {
                     let _ = tx.send(c).await;
                 }
             }
         }
+        act(&i, out);
     }
-}
-
-/// Drops p2p payloads whose lease expired.
-fn sweep(i: &Inner) {
-    let now = Instant::now();
-    lock(&i.published).retain(|_, p| p.store.is_some() || p.lease.state(now) == LeaseState::Live);
-}
-
-fn subscribe(i: &Inner, from: EngineId, payload: u64) -> Vec<Control> {
-    let mut map = lock(&i.published);
-    let Some(p) = map.get_mut(&payload) else {
-        let e = Error::NotFound(Missing::Other(format!("payload {payload} is not published here")));
-        return vec![Control::Gone { payload, error: e }];
-    };
-    if let Err(e) = p.lease.check(Instant::now(), &format!("payload {payload}")) {
-        map.remove(&payload);
-        return vec![Control::Gone { payload, error: e }];
-    }
-    p.subscribers.push(from);
-    p.ready
-        .iter()
-        .enumerate()
-        .filter_map(|(k, r)| r.map(|crc| Control::Ready { payload, index: k as u32, crc }))
-        .collect()
 }
 
 /// Chunk views arriving for one consume.
@@ -576,11 +498,7 @@ impl Drop for Consumption {
 impl Consumption {
     /// The next chunk to land, `Ok(None)` once every chunk has.
     pub async fn next(&mut self) -> Result<Option<ChunkView>> {
-        match self.rx.recv().await {
-            Some(Ok(v)) => Ok(Some(v)),
-            Some(Err(e)) => Err(e),
-            None => Ok(None),
-        }
+        self.rx.recv().await.transpose()
     }
 
     /// Waits for every chunk; returns them in landing order.
@@ -593,36 +511,41 @@ impl Consumption {
     }
 }
 
-fn view(plan: &ChunkPlan, index: u32, offset: u64) -> Result<ChunkView> {
-    let c = plan.chunk(index)?;
-    Ok(ChunkView {
-        index,
-        start: c.start,
-        end: c.end,
-        ranges: c
-            .ranges
-            .iter()
-            .map(|r| ByteRange { offset: offset + r.offset, len: r.len })
-            .collect(),
-    })
+/// Where a consume lands.
+#[derive(Debug, Clone, Copy)]
+struct Destination<'a> {
+    region: &'a Region,
+    offset: u64,
+    plan: &'a ChunkPlan,
 }
 
-async fn session_to(inner: &Inner, addr: SocketAddr) -> Result<(Session, Session)> {
+impl Destination<'_> {
+    fn view(&self, index: u32) -> Result<ChunkView> {
+        self.plan.landed(index, self.offset).map_err(|e| ConnectorError::Internal(e.to_string()))
+    }
+
+    fn crc(&self, index: u32) -> Result<u32> {
+        let c = self.plan.chunk(index).map_err(|e| ConnectorError::Internal(e.to_string()))?;
+        crc_of(self.region, self.offset, &c.ranges)
+    }
+}
+
+async fn session_to(inner: &Inner, addr: SocketAddr) -> Result<Session> {
     let mut s = inner.sessions.lock().await;
     if let Some(x) = s.get(&addr) {
         return Ok(x.clone());
     }
-    let x = (inner.engine.connect(addr).await?, inner.engine.connect(addr).await?);
+    let x = inner.engine.connect(addr).await.map_err(ConnectorError::from_producer)?;
     s.insert(addr, x.clone());
     Ok(x)
 }
 
-async fn remote_region(s: &Session, id: tensorwire_core::RegionId) -> Result<RemoteRegion> {
+async fn remote_region(s: &Session, id: RegionId) -> Result<RemoteRegion> {
     if let Ok(r) = s.remote_region(id) {
         return Ok(r);
     }
-    s.refresh().await?;
-    s.remote_region(id)
+    s.refresh().await.map_err(ConnectorError::from_producer)?;
+    Ok(s.remote_region(id)?)
 }
 
 /// Removes the waiter entry however the consume ends.
@@ -630,160 +553,145 @@ struct Waiter<'a>(&'a Inner, (EngineId, u64));
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
-        lock(&self.0.waiters).remove(&self.1);
+        self.0.waiters.lock().remove(&self.1);
     }
 }
 
 async fn consume_p2p(
     inner: &Inner,
     r: &PayloadRef,
-    plan: &ChunkPlan,
-    dst: &Region,
-    offset: u64,
+    dst: Destination<'_>,
     out: &mpsc::Sender<Result<ChunkView>>,
 ) -> Result<()> {
     let Source::P2p { engine, addr, payload, region, offset: src_base, .. } = r.source else {
-        return Err(Error::protocol("not a p2p payload"));
+        return Err(ConnectorError::Internal("not a p2p payload".into()));
     };
-    let (s, ctl) = session_to(inner, addr).await?;
+    let s = session_to(inner, addr).await?;
     if s.peer() != engine {
-        return Err(Error::NotFound(Missing::Peer(format!(
-            "{engine} at {addr} (another engine answers there)"
-        ))));
+        return Err(ConnectorError::ProducerGone(format!(
+            "{engine} at {addr}: another engine answers there"
+        )));
     }
     let remote = remote_region(&s, region).await?;
-    let (tx, mut rx) = mpsc::channel(plan.len() as usize + 4);
-    lock(&inner.waiters).insert((engine, payload), tx);
+    let (tx, mut rx) = mpsc::channel(dst.plan.len() as usize + 4);
+    inner.waiters.lock().insert((engine, payload), tx);
     let _w = Waiter(inner, (engine, payload));
-    let mut done = vec![false; plan.len() as usize];
-    let mut left = plan.len();
     let wait = inner.cfg.wait_timeout;
-    // Announced chunks whose READs are in flight, oldest first: reads of later chunks proceed
-    // while earlier ones complete and are handed to the caller.
-    let mut flight: std::collections::VecDeque<(
-        u32,
-        Option<u32>,
-        Vec<tensorwire_core::TransferHandle>,
-    )> = std::collections::VecDeque::new();
-    const WINDOW: usize = 4;
-    let read_chunk = |index: u32| -> Result<Vec<TransferOp>> {
-        Ok(plan
-            .chunk(index)?
-            .ranges
-            .iter()
-            .map(|b| TransferOp::read(dst, offset + b.offset, &remote, src_base + b.offset, b.len))
-            .collect())
-    };
-    // An unchunked payload is complete at publish: start reading it while the subscription
-    // round trip runs. Its bytes are handed out only once the producer confirmed the lease (a
-    // payload already consumed or expired answers Gone, and what was read is discarded).
-    let mut speculative =
-        if r.chunking.is_none() { Some(s.submit(read_chunk(0)?).await) } else { None };
-    ctl.notify(Bytes::from(Control::Subscribe { payload }.encode())).await?;
-    while left > 0 {
-        // Take every announcement already here (up to the window) without waiting.
-        let next = if flight.is_empty() {
-            match tokio::time::timeout(wait, rx.recv()).await {
-                Ok(Some(c)) => Some(c),
-                Ok(None) => return Err(Error::PeerClosed("connector closed".into())),
+    let mut reads: HashMap<u32, Vec<TransferHandle>> = HashMap::new();
+    let (mut fetch, mut steps) = Fetch::new(payload, dst.plan.len(), WINDOW, r.chunking.is_none());
+    let mut subscribed = false;
+    loop {
+        for step in std::mem::take(&mut steps) {
+            match step {
+                FetchStep::Read(index) => {
+                    let chunk = dst
+                        .plan
+                        .chunk(index)
+                        .map_err(|e| ConnectorError::Internal(e.to_string()))?;
+                    let ops = chunk
+                        .ranges
+                        .iter()
+                        .map(|b| {
+                            TransferOp::read(
+                                dst.region,
+                                dst.offset + b.offset,
+                                &remote,
+                                src_base + b.offset,
+                                b.len,
+                            )
+                        })
+                        .collect();
+                    reads.insert(index, s.submit(ops).await);
+                }
+                FetchStep::Yield(index) => {
+                    if out.send(dst.view(index)).await.is_err() {
+                        return Ok(()); // the consumer stopped listening
+                    }
+                }
+                // Every view is out; the lease moves on once the producer knows (before the
+                // stream ends, so a consume that follows sees the payload consumed).
+                FetchStep::Report => {
+                    let bytes = Bytes::from(Control::Consumed { payload }.encode());
+                    return s.notify(bytes).await.map_err(ConnectorError::from_producer);
+                }
+                FetchStep::Fail(e) => return Err(e),
+            }
+        }
+        if !subscribed {
+            // After the speculative read of an unchunked payload was submitted (the engine orders
+            // the subscription after it).
+            let bytes = Bytes::from(Control::Subscribe { payload }.encode());
+            s.notify(bytes).await.map_err(ConnectorError::from_producer)?;
+            subscribed = true;
+        }
+        steps = match fetch.next() {
+            Next::Done => return Ok(()),
+            Next::Landing { index, or_message } => {
+                // A message already here goes first, while there is room for more reads.
+                match or_message.then(|| rx.try_recv().ok()).flatten() {
+                    Some(c) => fetch.on_message(&c),
+                    None => {
+                        for h in reads.remove(&index).unwrap_or_default() {
+                            h.await.map_err(ConnectorError::from_producer)?;
+                        }
+                        let crc = if fetch.wants_crc(index) { Some(dst.crc(index)?) } else { None };
+                        fetch.on_landed(index, crc)
+                    }
+                }
+            }
+            Next::Message => match tokio::time::timeout(wait, rx.recv()).await {
+                Ok(Some(c)) => fetch.on_message(&c),
+                Ok(None) => return Err(ConnectorError::Internal("connector closed".into())),
                 Err(_) => {
-                    return Err(Error::timeout(
-                        format!("payload {payload} of {engine}: {left} chunks not announced"),
-                        wait,
-                    ));
+                    return Err(ConnectorError::Timeout {
+                        what: format!("chunk announcements of payload {payload} from {engine}"),
+                        after: wait,
+                    });
                 }
-            }
-        } else if flight.len() < WINDOW {
-            rx.try_recv().ok()
-        } else {
-            None
+            },
         };
-        match next {
-            Some(Control::Ready { index, crc, .. }) => {
-                let i = index as usize;
-                if i < done.len() && !done[i] {
-                    done[i] = true;
-                    let handles = match speculative.take() {
-                        Some(h) if index == 0 => h,
-                        _ => s.submit(read_chunk(index)?).await,
-                    };
-                    flight.push_back((index, crc, handles));
-                }
-                continue;
-            }
-            Some(Control::Gone { error, .. }) => return Err(error),
-            Some(_) => continue,
-            None => {}
-        }
-        let Some((index, crc, handles)) = flight.pop_front() else { continue };
-        for h in handles {
-            h.await?;
-        }
-        if let Some(expected) = crc {
-            let chunk = plan.chunk(index)?;
-            // SAFETY: `offset + extent` lies inside `dst` (checked before the consume began).
-            let actual = crc_of(unsafe { dst.as_ptr().add(offset as usize) }, &chunk.ranges);
-            if actual != expected {
-                return Err(Error::Checksum {
-                    what: format!("chunk {index} of payload {payload}"),
-                    expected,
-                    actual,
-                });
-            }
-        }
-        left -= 1;
-        if out.send(view(plan, index, offset)).await.is_err() {
-            return Ok(()); // the consumer stopped listening
-        }
     }
-    // Every view is out; the lease moves on once the producer knows (before the stream ends, so
-    // a consume that follows sees the payload consumed).
-    ctl.notify(Bytes::from(Control::Consumed { payload }.encode())).await
 }
 
 async fn consume_store(
     inner: &Inner,
     r: &PayloadRef,
     key: &[u8],
-    plan: &ChunkPlan,
-    dst: &Region,
-    offset: u64,
+    dst: Destination<'_>,
     out: &mpsc::Sender<Result<ChunkView>>,
 ) -> Result<()> {
-    let store = inner.store.as_ref().ok_or_else(|| Error::Unsupported {
-        backend: "connector",
-        what: "store payload without a store".into(),
-    })?;
+    let store = inner
+        .store
+        .as_ref()
+        .ok_or_else(|| ConnectorError::InvalidArgument("a store payload without a store".into()))?;
     let wait = inner.cfg.wait_timeout;
     let deadline = Instant::now() + wait;
     let mut pause = Duration::from_millis(1);
     while !store.exists(key).await? {
         if Instant::now() >= deadline {
-            return Err(Error::NotFound(Missing::Other(format!(
-                "payload {} not in the store within {wait:?} (never published, consumed, or expired)",
-                String::from_utf8_lossy(key)
-            ))));
+            return Err(ConnectorError::Missing {
+                payload: String::from_utf8_lossy(key).into_owned(),
+                why: format!(
+                    "not in the store within {wait:?} (never published, consumed, or expired)"
+                ),
+            });
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(50));
     }
-    let (meta, _) = store.get_into(key, dst, offset).await?;
+    let (meta, _) = store.get_into(key, dst.region, dst.offset).await?;
     if meta.dtype != r.meta.dtype || meta.shape != r.meta.shape {
-        return Err(Error::InvalidTensor("stored payload does not match its reference".into()));
+        return Err(ConnectorError::Mismatch("stored payload does not match its reference".into()));
     }
     if let Some(expected) = r.checksum {
-        // SAFETY: `offset + extent` lies inside `dst` (checked before the consume began).
-        let actual = crc_of(unsafe { dst.as_ptr().add(offset as usize) }, &plan.chunks()[0].ranges);
+        let actual = dst.region.slice(dst.offset, dst.plan.extent())?.crc32c()?;
         if actual != expected {
-            return Err(Error::Checksum {
-                what: format!("payload {}", String::from_utf8_lossy(key)),
-                expected,
-                actual,
-            });
+            let what = format!("payload {}", String::from_utf8_lossy(key));
+            return Err(ConnectorError::Checksum { what, expected, actual });
         }
     }
-    for i in 0..plan.len() {
-        if out.send(view(plan, i, offset)).await.is_err() {
+    for i in 0..dst.plan.len() {
+        if out.send(dst.view(i)).await.is_err() {
             break;
         }
     }

@@ -4,110 +4,132 @@
 //! producer that cannot serve says why. Versioned and total.
 
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::error::{MAX_ERROR_BYTES, decode_error, encode_error};
+use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{Error, Result};
 
-const MAGIC: [u8; 4] = *b"TWDC";
-const VERSION: u8 = 1;
+use crate::error::{ConnectorError, LeaseEnd};
+
+/// The messages' magic ("TC") and version.
+const FRAMING: Framing =
+    Framing { name: "connector control", magic: *b"TC", version: 2, max_payload: 64 };
+
+/// Why a producer cannot serve a payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone {
+    /// It does not hold the payload (never published, or already released).
+    NotPublished,
+    /// Every expected consumer already consumed it.
+    Consumed,
+    /// Its lease expired.
+    Expired,
+    /// The producer retired it.
+    Retired,
+    /// The producer dropped its publication before every chunk was ready.
+    Abandoned,
+}
+
+impl Gone {
+    const ALL: [Gone; 5] =
+        [Gone::NotPublished, Gone::Consumed, Gone::Expired, Gone::Retired, Gone::Abandoned];
+
+    /// The error a consumer of `payload` sees.
+    pub fn error(self, payload: u64) -> ConnectorError {
+        let p = payload.to_string();
+        match self {
+            Gone::NotPublished => ConnectorError::Missing {
+                payload: p,
+                why: "its producer does not hold it (never published, or already released)".into(),
+            },
+            Gone::Consumed => ConnectorError::LeaseEnded { payload: p, end: LeaseEnd::Consumed },
+            Gone::Expired => ConnectorError::LeaseEnded { payload: p, end: LeaseEnd::Expired },
+            Gone::Retired => {
+                ConnectorError::ProducerGone(format!("payload {p} retired by its producer"))
+            }
+            Gone::Abandoned => {
+                ConnectorError::ProducerGone(format!("payload {p} abandoned by its producer"))
+            }
+        }
+    }
+}
 
 /// A control message about one payload of the producer.
-#[derive(Debug, Clone)]
-pub(crate) enum Control {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Control {
     /// Consumer -> producer: send me chunk announcements for `payload`.
-    Subscribe { payload: u64 },
+    Subscribe {
+        /// The payload.
+        payload: u64,
+    },
     /// Producer -> consumer: chunk `index` of `payload` is ready.
-    Ready { payload: u64, index: u32, crc: Option<u32> },
+    Ready {
+        /// The payload.
+        payload: u64,
+        /// The chunk.
+        index: u32,
+        /// Its crc32c, with checksums on.
+        crc: Option<u32>,
+    },
     /// Consumer -> producer: done with `payload`.
-    Consumed { payload: u64 },
+    Consumed {
+        /// The payload.
+        payload: u64,
+    },
     /// Producer -> consumer: `payload` cannot be served.
-    Gone { payload: u64, error: Error },
+    Gone {
+        /// The payload.
+        payload: u64,
+        /// Why.
+        why: Gone,
+    },
 }
 
 impl Control {
-    pub(crate) fn encode(&self) -> Vec<u8> {
+    /// Encodes.
+    pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
-        w.raw(&MAGIC).u8(VERSION);
+        w.raw(&FRAMING.magic).u8(FRAMING.version);
         match self {
-            Control::Subscribe { payload } => {
-                w.u8(1).u64(*payload);
-            }
+            Control::Subscribe { payload } => w.u8(1).u64(*payload),
             Control::Ready { payload, index, crc } => {
-                w.u8(2).u64(*payload).u32(*index);
-                match crc {
-                    Some(c) => w.u8(1).u32(*c),
-                    None => w.u8(0),
-                };
+                w.u8(2).u64(*payload).u32(*index).opt(*crc, |w, c| {
+                    w.u32(c);
+                })
             }
-            Control::Consumed { payload } => {
-                w.u8(3).u64(*payload);
+            Control::Consumed { payload } => w.u8(3).u64(*payload),
+            Control::Gone { payload, why } => {
+                let tag = Gone::ALL.iter().position(|g| g == why).unwrap_or(0);
+                w.u8(4).u64(*payload).u8(tag as u8)
             }
-            Control::Gone { payload, error } => {
-                w.u8(4).u64(*payload).bytes(&encode_error(error));
-            }
-        }
+        };
         w.finish()
     }
 
     /// Decodes; `Ok(None)` for a notification that is not a connector message.
-    pub(crate) fn decode(b: &[u8]) -> Result<Option<Control>> {
-        if b.len() < 5 || b[..4] != MAGIC {
+    pub fn decode(b: &[u8]) -> Result<Option<Control>> {
+        if b.get(..2) != Some(&FRAMING.magic[..]) {
             return Ok(None);
         }
-        let mut r = Reader::new(&b[4..], "connector control");
-        let v = r.u8()?;
-        if v != VERSION {
-            return Err(Error::protocol(format!("connector control version {v}")));
-        }
+        let mut r = Reader::new(b, "connector control");
+        FRAMING.check_prefix(r.raw(3)?)?;
         let c = match r.u8()? {
             1 => Control::Subscribe { payload: r.u64()? },
-            2 => {
-                let (payload, index) = (r.u64()?, r.u32()?);
-                let crc = match r.u8()? {
-                    0 => None,
-                    1 => Some(r.u32()?),
-                    t => return Err(Error::protocol(format!("connector control: crc tag {t}"))),
-                };
-                Control::Ready { payload, index, crc }
-            }
+            2 => Control::Ready {
+                payload: r.u64()?,
+                index: r.u32()?,
+                crc: r.opt("crc", Reader::u32)?,
+            },
             3 => Control::Consumed { payload: r.u64()? },
             4 => {
                 let payload = r.u64()?;
-                let error = decode_error(r.bytes(MAX_ERROR_BYTES, "error")?)?;
-                Control::Gone { payload, error }
+                let t = r.u8()?;
+                let why = *Gone::ALL.get(usize::from(t)).ok_or_else(|| {
+                    Error::protocol(format!("connector control: unknown reason {t}"))
+                })?;
+                Control::Gone { payload, why }
             }
             t => return Err(Error::protocol(format!("connector control: unknown kind {t}"))),
         };
         r.finish()?;
         Ok(Some(c))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    #[test]
-    fn round_trip() {
-        let m = Control::Ready { payload: 3, index: 6, crc: Some(9) };
-        assert!(matches!(
-            Control::decode(&m.encode()).unwrap(),
-            Some(Control::Ready { payload: 3, index: 6, crc: Some(9) })
-        ));
-        let g = Control::Gone { payload: 1, error: Error::AccessDenied("x".into()) };
-        assert!(matches!(
-            Control::decode(&g.encode()).unwrap(),
-            Some(Control::Gone { error: Error::AccessDenied(_), .. })
-        ));
-        assert!(Control::decode(b"user payload").unwrap().is_none());
-    }
-
-    proptest! {
-        #[test]
-        fn decode_is_total(mut bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let _ = Control::decode(&bytes);
-            if bytes.len() >= 5 { bytes[..4].copy_from_slice(&MAGIC); bytes[4] = VERSION; }
-            let _ = Control::decode(&bytes);
-        }
     }
 }

@@ -51,7 +51,8 @@ pub struct PayloadRef {
     pub chunking: Option<Chunking>,
     /// Lifetime.
     pub lease: LeasePolicy,
-    /// crc32c of the whole buffer (unchunked payloads published with checksums on).
+    /// crc32c of the payload's bytes (the chunk plan's extent), for store-relayed payloads
+    /// published with checksums on (p2p chunks carry theirs in their announcements).
     pub checksum: Option<u32>,
 }
 
@@ -75,15 +76,13 @@ impl PayloadRef {
             }
         }
         self.meta.encode(w);
-        match self.chunking {
-            Some(c) => w.u8(1).u32(c.dim).u32(c.count),
-            None => w.u8(0),
-        };
+        w.opt(self.chunking, |w, c| {
+            w.u32(c.dim).u32(c.count);
+        });
         self.lease.encode(w);
-        match self.checksum {
-            Some(c) => w.u8(1).u32(c),
-            None => w.u8(0),
-        };
+        w.opt(self.checksum, |w, c| {
+            w.u32(c);
+        });
     }
 
     /// Decodes; never panics.
@@ -116,17 +115,9 @@ impl PayloadRef {
             t => return Err(Error::protocol(format!("payload ref: unknown source {t}"))),
         };
         let meta = TensorMeta::decode(r)?;
-        let chunking = match r.u8()? {
-            0 => None,
-            1 => Some(Chunking { dim: r.u32()?, count: r.u32()? }),
-            t => return Err(Error::protocol(format!("payload ref: bad chunking tag {t}"))),
-        };
+        let chunking = r.opt("chunking", |r| Ok(Chunking { dim: r.u32()?, count: r.u32()? }))?;
         let lease = LeasePolicy::decode(r)?;
-        let checksum = match r.u8()? {
-            0 => None,
-            1 => Some(r.u32()?),
-            t => return Err(Error::protocol(format!("payload ref: bad checksum tag {t}"))),
-        };
+        let checksum = r.opt("checksum", Reader::u32)?;
         Ok(PayloadRef { request, kind, source, meta, chunking, lease, checksum })
     }
 

@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::{DType, Engine, Error, Permissions, Region, TensorMeta};
+use tensorwire_core::{DType, Engine, Permissions, Region, TensorMeta};
 use tensorwire_diffusion::{
-    Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
-    Role, StagePayload,
+    Chunking, ConnectorConfig, ConnectorError, ConsumerHint, DiffusionConnector, LeaseEnd,
+    LeasePolicy, Mode, PayloadKind, Source, StagePayload,
 };
 use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
@@ -41,14 +41,15 @@ async fn cluster(mode: Mode, wait: Duration) -> Cluster {
         EmbeddedStore::new(&node_engine, StoreConfig { shared: true, ..StoreConfig::default() })
             .await
             .unwrap();
-    let node = StoreNode::serve(node_store.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let node =
+        StoreNode::serve(node_store.clone(), "127.0.0.1:0".parse().unwrap(), None).await.unwrap();
     let mut conns = Vec::new();
-    for role in [Role::Encode, Role::Denoise, Role::Decode] {
+    for _stage in 0..3 {
         let e = engine().await;
         let store: Arc<dyn Store> = Arc::new(
             RemoteStore::connect(&e, node_engine.local_addr(), node.addr()).await.unwrap(),
         );
-        let cfg = ConnectorConfig { role, mode, checksum: true, wait_timeout: wait };
+        let cfg = ConnectorConfig { mode, checksum: true, wait_timeout: wait };
         conns.push(DiffusionConnector::new(e, Some(store), cfg));
     }
     let decode = conns.pop().unwrap();
@@ -192,20 +193,40 @@ async fn errors_are_distinct_and_bounded() {
         c.denoise.publish(payload(LeasePolicy::DeleteOnConsume { consumers: 1 }), None).unwrap();
     let wrong = TensorMeta::contiguous(DType::BF16, &[1024, 4]);
     let e = c.decode.consume(&p.reference, dst.clone(), 0, Some(&wrong)).unwrap_err();
-    assert!(matches!(e, Error::InvalidTensor(_)), "{e}");
+    assert!(matches!(e, ConnectorError::Mismatch(_)), "{e}");
+    // A payload its producer never published.
+    let mut bogus = p.reference.clone();
+    if let Source::P2p { payload, .. } = &mut bogus.source {
+        *payload += 1000;
+    }
+    let e = c.decode.consume(&bogus, dst.clone(), 0, None).unwrap().all().await.unwrap_err();
+    assert!(matches!(e, ConnectorError::Missing { .. }), "never published: {e}");
     // Consumed once; a second consume learns it is gone.
     c.decode.consume(&p.reference, dst.clone(), 0, None).unwrap().all().await.unwrap();
     let e = c.decode.consume(&p.reference, dst.clone(), 0, None).unwrap().all().await.unwrap_err();
-    assert!(matches!(e, Error::NotFound(_)), "consumed payload: {e}");
+    assert!(
+        matches!(e, ConnectorError::LeaseEnded { end: LeaseEnd::Consumed, .. }),
+        "consumed payload: {e}"
+    );
     // An expired lease.
     let p = c.denoise.publish(payload(LeasePolicy::Ttl(Duration::from_millis(50))), None).unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let e = c.decode.consume(&p.reference, dst.clone(), 0, None).unwrap().all().await.unwrap_err();
-    assert!(e.to_string().contains("expired"), "expired lease: {e}");
+    assert!(
+        matches!(e, ConnectorError::LeaseEnded { end: LeaseEnd::Expired, .. }),
+        "expired lease: {e}"
+    );
     // A destination too small.
     let small = Arc::new(c.decode.engine().alloc(len / 2, Permissions::NONE).await.unwrap());
     let e = c.decode.consume(&p.reference, small, 0, None).unwrap_err();
-    assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
+    assert!(matches!(e, ConnectorError::DestinationTooSmall { .. }), "{e}");
+    // Bytes that changed after the producer marked them ready (and computed their checksum).
+    let p =
+        c.denoise.publish(payload(LeasePolicy::DeleteOnConsume { consumers: 1 }), None).unwrap();
+    buf.write_bytes(0, b"overwritten after publish").unwrap();
+    let e = c.decode.consume(&p.reference, dst.clone(), 0, None).unwrap().all().await.unwrap_err();
+    assert!(matches!(e, ConnectorError::Checksum { .. }), "checksum mismatch: {e}");
+    drop(p);
     // A producer that dies mid-handoff: an error within the wait bound, not a hang.
     let meta7 = TensorMeta::contiguous(DType::BF16, &[2, 7, 64]);
     let buf7 = Arc::new(
@@ -235,7 +256,10 @@ async fn errors_are_distinct_and_bounded() {
     c.denoise.engine().shutdown().await;
     let started = std::time::Instant::now();
     let e = cons.all().await.unwrap_err();
-    assert!(e.is_peer_failure() || matches!(e, Error::NotFound(_)), "dead producer: {e}");
+    assert!(
+        matches!(e, ConnectorError::ProducerGone(_) | ConnectorError::Timeout { .. }),
+        "dead producer: {e}"
+    );
     assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
     drop(p);
 }

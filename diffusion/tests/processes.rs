@@ -2,23 +2,32 @@
 //! parent (which also plays the queue: it forwards payload references between the workers). The
 //! text embedding goes to two consumers; the [16, 21, 60, 104] bf16 latent goes to decode in 7
 //! temporal chunks while denoise is still producing them. Every byte is checked by its consumer;
-//! afterwards the store holds nothing. Runs in p2p, store and auto modes.
+//! afterwards the store holds nothing. Runs in p2p, store and auto modes. A `harness = false`
+//! binary: the workers are its child entry point `worker`, never counted as tests.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Stdio};
 use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
+use tensorwire_conformance::harness::{Harness, child_command};
 use tensorwire_core::{DType, Engine, Permissions, Region, TensorMeta};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
-    PayloadRef, Role, StagePayload,
+    PayloadRef, StagePayload,
 };
 use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
-const ROLE_ENV: &str = "TW_DIFFUSION_WORKER";
+fn main() -> std::process::ExitCode {
+    Harness::new()
+        .test("processes_p2p", || run("p2p"))
+        .test("processes_store", || run("store"))
+        .test("processes_auto", || run("auto"))
+        .child("worker", |args| async move { worker(&args[0], &args[1], &args[2], &args[3]).await })
+        .run()
+}
 
 fn emb_meta() -> TensorMeta {
     TensorMeta::contiguous(DType::BF16, &[1, 226, 4096])
@@ -108,13 +117,10 @@ async fn buffer(e: &Engine, meta: &TensorMeta, seed: u8) -> Arc<Region> {
     Arc::new(r)
 }
 
-/// The worker body; returns at once unless `ROLE_ENV` is set.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn worker() {
-    let Ok(role) = std::env::var(ROLE_ENV) else { return };
-    let mode = mode_of(&std::env::var("TW_MODE").unwrap());
-    let node_engine = std::env::var("TW_NODE_ENGINE").unwrap().parse().unwrap();
-    let node_rpc = std::env::var("TW_NODE_RPC").unwrap().parse().unwrap();
+/// The worker body: `role` in `mode`, with the store node at `node_engine` / `node_rpc`.
+async fn worker(role: &str, mode: &str, node_engine: &str, node_rpc: &str) {
+    let mode = mode_of(mode);
+    let (node_engine, node_rpc) = (node_engine.parse().unwrap(), node_rpc.parse().unwrap());
     let engine = Engine::builder()
         .backend(TcpBackend::new(TcpConfig::default()).unwrap())
         .start()
@@ -122,20 +128,10 @@ async fn worker() {
         .unwrap();
     let store: Arc<dyn Store> =
         Arc::new(RemoteStore::connect(&engine, node_engine, node_rpc).await.unwrap());
-    let role_of = |r: &str| match r {
-        "encode" => Role::Encode,
-        "denoise" => Role::Denoise,
-        _ => Role::Decode,
-    };
-    let cfg = ConnectorConfig {
-        role: role_of(&role),
-        mode,
-        checksum: true,
-        wait_timeout: Duration::from_secs(20),
-    };
+    let cfg = ConnectorConfig { mode, checksum: true, wait_timeout: Duration::from_secs(20) };
     let c = DiffusionConnector::new(engine.clone(), Some(store), cfg);
     let mut input = stdin_lines();
-    match role.as_str() {
+    match role {
         "encode" => {
             let emb = buffer(&engine, &emb_meta(), 11).await;
             let p = c
@@ -202,12 +198,8 @@ struct Worker {
 
 impl Worker {
     fn spawn(role: &str, mode: &str, node_engine: &str, node_rpc: &str) -> Worker {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "worker", "--nocapture", "--test-threads=1"])
-            .env(ROLE_ENV, role)
-            .env("TW_MODE", mode)
-            .env("TW_NODE_ENGINE", node_engine)
-            .env("TW_NODE_RPC", node_rpc)
+        let mut child = child_command("worker")
+            .args([role, mode, node_engine, node_rpc])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -260,7 +252,7 @@ async fn run(mode: &str) {
         EmbeddedStore::new(&node_engine, StoreConfig { shared: true, ..StoreConfig::default() })
             .await
             .unwrap();
-    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().unwrap(), None).await.unwrap();
     let (ne, nr) = (node_engine.local_addr().to_string(), node.addr().to_string());
     let mut enc = Worker::spawn("encode", mode, &ne, &nr);
     let mut den = Worker::spawn("denoise", mode, &ne, &nr);
@@ -292,28 +284,4 @@ async fn run(mode: &str) {
         assert!(std::time::Instant::now() < deadline, "store not empty: {st:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn processes_p2p() {
-    if std::env::var(ROLE_ENV).is_ok() {
-        return;
-    }
-    run("p2p").await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn processes_store() {
-    if std::env::var(ROLE_ENV).is_ok() {
-        return;
-    }
-    run("store").await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn processes_auto() {
-    if std::env::var(ROLE_ENV).is_ok() {
-        return;
-    }
-    run("auto").await
 }

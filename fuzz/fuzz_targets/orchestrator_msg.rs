@@ -1,16 +1,16 @@
 #![no_main]
-//! Orchestrator service messages: any header and payload decode to a message or an error, never a
+//! Orchestrator service messages: any kind and body decode to a message or an error, never a
 //! panic; what decodes re-encodes to the same message.
 use libfuzzer_sys::fuzz_target;
-use tensorwire_diffusion::service::wire::{HEADER_LEN, Msg};
+use tensorwire_orchestrator::service::wire::{FRAMING, Msg};
 
 fuzz_target!(|data: &[u8]| {
-    let _ = Msg::header(data.get(..HEADER_LEN).unwrap_or(data));
-    if let Some((&kind, payload)) = data.split_first() {
-        if let Ok(m) = Msg::decode(kind, payload) {
-            let again = m.encode();
-            let (k, _) = Msg::header(&again[..HEADER_LEN]).expect("own header decodes");
-            assert_eq!(Msg::decode(k, &again[HEADER_LEN..]).ok(), Some(m));
+    let _ = FRAMING.decode(data);
+    if let Some((&kind, body)) = data.split_first() {
+        if let Ok(m) = Msg::decode(kind, body) {
+            let again = m.encode().expect("a decoded message fits a frame");
+            let (k, b) = FRAMING.decode(&again).expect("own frame decodes");
+            assert_eq!(Msg::decode(k, b).ok(), Some(m));
         }
     }
 });

@@ -2,7 +2,7 @@
 //! Queue messages: any bytes decode to a message or an error, never a panic; what decodes
 //! re-encodes to something that decodes the same.
 use libfuzzer_sys::fuzz_target;
-use tensorwire_diffusion::QueueMessage;
+use tensorwire_orchestrator::QueueMessage;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(m) = QueueMessage::decode(data) {

@@ -3,7 +3,9 @@
 use std::fmt::Debug;
 
 use async_trait::async_trait;
-use tensorwire_core::{Error, MemoryKind, Region, Result, TensorMeta};
+use tensorwire_core::{MemoryKind, Region, TensorMeta};
+
+use crate::error::{Result, StoreError};
 
 /// Longest key in bytes.
 pub const MAX_KEY: usize = 256;
@@ -28,12 +30,12 @@ impl Retention {
             Retention::Pinned => 2,
         }
     }
-    pub(crate) fn from_tag(t: u8) -> Result<Retention> {
+    pub(crate) fn from_tag(t: u8) -> tensorwire_core::Result<Retention> {
         Ok(match t {
             0 => Retention::Normal,
             1 => Retention::Soft,
             2 => Retention::Pinned,
-            _ => return Err(Error::protocol(format!("unknown retention {t}"))),
+            _ => return Err(tensorwire_core::Error::protocol(format!("unknown retention {t}"))),
         })
     }
 }
@@ -149,7 +151,7 @@ pub struct GetInto<'a> {
 /// Checks a key's length.
 pub fn check_key(key: &[u8]) -> Result<()> {
     if key.is_empty() || key.len() > MAX_KEY {
-        return Err(Error::InvalidArgument(format!(
+        return Err(StoreError::InvalidArgument(format!(
             "store key is {} bytes; keys are 1..={MAX_KEY} bytes",
             key.len()
         )));
@@ -160,33 +162,6 @@ pub fn check_key(key: &[u8]) -> Result<()> {
 /// Checks that `meta` describes a host tensor lying inside `len` bytes.
 pub fn check_meta(meta: &TensorMeta, len: u64) -> Result<()> {
     meta.validate_for(len, MemoryKind::Host).map_err(|e| {
-        Error::InvalidTensor(format!("metadata does not fit the object's {len} bytes: {e}"))
+        StoreError::InvalidTensor(format!("metadata does not fit the object's {len} bytes: {e}"))
     })
-}
-
-/// Checks `[offset, offset+len)` lies inside `r` ("source" or "destination" in `what`) and returns
-/// its address.
-pub(crate) fn check_range(r: &Region, offset: u64, len: u64, what: &str) -> Result<usize> {
-    match offset.checked_add(len) {
-        Some(end) if end <= r.len() => Ok(r.as_ptr() as usize + offset as usize),
-        _ => Err(Error::OutOfBounds {
-            what: format!("{what} region {}", r.id().0),
-            offset,
-            len,
-            limit: r.len(),
-        }),
-    }
-}
-
-/// A printable form of a key for messages.
-pub(crate) fn show_key(key: &[u8]) -> String {
-    match std::str::from_utf8(key) {
-        Ok(s) => format!("{s:?}"),
-        Err(_) => format!("0x{}", key.iter().map(|b| format!("{b:02x}")).collect::<String>()),
-    }
-}
-
-/// The error for a key that is not stored.
-pub(crate) fn missing(key: &[u8]) -> Error {
-    Error::NotFound(tensorwire_core::Missing::Other(format!("store key {}", show_key(key))))
 }

@@ -1,19 +1,22 @@
-//! The embedded store: a pool region registered with the local engine, managed by [`PoolState`],
-//! with an optional file spill tier. Copies between caller regions and the pool are one
-//! `copy_bytes` each (streaming stores for large objects); nothing else touches the bytes.
+//! The embedded store: a pool region registered with the local engine, its bookkeeping in the
+//! sans-IO [`PoolState`], and an optional file spill tier. Every call locks the state only for
+//! bookkeeping; the IO the state asks for (spilling victims, deleting files, loading a spilled
+//! object back) runs after the lock is released, and callers that need room wait (bounded) for
+//! spills in flight. Copies between caller regions and the pool go through the memory seam
+//! (`MemSlice::copy_from`: kind-checked, one copy).
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use tensorwire_core::copy::copy_bytes;
-use tensorwire_core::sync::lock;
-use tensorwire_core::{Engine, Error, Permissions, Region, RemoteRegion, Result, TensorMeta};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use tensorwire_core::{Engine, MemSlice, Permissions, Region, RemoteRegion, TensorMeta};
 
-use crate::api::{Retention, Store, StoreStats, check_key, check_meta, check_range, missing};
+use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
+use crate::error::{Result, StoreError};
 use crate::spill::Spill;
-use crate::state::{Evictor, Loc, Marks, Opened, PoolState, Reserved, Victim, deadline};
+use crate::state::{Io, LoadJob, Marks, Opened, PoolState, Reserved, Source, Step, deadline};
 
 /// Embedded store settings.
 #[derive(Debug, Clone)]
@@ -29,6 +32,7 @@ pub struct StoreConfig {
     /// Let peers of the engine read and write the pool (needed to serve it as a store node).
     pub shared: bool,
     /// A reserved put not committed within this time is dropped (a client that died mid-put).
+    /// It also bounds how long a put waits for spills to make room.
     pub put_ttl: Duration,
     /// A read lease not closed within this time is dropped (a reader that died mid-get).
     pub read_ttl: Duration,
@@ -57,11 +61,22 @@ pub struct PendingPut {
     pub offset: u64,
 }
 
+/// An open read of the pool (for a store node): where the object is and what it is.
+#[derive(Debug, Clone)]
+pub(crate) struct PoolRead {
+    pub(crate) ticket: u64,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) meta: TensorMeta,
+}
+
 /// A store living in this process.
 #[derive(Debug)]
 pub struct EmbeddedStore {
     pool: Region,
     state: Mutex<PoolState>,
+    /// Signalled whenever a spill or load finishes (room may have appeared).
+    io_done: Condvar,
     spill: Option<Spill>,
     cfg: StoreConfig,
 }
@@ -72,7 +87,7 @@ impl EmbeddedStore {
         if !(0.0..=1.0).contains(&cfg.low_watermark)
             || !(cfg.low_watermark..=1.0).contains(&cfg.high_watermark)
         {
-            return Err(Error::InvalidArgument(format!(
+            return Err(StoreError::InvalidArgument(format!(
                 "store watermarks must satisfy 0 <= low ({}) <= high ({}) <= 1",
                 cfg.low_watermark, cfg.high_watermark
             )));
@@ -87,7 +102,8 @@ impl EmbeddedStore {
         let spill = cfg.spill_dir.as_deref().map(Spill::new).transpose()?;
         Ok(Arc::new(EmbeddedStore {
             pool,
-            state: Mutex::new(PoolState::new(cap, marks)),
+            state: Mutex::new(PoolState::new(cap, marks, spill.is_some())),
+            io_done: Condvar::new(),
             spill,
             cfg,
         }))
@@ -108,56 +124,99 @@ impl EmbeddedStore {
         self.spill.as_ref().map(Spill::describe)
     }
 
-    /// The state, with expired puts, reads and leased objects swept first.
-    fn locked(&self) -> std::sync::MutexGuard<'_, PoolState> {
-        let mut st = lock(&self.state);
-        let now = Instant::now();
-        st.expire(now);
-        let gone = st.expire_objects(now);
-        self.drop_spilled(&gone);
+    /// The spill file of `key`, if it is in the spill tier only (tests corrupt it).
+    pub fn spill_file(&self, key: &[u8]) -> Option<PathBuf> {
+        let id = self.state.lock().spilled_id(key)?;
+        Some(self.spill.as_ref()?.file(id))
+    }
+
+    /// Locks the state with expired puts, reads and leased objects swept first.
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        let mut st = self.state.lock();
+        st.expire(Instant::now());
         st
     }
 
-    fn drop_spilled(&self, gone: &[crate::state::Obj]) {
-        if let Some(spill) = &self.spill {
-            for o in gone.iter().filter(|o| o.loc == Loc::Spilled) {
-                spill.remove(o.id);
+    /// Runs `f` on the state, then the IO it queued (outside the lock). `f` answering
+    /// [`Step::Wait`] (spills in flight will make room) is retried once the IO ran or another
+    /// caller's finished, for at most the put TTL.
+    fn run<T>(&self, mut f: impl FnMut(&mut PoolState) -> Result<Step<T>>) -> Result<T> {
+        let give_up = Instant::now() + self.cfg.put_ttl;
+        loop {
+            let (step, io) = {
+                let mut st = self.lock();
+                let step = f(&mut st);
+                (step, st.take_io())
+            };
+            let ran = !io.is_empty();
+            let io_result = self.carry_out(io);
+            match step? {
+                Step::Done(t) => return Ok(t),
+                Step::Wait => io_result?,
+            }
+            if !ran {
+                let now = Instant::now();
+                if now >= give_up {
+                    return Err(StoreError::Engine(tensorwire_core::Error::timeout(
+                        "waiting for the spill tier to make room in the store pool",
+                        self.cfg.put_ttl,
+                    )));
+                }
+                let mut st = self.state.lock();
+                self.io_done.wait_for(&mut st, (give_up - now).min(Duration::from_millis(50)));
             }
         }
     }
 
-    fn base(&self) -> usize {
-        self.pool.as_ptr() as usize
-    }
-
-    /// Runs `f` on the state with an evictor that spills (or drops) victims. Expired puts and reads
-    /// are swept first.
-    fn with_state<T>(
-        &self,
-        f: impl FnOnce(&mut PoolState, &mut Evictor<'_>) -> Result<T>,
-    ) -> Result<T> {
-        let base = self.base();
-        let spill = self.spill.as_ref();
-        let mut evict = |v: &Victim<'_>| -> Result<bool> {
-            let Some(spill) = spill else { return Ok(false) };
-            let Loc::Pool { block, .. } = v.obj.loc else { return Ok(false) };
-            // SAFETY: the victim's block lies inside the pool region (the allocator only hands out
-            // blocks inside it) and nobody writes it: it has no readers and we hold the state lock.
-            unsafe {
-                spill.write(v.obj.id, v.key, &v.obj.meta, base + v.off as usize, v.obj.len, block)
-            }?;
-            Ok(true)
-        };
-        let run = || {
-            let mut st = lock(&self.state);
-            st.expire(Instant::now());
-            f(&mut st, &mut evict)
-        };
-        // Spill writes are blocking file I/O: keep them off the async workers' critical path.
-        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),
-            _ => run(),
+    /// Carries out queued IO: spills (reporting each back to the state) and file deletions.
+    /// Blocking file I/O, so it leaves the async worker's critical path where it can. Returns the
+    /// first spill failure (the victim stays in the pool).
+    fn carry_out(&self, io: Vec<Io>) -> Result<()> {
+        if io.is_empty() {
+            return Ok(());
         }
+        let work = || {
+            let mut first = Ok(());
+            for job in io {
+                match job {
+                    Io::Delete(id) => {
+                        if let Some(s) = &self.spill {
+                            s.remove(id);
+                        }
+                    }
+                    Io::Spill(j) => {
+                        let r = self.spill.as_ref().ok_or_else(|| {
+                            StoreError::Internal("a spill without a spill tier".into())
+                        });
+                        let r = r.and_then(|s| {
+                            let block = self.pool.slice(j.off, j.size)?;
+                            let written = s.write(j.id, &j.key, &j.meta, &block, j.len);
+                            if written.is_err() {
+                                s.remove(j.id); // no partial file is left behind
+                            }
+                            written
+                        });
+                        self.state.lock().spilled(&j, r.is_ok());
+                        self.io_done.notify_all();
+                        if let Err(e) = r {
+                            tracing::warn!(error = %e, "store: spilling an evicted object failed");
+                            if first.is_ok() {
+                                first = Err(e);
+                            }
+                        }
+                    }
+                }
+            }
+            first
+        };
+        let r = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+            _ => work(),
+        };
+        // Spill reports may have queued deletions (objects removed while spilling).
+        let more = self.state.lock().take_io();
+        self.carry_out(more)?;
+        r
     }
 
     // --- the two-phase forms a store node (and a producer writing in place) uses ---
@@ -180,84 +239,111 @@ impl EmbeddedStore {
         self.commit(p.ticket)
     }
 
-    /// Reserves pool space for a put; returns its ticket and pool offset.
-    pub(crate) fn reserve(
-        &self,
-        key: &[u8],
-        meta: &TensorMeta,
-        len: u64,
-        r: Retention,
-    ) -> Result<Reserved> {
+    fn reserve(&self, key: &[u8], meta: &TensorMeta, len: u64, r: Retention) -> Result<Reserved> {
         check_key(key)?;
         check_meta(meta, len)?;
         let ttl = deadline(self.cfg.put_ttl);
-        self.with_state(|st, ev| st.reserve(key, meta, len, r, ttl, ev))
+        self.run(|st| st.reserve(key, meta, len, r, ttl))
     }
 
-    /// Publishes a reserved put.
     pub(crate) fn commit(&self, ticket: u64) -> Result<()> {
-        self.with_state(|st, ev| st.commit(ticket, ev))
+        self.run(|st| st.commit(ticket).map(Step::Done))
     }
 
-    /// Drops a reserved put.
     pub(crate) fn abort(&self, ticket: u64) {
-        lock(&self.state).abort(ticket);
+        let _ = self.run(|st| {
+            st.abort(ticket);
+            Ok(Step::Done(()))
+        });
     }
 
-    /// Opens a read; with `in_pool`, a spilled object is loaded back into the pool first (a remote
-    /// reader reads it from there), and the returned offset is valid.
-    pub(crate) fn open(&self, key: &[u8], in_pool: bool) -> Result<(Opened, Option<u64>)> {
+    /// Opens a read; with `in_pool`, a spilled object is loaded back into the pool first.
+    fn open(&self, key: &[u8], in_pool: bool) -> Result<Opened> {
         check_key(key)?;
         let ttl = deadline(self.cfg.read_ttl);
-        let opened = self.with_state(|st, _| st.open_read(key, ttl))?;
-        match opened.loc {
-            Loc::Pool { off, .. } => Ok((opened, Some(off))),
-            Loc::Spilled if !in_pool => Ok((opened, None)),
-            Loc::Spilled => match self.reload(key, &opened) {
-                Ok(off) => Ok((opened, Some(off))),
-                Err(e) => {
-                    self.close(opened.ticket);
-                    Err(e)
-                }
-            },
+        let opened = self.run(|st| st.open(key, ttl, in_pool))?;
+        if let Some(job) = &opened.load {
+            if let Err(e) = self.load(job) {
+                self.close(opened.ticket, key);
+                return Err(e);
+            }
+        }
+        Ok(opened)
+    }
+
+    /// Reads a spilled object back into the pool block its read holds (outside the lock).
+    fn load(&self, job: &LoadJob) -> Result<()> {
+        let r = (|| {
+            let spill = self.spill.as_ref().ok_or_else(|| StoreError::not_found(&job.key))?;
+            let block = self.pool.slice(job.off, job.len)?;
+            spill.read_into(job.id, &job.key, &block)
+        })();
+        self.run(|st| {
+            st.loaded(job, r.is_ok());
+            Ok(Step::Done(()))
+        })?;
+        self.io_done.notify_all();
+        r.map(drop)
+    }
+
+    /// Opens a read for a store node: the object is in the pool at the returned offset until
+    /// [`EmbeddedStore::close`].
+    pub(crate) fn open_in_pool(&self, key: &[u8]) -> Result<PoolRead> {
+        let o = self.open(key, true)?;
+        match o.source {
+            Source::Pool(offset) => {
+                Ok(PoolRead { ticket: o.ticket, offset, len: o.len, meta: o.meta })
+            }
+            Source::File => {
+                self.close(o.ticket, key);
+                Err(StoreError::Internal(
+                    "an in-pool read found the object in the spill tier".into(),
+                ))
+            }
         }
     }
 
-    fn reload(&self, key: &[u8], o: &Opened) -> Result<u64> {
-        let spill = self.spill.as_ref().ok_or_else(|| missing(key))?;
-        let base = self.base();
-        self.with_state(|st, ev| {
-            let off = st.reload(key, ev)?;
-            // SAFETY: the new block lies inside the pool and belongs to this object, which has a
-            // reader (us), so nothing else uses it; we hold the state lock.
-            match unsafe { spill.read_into(o.id, key, base + off as usize, o.len) } {
-                Ok(_) => {
-                    spill.remove(o.id);
-                    Ok(off)
-                }
-                Err(e) => {
-                    st.unload(key); // a corrupt or truncated file is never served
-                    Err(e)
-                }
-            }
-        })
-    }
-
     /// Closes a read.
-    pub(crate) fn close(&self, ticket: u64) {
-        lock(&self.state).close_read(ticket);
+    pub(crate) fn close(&self, ticket: u64, key: &[u8]) {
+        let _ = self.run(|st| {
+            st.close(ticket, key);
+            Ok(Step::Done(()))
+        });
     }
 
     /// Sweeps expired puts, reads and leased objects now (a node calls this periodically).
     pub fn expire(&self) {
-        drop(self.locked());
+        let _ = self.run(|_| Ok(Step::Done(())));
+    }
+
+    /// Copies an open read's bytes into `dst` (exactly the object's length).
+    fn read_out(&self, key: &[u8], o: &Opened, dst: &MemSlice) -> Result<()> {
+        match o.source {
+            Source::Pool(off) => Ok(dst.copy_from(&self.pool.slice(off, o.len)?)?),
+            Source::File => {
+                let spill = self.spill.as_ref().ok_or_else(|| StoreError::not_found(key))?;
+                spill.read_into(o.id, key, dst).map(drop)
+            }
+        }
+    }
+
+    /// A get into `dst`: open, copy, close.
+    fn get_slice(
+        &self,
+        key: &[u8],
+        dst: impl FnOnce(u64) -> Result<MemSlice>,
+    ) -> Result<(TensorMeta, u64)> {
+        let o = self.open(key, false)?;
+        let r = dst(o.len).and_then(|d| self.read_out(key, &o, &d));
+        self.close(o.ticket, key);
+        r.map(|()| (o.meta, o.len))
     }
 }
 
 impl Drop for EmbeddedStore {
     fn drop(&mut self) {
         if let Some(spill) = &self.spill {
-            for id in lock(&self.state).spilled_ids() {
+            for id in self.state.lock().files() {
                 spill.remove(id);
             }
         }
@@ -269,9 +355,14 @@ impl Store for EmbeddedStore {
     async fn put(&self, key: &[u8], meta: &TensorMeta, bytes: &[u8], r: Retention) -> Result<()> {
         let len = bytes.len() as u64;
         let res = self.reserve(key, meta, len, r)?;
-        // SAFETY: the reserved block holds `len` bytes inside the pool and is ours until commit.
-        unsafe { copy_bytes(bytes.as_ptr() as usize, self.base() + res.off as usize, bytes.len()) };
-        self.commit(res.ticket)
+        let copied = self.pool.slice(res.off, len).and_then(|b| b.write_at(0, bytes));
+        match copied {
+            Ok(()) => self.commit(res.ticket),
+            Err(e) => {
+                self.abort(res.ticket);
+                Err(e.into())
+            }
+        }
     }
 
     async fn put_from(
@@ -283,103 +374,72 @@ impl Store for EmbeddedStore {
         len: u64,
         r: Retention,
     ) -> Result<()> {
-        let from = check_range(src, offset, len, "source")?;
+        let from = src.slice(offset, len)?;
         let res = self.reserve(key, meta, len, r)?;
-        // SAFETY: `from` is `len` bytes inside the caller's live region (checked above, and the
-        // borrow keeps it registered); the reserved block is ours until commit.
-        unsafe { copy_bytes(from, self.base() + res.off as usize, len as usize) };
-        self.commit(res.ticket)
+        match self.pool.slice(res.off, len).and_then(|b| b.copy_from(&from)) {
+            Ok(()) => self.commit(res.ticket),
+            Err(e) => {
+                self.abort(res.ticket);
+                Err(e.into())
+            }
+        }
     }
 
     async fn get(&self, key: &[u8]) -> Result<(TensorMeta, Vec<u8>)> {
-        let (o, off) = self.open(key, false)?;
-        let mut out = vec![0u8; o.len as usize];
-        let r = match off {
-            Some(off) => {
-                // SAFETY: the object's block holds `len` bytes and cannot be reused while our read
-                // is open; `out` holds `len` bytes.
-                unsafe {
-                    copy_bytes(self.base() + off as usize, out.as_mut_ptr() as usize, out.len())
-                };
-                Ok(())
+        let o = self.open(key, false)?;
+        let r = (|| {
+            let n = usize::try_from(o.len)
+                .map_err(|_| StoreError::Internal("an object larger than memory".into()))?;
+            let mut out = vec![0u8; n];
+            match o.source {
+                Source::Pool(off) => self.pool.slice(off, o.len)?.read_at(0, &mut out)?,
+                Source::File => {
+                    let spill = self.spill.as_ref().ok_or_else(|| StoreError::not_found(key))?;
+                    spill.read(o.id, key, &mut out)?;
+                }
             }
-            None => self.spill_read(key, &o, out.as_mut_ptr() as usize),
-        };
-        self.close(o.ticket);
-        r.map(|()| (o.meta, out))
+            Ok(out)
+        })();
+        self.close(o.ticket, key);
+        r.map(|out| (o.meta, out))
     }
 
     async fn get_into(&self, key: &[u8], dst: &Region, offset: u64) -> Result<(TensorMeta, u64)> {
-        let (o, off) = self.open(key, false)?;
-        let r = check_range(dst, offset, o.len, "destination").and_then(|to| match off {
-            Some(off) => {
-                // SAFETY: source block as in `get`; `to` is `len` bytes inside the live `dst`.
-                unsafe { copy_bytes(self.base() + off as usize, to, o.len as usize) };
-                Ok(())
-            }
-            None => self.spill_read(key, &o, to),
-        });
-        self.close(o.ticket);
-        r.map(|()| (o.meta, o.len))
+        self.get_slice(key, |len| Ok(dst.slice(offset, len)?))
     }
 
     async fn exists(&self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
-        Ok(self.locked().exists(key))
+        self.run(|st| Ok(Step::Done(st.exists(key))))
     }
 
     async fn remove(&self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
-        let removed = self.locked().remove(key);
-        if let (Some(o), Some(spill)) = (&removed, &self.spill) {
-            if o.loc == Loc::Spilled {
-                spill.remove(o.id);
-            }
-        }
-        Ok(removed.is_some())
+        self.run(|st| Ok(Step::Done(st.remove(key))))
     }
 
     async fn pin(&self, key: &[u8]) -> Result<()> {
         check_key(key)?;
-        self.locked().pin(key, true)
+        self.run(|st| st.pin(key, true).map(Step::Done))
     }
 
     async fn unpin(&self, key: &[u8]) -> Result<()> {
         check_key(key)?;
-        self.locked().pin(key, false)
+        self.run(|st| st.pin(key, false).map(Step::Done))
     }
 
     async fn stats(&self) -> Result<StoreStats> {
-        Ok(self.locked().stats())
+        self.run(|st| Ok(Step::Done(st.stats())))
     }
 
     async fn set_lease(&self, key: &[u8], consumers: u32, ttl: Option<Duration>) -> Result<()> {
         check_key(key)?;
-        self.locked().set_lease(key, consumers, ttl.map(deadline))
+        let expires = ttl.map(deadline);
+        self.run(|st| st.set_lease(key, consumers, expires).map(Step::Done))
     }
 
     async fn consumed(&self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
-        let gone = self.locked().consumed(key)?;
-        let removed = gone.is_some();
-        self.drop_spilled(&gone.into_iter().collect::<Vec<_>>());
-        Ok(removed)
-    }
-}
-
-impl EmbeddedStore {
-    /// Reads a spilled object straight into `to` (`o.len` writable bytes).
-    fn spill_read(&self, key: &[u8], o: &Opened, to: usize) -> Result<()> {
-        let spill = self.spill.as_ref().ok_or_else(|| missing(key))?;
-        // SAFETY: callers pass `o.len` writable bytes at `to`.
-        unsafe { spill.read_into(o.id, key, to, o.len) }.map(drop)
-    }
-
-    /// The spill file of `key`, if it is spilled (tests corrupt it).
-    pub fn spill_file(&self, key: &[u8]) -> Option<PathBuf> {
-        let spill = self.spill.as_ref()?;
-        let st = lock(&self.state);
-        let id = st.spilled_id(key)?;
-        Some(spill.file(id))
+        self.run(|st| st.consumed(key).map(Step::Done))
     }
 }

@@ -15,17 +15,23 @@
 //!   pool, then closes. Uncommitted puts and unclosed reads expire, so a client that dies leaks
 //!   nothing.
 
+//! - [`testing`] (feature `testing`): the store suite, written once and run against any [`Store`].
+
 pub mod alloc;
 mod api;
 mod embedded;
+mod error;
 mod node;
 mod remote;
 mod rpc;
 mod spill;
 mod state;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod uring;
 
 pub use api::{GetInto, MAX_KEY, PutFrom, Retention, Store, StoreStats, check_key, check_meta};
 pub use embedded::{EmbeddedStore, PendingPut, StoreConfig};
+pub use error::{Result, StoreError, StoreKey};
 pub use node::StoreNode;
 pub use remote::RemoteStore;

@@ -1,73 +1,80 @@
 //! A store node: serves an [`EmbeddedStore`] (allocated with `shared: true`) to remote engines
 //! over the store RPC. Object bytes never cross the RPC; clients move them with engine transfers
-//! into and out of the pool region. A connection must first prove it holds the pool's access key
-//! (which peers only learn through the engine handshake, authenticated when the engine has a
-//! cluster secret). A periodic sweep drops puts never committed and reads never closed.
+//! into and out of the pool region. A connection opens with the authenticated handshake (the
+//! cluster secret, when one is given) and must then prove it holds the pool's access key (which
+//! peers learn through the engine handshake). A periodic sweep drops puts never committed and
+//! reads never closed.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::{Error, Result};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::backend::kit::TaskSet;
+use tensorwire_core::{Error, handshake};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 
 use crate::api::Store;
 use crate::embedded::EmbeddedStore;
-use crate::rpc::{self, ERR, HEADER_LEN, OK, Request, Response};
+use crate::error::{self, Result, StoreError};
+use crate::rpc::{self, ERR, FRAMING, OK, Request, Response};
+
+/// Bound on a client's handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A running store node; dropping it stops serving.
 #[derive(Debug)]
 pub struct StoreNode {
     addr: SocketAddr,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Arc<TaskSet>,
 }
 
 impl Drop for StoreNode {
     fn drop(&mut self) {
-        self.tasks.iter().for_each(JoinHandle::abort);
+        self.tasks.abort_all();
     }
 }
 
 impl StoreNode {
-    /// Serves `store` on `listen`.
-    pub async fn serve(store: Arc<EmbeddedStore>, listen: SocketAddr) -> Result<StoreNode> {
+    /// Serves `store` on `listen`. With `secret`, only clients that prove the same cluster secret
+    /// are served (give it the engine's `cluster_secret`).
+    pub async fn serve(
+        store: Arc<EmbeddedStore>,
+        listen: SocketAddr,
+        secret: Option<ClusterSecret>,
+    ) -> Result<StoreNode> {
         let l = TcpListener::bind(listen).await.map_err(|e| {
             Error::InvalidArgument(format!("store node: cannot listen on {listen}: {e}"))
         })?;
-        let addr = l.local_addr()?;
-        let sweeper = {
-            let store = Arc::downgrade(&store);
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                    match store.upgrade() {
-                        Some(s) => s.expire(),
-                        None => return,
-                    }
-                }
-            })
-        };
-        let acceptor = tokio::spawn(async move {
-            let mut conns = tokio::task::JoinSet::new();
+        let addr = l.local_addr().map_err(Error::from)?;
+        let tasks = TaskSet::new();
+        let weak = Arc::downgrade(&store);
+        tasks.spawn(async move {
             loop {
-                tokio::select! {
-                    a = l.accept() => match a {
-                        Ok((sock, _)) => {
-                            let _ = sock.set_nodelay(true);
-                            conns.spawn(serve_conn(sock, store.clone()));
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "store node: accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                    },
-                    Some(_) = conns.join_next(), if !conns.is_empty() => {}
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                match weak.upgrade() {
+                    Some(s) => s.expire(),
+                    None => return,
                 }
             }
         });
-        Ok(StoreNode { addr, tasks: vec![sweeper, acceptor] })
+        let conns = tasks.clone();
+        tasks.spawn(async move {
+            loop {
+                match l.accept().await {
+                    Ok((sock, peer)) => {
+                        let _ = sock.set_nodelay(true);
+                        conns.spawn(serve_conn(sock, peer, store.clone(), secret.clone()));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "store node: accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+        Ok(StoreNode { addr, tasks })
     }
 
     /// The RPC address clients connect to.
@@ -76,104 +83,117 @@ impl StoreNode {
     }
 }
 
-/// Reads one frame; `Ok(None)` at a clean end of stream.
-pub(crate) async fn read_frame(
-    s: &mut (impl AsyncReadExt + Unpin),
-) -> Result<Option<(rpc::Header, Vec<u8>)>> {
-    let mut h = [0u8; HEADER_LEN];
-    match s.read_exact(&mut h).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    let h = rpc::decode_header(&h)?;
-    let mut p = vec![0u8; h.len as usize]; // bounded by MAX_PAYLOAD in decode
-    s.read_exact(&mut p).await?;
-    Ok(Some((h, p)))
+/// What one client holds, released when its connection ends.
+#[derive(Debug, Default)]
+struct Held {
+    authed: bool,
+    puts: Vec<u64>,
+    reads: Vec<(u64, Vec<u8>)>,
 }
 
-async fn serve_conn(mut sock: TcpStream, store: Arc<EmbeddedStore>) {
-    let mut authed = false;
-    let mut tickets_put: Vec<u64> = Vec::new();
-    let mut tickets_read: Vec<u64> = Vec::new();
+impl Held {
+    /// A put this connection began (a client cannot finish another client's put).
+    fn take_put(&mut self, ticket: u64) -> Result<()> {
+        let at = self.puts.iter().position(|&t| t == ticket).ok_or_else(|| {
+            StoreError::InvalidArgument(format!("put {ticket} was not begun on this connection"))
+        })?;
+        self.puts.swap_remove(at);
+        Ok(())
+    }
+}
+
+async fn serve_conn(
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    store: Arc<EmbeddedStore>,
+    secret: Option<ClusterSecret>,
+) {
+    let opened = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        handshake::server(&mut sock, &FRAMING, secret.as_ref(), peer),
+    )
+    .await;
+    match opened {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return tracing::warn!(%peer, error = %e, "store node: handshake refused"),
+        Err(_) => return tracing::debug!(%peer, "store node: handshake timed out"),
+    }
+    let mut held = Held::default();
     loop {
-        let (h, p) = match read_frame(&mut sock).await {
+        let (kind, payload) = match FRAMING.read(&mut sock).await {
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(e) => {
-                tracing::warn!(error = %e, "store node: connection dropped");
+                tracing::warn!(%peer, error = %e, "store node: connection dropped");
                 break;
             }
         };
-        let r = match Request::decode(h.kind, &p) {
-            Ok(req) => handle(&store, req, &mut authed, &mut tickets_put, &mut tickets_read).await,
-            Err(e) => Err(e),
+        let Ok((req, body)) = rpc::split(&payload) else { break };
+        let r = match Request::decode(kind, body) {
+            Ok(q) => handle(&store, q, &mut held).await,
+            Err(e) => Err(StoreError::Engine(e)),
         };
         let out = match r {
-            Ok(resp) => rpc::frame(OK, h.req, &resp.encode()),
-            Err(e) => rpc::frame(ERR, h.req, &rpc::error_payload(&e)),
+            Ok(resp) => rpc::frame(OK, req, &resp.encode()),
+            Err(e) => rpc::frame(ERR, req, &error::encode(&e)),
         };
+        let Ok(out) = out else { break };
         if sock.write_all(&out).await.is_err() {
             break;
         }
     }
     // A client that went away mid-put or mid-get leaks nothing (the sweep would catch it too).
-    for t in tickets_put {
+    for t in held.puts {
         store.abort(t);
     }
-    for t in tickets_read {
-        store.close(t);
+    for (t, key) in held.reads {
+        store.close(t, &key);
     }
 }
 
-async fn handle(
-    store: &EmbeddedStore,
-    req: Request,
-    authed: &mut bool,
-    puts: &mut Vec<u64>,
-    reads: &mut Vec<u64>,
-) -> Result<Response> {
+async fn handle(store: &EmbeddedStore, req: Request, held: &mut Held) -> Result<Response> {
     match req {
         Request::Hello => return Ok(Response::Pool(store.pool().id)),
         Request::Auth { region, key } => {
             let pool = store.pool();
             if region != pool.id || key != pool.key {
-                return Err(Error::AccessDenied("store node: wrong pool key".into()));
+                return Err(Error::AccessDenied("store node: wrong pool key".into()).into());
             }
-            *authed = true;
+            held.authed = true;
             return Ok(Response::Done);
         }
-        _ if !*authed => {
-            return Err(Error::AccessDenied("store node: authenticate first (Auth)".into()));
+        _ if !held.authed => {
+            return Err(Error::AccessDenied("store node: authenticate first (Auth)".into()).into());
         }
         _ => {}
     }
     Ok(match req {
         Request::Reserve { key, meta, len, retention } => {
-            let r = store.reserve(&key, &meta, len, retention)?;
-            puts.push(r.ticket);
-            Response::Reserved { ticket: r.ticket, offset: r.off }
+            let p = store.begin_put(&key, &meta, len, retention)?;
+            held.puts.push(p.ticket);
+            Response::Reserved { ticket: p.ticket, offset: p.offset }
         }
         Request::Commit { ticket } => {
-            puts.retain(|&t| t != ticket);
+            held.take_put(ticket)?;
             store.commit(ticket)?;
             Response::Done
         }
         Request::Abort { ticket } => {
-            puts.retain(|&t| t != ticket);
+            held.take_put(ticket)?;
             store.abort(ticket);
             Response::Done
         }
         Request::Open { key } => {
-            let (o, off) = store.open(&key, true)?;
-            let offset =
-                off.ok_or_else(|| Error::protocol("store node: object not in the pool"))?;
-            reads.push(o.ticket);
-            Response::Opened { ticket: o.ticket, offset, len: o.len, meta: o.meta }
+            let o = store.open_in_pool(&key)?;
+            held.reads.push((o.ticket, key));
+            Response::Opened { ticket: o.ticket, offset: o.offset, len: o.len, meta: o.meta }
         }
         Request::Close { ticket } => {
-            reads.retain(|&t| t != ticket);
-            store.close(ticket);
+            let at = held.reads.iter().position(|(t, _)| *t == ticket).ok_or_else(|| {
+                StoreError::InvalidArgument(format!("read {ticket} is not open on this connection"))
+            })?;
+            let (_, key) = held.reads.swap_remove(at);
+            store.close(ticket, &key);
             Response::Done
         }
         Request::Exists { key } => Response::Flag(store.exists(&key).await?),

@@ -3,26 +3,27 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tensorwire_core::sync::lock;
+use parking_lot::Mutex;
 use tensorwire_core::{
-    Engine, Error, Permissions, Region, RemoteRegion, Result, Session, TensorMeta, TransferOp,
+    Engine, Error, Permissions, Region, RemoteRegion, Session, TensorMeta, TransferOp, handshake,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
-use crate::api::{Retention, Store, StoreStats, check_key, check_meta, check_range};
+use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
 use crate::embedded::PendingPut;
-use crate::node::read_frame;
-use crate::rpc::{self, Request, Response};
+use crate::error::{Result, StoreError};
+use crate::rpc::{self, FRAMING, Request, Response};
 
-type Waiters = Mutex<(HashMap<u64, oneshot::Sender<Result<Response>>>, Option<Error>)>;
+type Reply = std::result::Result<Response, StoreError>;
+type Waiters = Mutex<(HashMap<u64, oneshot::Sender<Reply>>, Option<Error>)>;
 
 #[derive(Debug)]
 struct Rpc {
@@ -41,43 +42,52 @@ impl Drop for Rpc {
 
 fn fail_all(w: &Waiters, e: Error) {
     let pending = {
-        let mut g = lock(w);
+        let mut g = w.lock();
         g.1.get_or_insert(e.clone());
         std::mem::take(&mut g.0)
     };
     for (_, tx) in pending {
-        let _ = tx.send(Err(e.clone()));
+        let _ = tx.send(Err(e.clone().into()));
     }
 }
 
 impl Rpc {
-    async fn connect(addr: SocketAddr, timeout: Duration) -> Result<Rpc> {
-        let sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
+    async fn connect(engine: &Engine, addr: SocketAddr) -> Result<Rpc> {
+        let cfg = engine.config();
+        let (hs, timeout) = (cfg.handshake_timeout, cfg.transfer_timeout);
+        let opened = async {
+            let mut sock = TcpStream::connect(addr)
+                .await
+                .map_err(|e| Error::PeerClosed(format!("store node {addr}: {e}")))?;
+            sock.set_nodelay(true)?;
+            handshake::client(&mut sock, &FRAMING, cfg.cluster_secret.as_ref(), addr).await?;
+            Ok::<_, Error>(sock)
+        };
+        let sock = tokio::time::timeout(hs, opened)
             .await
-            .map_err(|_| Error::timeout(format!("connect to store node {addr}"), timeout))?
-            .map_err(|e| Error::PeerClosed(format!("store node {addr}: {e}")))?;
-        sock.set_nodelay(true)?;
+            .map_err(|_| Error::timeout(format!("handshake with store node {addr}"), hs))??;
         let (mut rd, wr) = sock.into_split();
         let waiters: Arc<Waiters> = Arc::default();
         let w = waiters.clone();
         let reader = tokio::spawn(async move {
             let e = loop {
-                match read_frame(&mut rd).await {
-                    Ok(Some((h, p))) => {
-                        let r = Response::decode(h.kind, &p);
-                        let tx = lock(&w).0.remove(&h.req);
-                        match (r, tx) {
-                            (Ok(r), Some(tx)) => {
-                                let _ = tx.send(r);
-                            }
-                            (Err(e), _) => break e,
-                            (Ok(_), None) => {
-                                break Error::protocol("store rpc: unsolicited response");
-                            }
-                        }
-                    }
+                let frame = match FRAMING.read(&mut rd).await {
+                    Ok(Some(f)) => f,
                     Ok(None) => break Error::PeerClosed("store node closed the connection".into()),
                     Err(e) => break e,
+                };
+                let (kind, payload) = frame;
+                let decoded = rpc::split(&payload)
+                    .and_then(|(req, body)| Ok((req, Response::decode(kind, body)?)));
+                let (req, reply) = match decoded {
+                    Ok(x) => x,
+                    Err(e) => break e,
+                };
+                match w.lock().0.remove(&req) {
+                    Some(tx) => {
+                        let _ = tx.send(reply);
+                    }
+                    None => break Error::protocol("store rpc: unsolicited response"),
                 }
             };
             fail_all(&w, e);
@@ -95,32 +105,32 @@ impl Rpc {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
-            let mut g = lock(&self.waiters);
+            let mut g = self.waiters.lock();
             if let Some(e) = &g.1 {
-                return Err(e.clone());
+                return Err(e.clone().into());
             }
             g.0.insert(id, tx);
         }
-        let (kind, payload) = req.encode();
-        let frame = rpc::frame(kind, id, &payload);
+        let (kind, body) = req.encode();
+        let frame = rpc::frame(kind, id, &body)?;
         if let Err(e) = self.writer.lock().await.write_all(&frame).await {
             let e = Error::from(e);
             fail_all(&self.waiters, e.clone());
-            return Err(e);
+            return Err(e.into());
         }
         match tokio::time::timeout(self.timeout, rx).await {
             Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Error::PeerClosed("store rpc connection closed".into())),
+            Ok(Err(_)) => Err(Error::PeerClosed("store rpc connection closed".into()).into()),
             Err(_) => {
-                lock(&self.waiters).0.remove(&id);
-                Err(Error::timeout("store node did not answer", self.timeout))
+                self.waiters.lock().0.remove(&id);
+                Err(Error::timeout("store node did not answer", self.timeout).into())
             }
         }
     }
 }
 
-fn unexpected(r: Response) -> Error {
-    Error::protocol(format!("store rpc: unexpected response {r:?}"))
+fn unexpected(r: Response) -> StoreError {
+    Error::protocol(format!("store rpc: unexpected response {r:?}")).into()
 }
 
 /// A remote store: the [`Store`] API over a store node.
@@ -141,17 +151,16 @@ impl RemoteStore {
         node_rpc: SocketAddr,
     ) -> Result<RemoteStore> {
         let session = engine.connect(node_engine).await?;
-        let timeout = engine.config().transfer_timeout;
-        let rpc = Rpc::connect(node_rpc, timeout).await?;
+        let rpc = Rpc::connect(engine, node_rpc).await?;
         let pool_id = match rpc.call(Request::Hello).await? {
             Response::Pool(id) => id,
             r => return Err(unexpected(r)),
         };
         let pool = session.remote_region(pool_id).map_err(|_| {
-            Error::AccessDenied(format!(
+            StoreError::Engine(Error::AccessDenied(format!(
                 "store node pool region {} is not visible to this engine (is the store shared?)",
                 pool_id.0
-            ))
+            )))
         })?;
         rpc.call(Request::Auth { region: pool.id, key: pool.key }).await?;
         Ok(RemoteStore { engine: engine.clone(), session, pool, rpc })
@@ -243,7 +252,7 @@ impl Store for RemoteStore {
         len: u64,
         r: Retention,
     ) -> Result<()> {
-        check_range(src, offset, len, "source")?;
+        drop(src.slice(offset, len)?); // a bad range fails before anything is reserved
         let (ticket, at) = self.reserve(key, meta, len, r).await?;
         let moved = if len == 0 {
             Ok(())
@@ -257,7 +266,7 @@ impl Store for RemoteStore {
             Ok(()) => self.done(Request::Commit { ticket }).await,
             Err(e) => {
                 let _ = self.done(Request::Abort { ticket }).await;
-                Err(e)
+                Err(e.into())
             }
         }
     }
@@ -271,7 +280,8 @@ impl Store for RemoteStore {
             }
             staging.to_vec(0, len)
         }
-        .await;
+        .await
+        .map_err(StoreError::from);
         let closed = self.done(Request::Close { ticket }).await;
         let bytes = r?;
         closed?;
@@ -280,15 +290,14 @@ impl Store for RemoteStore {
 
     async fn get_into(&self, key: &[u8], dst: &Region, offset: u64) -> Result<(TensorMeta, u64)> {
         let (ticket, at, len, meta) = self.open(key).await?;
-        let r = if let Err(e) = check_range(dst, offset, len, "destination") {
-            Err(e)
-        } else if len == 0 {
-            Ok(())
-        } else {
-            self.session
+        let r = match dst.slice(offset, len) {
+            Err(e) => Err(e),
+            Ok(_) if len == 0 => Ok(()),
+            Ok(_) => self
+                .session
                 .transfer(TransferOp::read(dst, offset, &self.pool, at, len))
                 .await
-                .map(drop)
+                .map(drop),
         };
         let closed = self.done(Request::Close { ticket }).await;
         r?;

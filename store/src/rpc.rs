@@ -1,27 +1,28 @@
-//! The store node's RPC: 16-byte headers (magic "TR", version, kind, payload length, request id)
-//! and payloads of at most [`MAX_PAYLOAD`] bytes built with the core codec. Bytes of objects never
-//! cross it: they move by engine READ/WRITE straight between client regions and the node's pool.
-//! Every decoder is total (proptest below).
+//! The store node's RPC, on the common framing ([`FRAMING`], magic "TR"): after the authenticated
+//! handshake every frame's payload is a request id (u64) and a request or response body built
+//! with the core codec, at most [`MAX_PAYLOAD`] bytes. Bytes of objects never cross it: they move
+//! by engine READ/WRITE straight between client regions and the node's pool. Every decoder is
+//! total (proptest below, a cargo-fuzz target).
 
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::error::{decode_error, encode_error};
+use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{AccessKey, Error, RegionId, Result, TensorMeta};
 
 use crate::api::{MAX_KEY, Retention, StoreStats};
+use crate::error::{self, MAX_STORE_ERROR_BYTES, StoreError};
 
-/// Header length.
-pub(crate) const HEADER_LEN: usize = 16;
-const MAGIC: [u8; 2] = *b"TR";
-const VERSION: u8 = 1;
 /// Largest payload.
 pub(crate) const MAX_PAYLOAD: u32 = 64 << 10;
+/// The store RPC's framing.
+pub(crate) const FRAMING: Framing =
+    Framing { name: "store rpc", magic: *b"TR", version: 2, max_payload: MAX_PAYLOAD };
 
 /// A request.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Request {
     /// Which region is the pool?
     Hello,
-    /// Proof of the pool's access key (learned through an authenticated engine handshake).
+    /// Proof of the pool's access key (learned through the engine handshake).
     Auth { region: RegionId, key: AccessKey },
     /// Reserve pool space for a put.
     Reserve { key: Vec<u8>, meta: TensorMeta, len: u64, retention: Retention },
@@ -64,60 +65,21 @@ pub(crate) enum Response {
     Stats(StoreStats),
 }
 
-/// A decoded header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Header {
-    pub(crate) kind: u8,
-    pub(crate) len: u32,
-    pub(crate) req: u64,
-}
-
 /// Response kinds.
 pub(crate) const OK: u8 = 0x80;
 pub(crate) const ERR: u8 = 0x81;
 
-pub(crate) fn encode_header(h: Header) -> [u8; HEADER_LEN] {
-    let mut b = [0u8; HEADER_LEN];
-    b[..2].copy_from_slice(&MAGIC);
-    b[2] = VERSION;
-    b[3] = h.kind;
-    b[4..8].copy_from_slice(&h.len.to_le_bytes());
-    b[8..16].copy_from_slice(&h.req.to_le_bytes());
-    b
+/// A whole frame: `kind`, request id `req`, body.
+pub(crate) fn frame(kind: u8, req: u64, body: &[u8]) -> Result<Vec<u8>> {
+    let mut w = Writer::new();
+    w.u64(req).raw(body);
+    FRAMING.encode(kind, &w.finish())
 }
 
-pub(crate) fn decode_header(b: &[u8]) -> Result<Header> {
-    let b: &[u8; HEADER_LEN] = b
-        .try_into()
-        .map_err(|_| Error::protocol(format!("store rpc header is {} bytes", b.len())))?;
-    if b[..2] != MAGIC {
-        return Err(Error::protocol("store rpc: bad magic"));
-    }
-    if b[2] != VERSION {
-        return Err(Error::protocol(format!(
-            "store rpc version {} not supported (this build speaks {VERSION})",
-            b[2]
-        )));
-    }
-    let len = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-    if len > MAX_PAYLOAD {
-        return Err(Error::Capacity {
-            what: "store rpc payload".into(),
-            requested: len.into(),
-            limit: MAX_PAYLOAD.into(),
-        });
-    }
-    let mut r = [0u8; 8];
-    r.copy_from_slice(&b[8..16]);
-    Ok(Header { kind: b[3], len, req: u64::from_le_bytes(r) })
-}
-
-/// A whole frame.
-pub(crate) fn frame(kind: u8, req: u64, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
-    out.extend_from_slice(&encode_header(Header { kind, len: payload.len() as u32, req }));
-    out.extend_from_slice(payload);
-    out
+/// Splits a frame's payload into its request id and body.
+pub(crate) fn split(payload: &[u8]) -> Result<(u64, &[u8])> {
+    let mut r = Reader::new(payload, "store rpc frame");
+    Ok((r.u64()?, r.rest()))
 }
 
 impl Request {
@@ -240,10 +202,16 @@ impl Response {
         w.finish()
     }
 
-    /// Decodes a response payload of kind [`OK`] or [`ERR`]; never panics.
-    pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Result<Response>> {
+    /// Decodes a response body of kind [`OK`] or [`ERR`]; never panics.
+    pub(crate) fn decode(
+        kind: u8,
+        payload: &[u8],
+    ) -> Result<std::result::Result<Response, StoreError>> {
         if kind == ERR {
-            return Ok(Err(decode_error(payload)?));
+            if payload.len() > MAX_STORE_ERROR_BYTES {
+                return Err(Error::protocol("store rpc: oversized error"));
+            }
+            return Ok(Err(error::decode(payload)?));
         }
         if kind != OK {
             return Err(Error::protocol(format!("store rpc: unknown response kind {kind}")));
@@ -273,11 +241,6 @@ impl Response {
         r.finish()?;
         Ok(Ok(resp))
     }
-}
-
-/// An error response payload.
-pub(crate) fn error_payload(e: &Error) -> Vec<u8> {
-    encode_error(e)
 }
 
 #[cfg(test)]
@@ -314,11 +277,14 @@ mod tests {
         for s in resps {
             assert_eq!(Response::decode(OK, &s.encode()).unwrap().unwrap(), s);
         }
-        let h = Header { kind: OK, len: 7, req: 42 };
-        assert_eq!(decode_header(&encode_header(h)).unwrap(), h);
-        let mut big = encode_header(h);
-        big[4..8].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
-        assert!(matches!(decode_header(&big), Err(Error::Capacity { .. })));
+        let f = frame(OK, 42, &Response::Done.encode()).unwrap();
+        let (kind, payload) = FRAMING.decode(&f).unwrap();
+        let (req, body) = split(payload).unwrap();
+        assert_eq!((kind, req), (OK, 42));
+        assert_eq!(Response::decode(kind, body).unwrap().unwrap(), Response::Done);
+        let e = StoreError::not_found(b"k");
+        let back = Response::decode(ERR, &error::encode(&e)).unwrap().unwrap_err();
+        assert!(matches!(back, StoreError::NotFound { .. }));
     }
 
     proptest! {
@@ -326,7 +292,7 @@ mod tests {
         fn decoders_are_total(kind in any::<u8>(), bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             let _ = Request::decode(kind, &bytes);
             let _ = Response::decode(kind, &bytes);
-            let _ = decode_header(&bytes);
+            let _ = split(&bytes);
         }
     }
 }

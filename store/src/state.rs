@@ -1,38 +1,62 @@
 //! The store's bookkeeping, sans-IO: objects, placement, pins, readers, LRU, watermarks, pending
-//! puts and read leases with deadlines (time is passed in). Eviction calls back into the caller
-//! to move a victim's bytes to the spill tier before its block is reused.
+//! puts and read leases with deadlines (time is passed in). It never touches a byte or a file:
+//! what must happen to them comes out as [`Io`] (spill a victim's block to its file, delete a
+//! file), which the embedded store carries out after releasing the pool lock and reports back
+//! ([`PoolState::spilled`], [`PoolState::loaded`]).
 //!
-//! Invariants (property-tested): an object with pins, readers or `Pinned` retention is never
-//! evicted; a block is freed exactly once, after its last reader; `Soft` objects go only when no
-//! `Normal` object is left to evict.
+//! Pool blocks and spill files are held resources: a block (or file) belongs to its object and is
+//! also held by every open read and by an in-flight spill or load of it; it is freed (deleted)
+//! once its object let go of it and nothing holds it. So a victim's block is reused only after its
+//! bytes reached the file, and a removed object's bytes stay readable by reads already open.
+//!
+//! Invariants (property-tested): an object with pins, open reads, `Pinned` retention or an IO in
+//! flight is never evicted; a block is freed exactly once, after its last holder; `Soft` objects
+//! go only when no `Normal` object is left to evict; used bytes equal live blocks.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use tensorwire_core::{Error, Result, TensorMeta};
+use tensorwire_core::TensorMeta;
 
 use crate::alloc::Allocator;
-use crate::api::{Retention, StoreStats, missing, show_key};
+use crate::api::{Retention, StoreStats};
+use crate::error::{Result, StoreError, StoreKey};
 
-/// Where an object's bytes are.
+/// Where an object's bytes are. Blocks are named by their pool offset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Loc {
-    /// In the pool at `off` (block of `block` bytes).
-    Pool { off: u64, block: u64 },
-    /// In the spill tier (file named by the object id).
+    /// In the pool.
+    Pool(u64),
+    /// In the pool and being written to the spill tier.
+    Spilling(u64),
+    /// In the spill tier only.
     Spilled,
+    /// In the spill tier and being read back into this block.
+    Loading(u64),
+}
+
+/// A resource (block or file) with its owner's claim and its other holders.
+#[derive(Debug)]
+struct Held {
+    owned: bool,
+    holders: u32,
+}
+
+#[derive(Debug)]
+struct Block {
+    size: u64,
+    held: Held,
 }
 
 #[derive(Debug, Clone)]
-pub(crate) struct Obj {
-    pub(crate) id: u64,
-    pub(crate) meta: TensorMeta,
-    pub(crate) len: u64,
-    pub(crate) retention: Retention,
+struct Obj {
+    id: u64,
+    meta: TensorMeta,
+    len: u64,
+    retention: Retention,
     pins: u32,
-    readers: u32,
     tick: u64,
-    pub(crate) loc: Loc,
+    loc: Loc,
     /// Consumers still expected (0: not counted).
     consumers: u32,
     /// Removed at this time, if set.
@@ -40,12 +64,6 @@ pub(crate) struct Obj {
 }
 
 impl Obj {
-    fn evictable(&self) -> bool {
-        self.pins == 0
-            && self.readers == 0
-            && self.retention != Retention::Pinned
-            && matches!(self.loc, Loc::Pool { .. })
-    }
     fn class(&self) -> u8 {
         u8::from(self.retention == Retention::Soft)
     }
@@ -56,26 +74,64 @@ struct Pending {
     key: Vec<u8>,
     id: u64,
     off: u64,
-    block: u64,
     len: u64,
     meta: TensorMeta,
     retention: Retention,
     deadline: Instant,
 }
 
+/// What an open read holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    Block(u64),
+    File(u64),
+}
+
 #[derive(Debug)]
 struct Reading {
-    key: Vec<u8>,
-    id: u64,
+    hold: Hold,
     deadline: Instant,
 }
 
-/// What the evictor is asked to do with a victim.
+/// Work on bytes and files, carried out outside the pool lock.
 #[derive(Debug)]
-pub(crate) struct Victim<'a> {
-    pub(crate) key: &'a [u8],
-    pub(crate) obj: &'a Obj,
+pub(crate) enum Io {
+    /// Write the object's block to its spill file, then report with [`PoolState::spilled`].
+    Spill(SpillJob),
+    /// Delete object `id`'s spill file.
+    Delete(u64),
+}
+
+/// A victim to write to the spill tier.
+#[derive(Debug, Clone)]
+pub(crate) struct SpillJob {
+    pub(crate) id: u64,
+    pub(crate) key: Vec<u8>,
+    pub(crate) meta: TensorMeta,
+    pub(crate) len: u64,
+    /// The block (offset and size) holding the bytes.
     pub(crate) off: u64,
+    pub(crate) size: u64,
+}
+
+/// A spilled object to read back into the pool block at `off`; report with
+/// [`PoolState::loaded`].
+#[derive(Debug, Clone)]
+pub(crate) struct LoadJob {
+    pub(crate) id: u64,
+    pub(crate) key: Vec<u8>,
+    pub(crate) len: u64,
+    pub(crate) off: u64,
+}
+
+/// The outcome of a call that may need IO first.
+#[derive(Debug)]
+pub(crate) enum Step<T> {
+    /// Done.
+    Done(T),
+    /// Spills are in flight that will make room: carry out the queued IO (or wait for others
+    /// to) and call again.
+    Wait,
 }
 
 /// A reservation for a put.
@@ -85,6 +141,15 @@ pub(crate) struct Reserved {
     pub(crate) off: u64,
 }
 
+/// Where an open read finds the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// In the pool at this offset.
+    Pool(u64),
+    /// In spill file `id` (read it straight into the destination).
+    File,
+}
+
 /// An open read.
 #[derive(Debug, Clone)]
 pub(crate) struct Opened {
@@ -92,10 +157,12 @@ pub(crate) struct Opened {
     pub(crate) id: u64,
     pub(crate) meta: TensorMeta,
     pub(crate) len: u64,
-    pub(crate) loc: Loc,
+    pub(crate) source: Source,
+    /// Load the object into the pool first (a read that must find it in the pool).
+    pub(crate) load: Option<LoadJob>,
 }
 
-/// Watermarks as fractions of capacity.
+/// Watermarks in bytes.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Marks {
     pub(crate) high: u64,
@@ -107,28 +174,38 @@ pub(crate) struct PoolState {
     alloc: Allocator,
     objs: HashMap<Vec<u8>, Obj>,
     lru: BTreeMap<(u8, u64), Vec<u8>>,
+    blocks: HashMap<u64, Block>,
+    files: HashMap<u64, Held>,
     pending: HashMap<u64, Pending>,
     reading: HashMap<u64, Reading>,
-    /// Blocks of removed objects still being read: id -> (off, block, readers).
-    doomed: HashMap<u64, (u64, u64, u32)>,
+    io: Vec<Io>,
+    /// Bytes of blocks whose spill is in flight (room that is coming).
+    spilling: u64,
+    /// Evicted objects go to the spill tier (else they are dropped).
+    spill: bool,
     marks: Marks,
     tick: u64,
     next: u64,
     evictions: u64,
 }
 
-/// The evictor: given a victim, spills it (returns true) or lets it be dropped (false).
-pub(crate) type Evictor<'e> = dyn FnMut(&Victim<'_>) -> Result<bool> + 'e;
+fn exists(key: &[u8]) -> StoreError {
+    StoreError::Exists { key: StoreKey(key.to_vec()) }
+}
 
 impl PoolState {
-    pub(crate) fn new(capacity: u64, marks: Marks) -> Self {
+    pub(crate) fn new(capacity: u64, marks: Marks, spill: bool) -> Self {
         PoolState {
             alloc: Allocator::new(capacity),
             objs: HashMap::new(),
             lru: BTreeMap::new(),
+            blocks: HashMap::new(),
+            files: HashMap::new(),
             pending: HashMap::new(),
             reading: HashMap::new(),
-            doomed: HashMap::new(),
+            io: Vec::new(),
+            spilling: 0,
+            spill,
             marks,
             tick: 0,
             next: 1,
@@ -141,59 +218,125 @@ impl PoolState {
         self.next
     }
 
-    fn touch(&mut self, key: &[u8]) {
-        self.tick += 1;
-        let tick = self.tick;
-        if let Some(o) = self.objs.get_mut(key) {
-            self.lru.remove(&(o.class(), o.tick));
-            o.tick = tick;
-            if o.evictable() {
-                self.lru.insert((o.class(), tick), key.to_vec());
-            }
+    /// The IO queued since the last call, for the caller to carry out after unlocking.
+    pub(crate) fn take_io(&mut self) -> Vec<Io> {
+        std::mem::take(&mut self.io)
+    }
+
+    // --- held resources ---
+
+    fn new_block(&mut self, len: u64) -> Option<u64> {
+        let (off, size) = self.alloc.alloc(len)?;
+        self.blocks.insert(off, Block { size, held: Held { owned: true, holders: 0 } });
+        Some(off)
+    }
+
+    fn held(&mut self, h: Hold) -> Option<&mut Held> {
+        match h {
+            Hold::Block(off) => self.blocks.get_mut(&off).map(|b| &mut b.held),
+            Hold::File(id) => self.files.get_mut(&id),
         }
     }
 
-    fn unlist(&mut self, key: &[u8]) {
-        if let Some(o) = self.objs.get(key) {
-            self.lru.remove(&(o.class(), o.tick));
+    fn hold(&mut self, h: Hold) {
+        if let Some(held) = self.held(h) {
+            held.holders += 1;
         }
     }
 
-    fn relist(&mut self, key: &[u8]) {
-        if let Some(o) = self.objs.get(key) {
-            if o.evictable() {
-                self.lru.insert((o.class(), o.tick), key.to_vec());
-            }
-        }
-    }
-
-    /// Evicts the least recently used evictable object; false if there is none.
-    fn evict_one(&mut self, evict: &mut Evictor<'_>) -> Result<bool> {
-        let Some((&slot, _)) = self.lru.iter().next() else { return Ok(false) };
-        let key = self.lru.remove(&slot).unwrap_or_default();
-        let Some(obj) = self.objs.get(&key) else { return Ok(true) };
-        let Loc::Pool { off, block } = obj.loc else { return Ok(true) };
-        let spilled = evict(&Victim { key: &key, obj, off })?;
-        self.alloc.free(off, block);
-        self.evictions += 1;
-        if spilled {
-            if let Some(o) = self.objs.get_mut(&key) {
-                o.loc = Loc::Spilled;
-            }
+    /// Drops one holder (`holder`) or the owner's claim (`!holder`); frees what nobody holds.
+    fn release(&mut self, h: Hold, holder: bool) {
+        let Some(held) = self.held(h) else { return };
+        if holder {
+            held.holders = held.holders.saturating_sub(1);
         } else {
-            self.objs.remove(&key);
+            held.owned = false;
         }
-        Ok(true)
+        if held.owned || held.holders > 0 {
+            return;
+        }
+        match h {
+            Hold::Block(off) => {
+                if let Some(b) = self.blocks.remove(&off) {
+                    self.alloc.free(off, b.size);
+                }
+            }
+            Hold::File(id) => {
+                self.files.remove(&id);
+                self.io.push(Io::Delete(id));
+            }
+        }
+    }
+
+    // --- LRU ---
+
+    fn evictable(&self, o: &Obj) -> bool {
+        let Loc::Pool(off) = o.loc else { return false };
+        o.pins == 0
+            && o.retention != Retention::Pinned
+            && self.blocks.get(&off).is_some_and(|b| b.held.holders == 0)
+    }
+
+    /// Puts `key` in the LRU (at a fresh tick when `touch`) if it is evictable, out of it if not.
+    fn relist(&mut self, key: &[u8], touch: bool) {
+        let Some(o) = self.objs.get(key) else { return };
+        let (slot, fits) = ((o.class(), o.tick), self.evictable(o));
+        self.lru.remove(&slot);
+        if touch {
+            self.tick += 1;
+        }
+        let tick = self.tick;
+        let Some(o) = self.objs.get_mut(key) else { return };
+        if touch {
+            o.tick = tick;
+        }
+        if fits {
+            self.lru.insert((o.class(), o.tick), key.to_vec());
+        }
+    }
+
+    /// Evicts the least recently used evictable object: dropped, or its spill started. False if
+    /// there is none.
+    fn evict_one(&mut self) -> bool {
+        let Some((_, key)) = self.lru.pop_first() else { return false };
+        let Some(o) = self.objs.get_mut(&key) else { return true };
+        let Loc::Pool(off) = o.loc else { return true };
+        self.evictions += 1;
+        if !self.spill {
+            self.objs.remove(&key);
+            self.release(Hold::Block(off), false);
+            return true;
+        }
+        o.loc = Loc::Spilling(off);
+        let job = SpillJob {
+            id: o.id,
+            key: key.clone(),
+            meta: o.meta.clone(),
+            len: o.len,
+            off,
+            size: self.blocks.get(&off).map_or(0, |b| b.size),
+        };
+        self.spilling += job.size;
+        self.hold(Hold::Block(off));
+        self.io.push(Io::Spill(job));
+        true
     }
 
     /// A block for `len` bytes, evicting as needed.
-    fn place(&mut self, len: u64, evict: &mut Evictor<'_>) -> Result<(u64, u64)> {
+    fn place(&mut self, len: u64) -> Result<Step<u64>> {
+        let started = self.spilling;
         loop {
-            if let Some(b) = self.alloc.alloc(len) {
-                return Ok(b);
+            if let Some(off) = self.new_block(len) {
+                return Ok(Step::Done(off));
             }
-            if !self.evict_one(evict)? {
-                return Err(Error::Capacity {
+            if self.spilling > started && self.spilling >= len {
+                return Ok(Step::Wait); // enough room is on its way
+            }
+            if !self.evict_one() {
+                if self.spilling > 0 {
+                    return Ok(Step::Wait);
+                }
+                return Err(StoreError::Capacity {
                     what: format!(
                         "store pool (largest free block {}, nothing evictable)",
                         self.alloc.largest_free()
@@ -206,12 +349,15 @@ impl PoolState {
     }
 
     /// Evicts down to the low watermark once above the high one.
-    fn rebalance(&mut self, evict: &mut Evictor<'_>) -> Result<()> {
-        if self.alloc.used() > self.marks.high {
-            while self.alloc.used() > self.marks.low && self.evict_one(evict)? {}
+    fn rebalance(&mut self) {
+        if self.alloc.used().saturating_sub(self.spilling) > self.marks.high {
+            while self.alloc.used().saturating_sub(self.spilling) > self.marks.low
+                && self.evict_one()
+            {}
         }
-        Ok(())
     }
+
+    // --- puts ---
 
     /// Reserves a block for a put of `key`.
     pub(crate) fn reserve(
@@ -221,143 +367,153 @@ impl PoolState {
         len: u64,
         retention: Retention,
         deadline: Instant,
-        evict: &mut Evictor<'_>,
-    ) -> Result<Reserved> {
+    ) -> Result<Step<Reserved>> {
         if self.objs.contains_key(key) || self.pending.values().any(|p| p.key == key) {
-            return Err(Error::InvalidArgument(format!(
-                "store key {} already exists (remove it first)",
-                show_key(key)
-            )));
+            return Err(exists(key));
         }
         if len > self.alloc.capacity() {
-            return Err(Error::Capacity {
+            return Err(StoreError::Capacity {
                 what: "store object larger than the pool".into(),
                 requested: len,
                 limit: self.alloc.capacity(),
             });
         }
-        let (off, block) = self.place(len, evict)?;
+        let off = match self.place(len)? {
+            Step::Done(off) => off,
+            Step::Wait => return Ok(Step::Wait),
+        };
         let (ticket, id) = (self.next_id(), self.next_id());
-        self.pending.insert(
-            ticket,
-            Pending {
-                key: key.to_vec(),
-                id,
-                off,
-                block,
-                len,
-                meta: meta.clone(),
-                retention,
-                deadline,
-            },
-        );
-        Ok(Reserved { ticket, off })
+        let p =
+            Pending { key: key.to_vec(), id, off, len, meta: meta.clone(), retention, deadline };
+        self.pending.insert(ticket, p);
+        Ok(Step::Done(Reserved { ticket, off }))
     }
 
     /// Publishes a reserved put.
-    pub(crate) fn commit(&mut self, ticket: u64, evict: &mut Evictor<'_>) -> Result<()> {
+    pub(crate) fn commit(&mut self, ticket: u64) -> Result<()> {
         let p = self.pending.remove(&ticket).ok_or_else(|| {
-            Error::NotFound(tensorwire_core::Missing::Other(format!(
-                "store put {ticket} (expired or already finished)"
-            )))
+            StoreError::InvalidArgument(format!("store put {ticket} expired or already finished"))
         })?;
-        self.tick += 1;
         let obj = Obj {
             id: p.id,
             meta: p.meta,
             len: p.len,
             retention: p.retention,
             pins: 0,
-            readers: 0,
-            tick: self.tick,
-            loc: Loc::Pool { off: p.off, block: p.block },
+            tick: 0,
+            loc: Loc::Pool(p.off),
             consumers: 0,
             expires: None,
         };
         self.objs.insert(p.key.clone(), obj);
-        self.relist(&p.key);
-        self.rebalance(evict)
+        self.relist(&p.key, true);
+        self.rebalance();
+        Ok(())
     }
 
     /// Drops a reserved put.
     pub(crate) fn abort(&mut self, ticket: u64) {
         if let Some(p) = self.pending.remove(&ticket) {
-            self.alloc.free(p.off, p.block);
+            self.release(Hold::Block(p.off), false);
         }
     }
 
-    /// Opens a read of `key`: the object cannot be evicted (or its block reused) until closed.
-    pub(crate) fn open_read(&mut self, key: &[u8], deadline: Instant) -> Result<Opened> {
+    // --- reads ---
+
+    /// Opens a read of `key`: its bytes (block or file) stay until the read is closed. With
+    /// `in_pool`, a spilled object is placed in the pool first and the read carries the
+    /// [`LoadJob`] that fills its block.
+    pub(crate) fn open(
+        &mut self,
+        key: &[u8],
+        deadline: Instant,
+        in_pool: bool,
+    ) -> Result<Step<Opened>> {
+        let o = self.objs.get(key).ok_or_else(|| StoreError::not_found(key))?;
+        let (id, len, meta) = (o.id, o.len, o.meta.clone());
+        let (hold, source, load) = match (o.loc, in_pool) {
+            (Loc::Pool(off) | Loc::Spilling(off), _) => (Hold::Block(off), Source::Pool(off), None),
+            (Loc::Spilled | Loc::Loading(_), false) => (Hold::File(id), Source::File, None),
+            (Loc::Loading(_), true) => return Ok(Step::Wait), // another read is loading it
+            (Loc::Spilled, true) => {
+                let off = match self.place(len)? {
+                    Step::Done(off) => off,
+                    Step::Wait => return Ok(Step::Wait),
+                };
+                let job = LoadJob { id, key: key.to_vec(), len, off };
+                if let Some(o) = self.objs.get_mut(key) {
+                    o.loc = Loc::Loading(off);
+                }
+                (Hold::Block(off), Source::Pool(off), Some(job))
+            }
+        };
+        self.hold(hold);
+        self.relist(key, true);
         let ticket = self.next_id();
-        let o = self.objs.get(key).ok_or_else(|| missing(key))?;
-        let opened = Opened { ticket, id: o.id, meta: o.meta.clone(), len: o.len, loc: o.loc };
-        self.unlist(key);
-        if let Some(o) = self.objs.get_mut(key) {
-            o.readers += 1;
-        }
-        self.touch(key);
-        self.reading.insert(ticket, Reading { key: key.to_vec(), id: opened.id, deadline });
-        Ok(opened)
+        self.reading.insert(ticket, Reading { hold, deadline });
+        Ok(Step::Done(Opened { ticket, id, meta, len, source, load }))
     }
 
     /// Closes a read.
-    pub(crate) fn close_read(&mut self, ticket: u64) {
-        let Some(r) = self.reading.remove(&ticket) else { return };
-        match self.objs.get_mut(&r.key) {
-            Some(o) if o.id == r.id => {
-                o.readers -= 1;
-                self.relist(&r.key);
-            }
-            _ => {
-                if let Some(d) = self.doomed.get_mut(&r.id) {
-                    d.2 -= 1;
-                    if d.2 == 0 {
-                        let (off, block, _) = *d;
-                        self.doomed.remove(&r.id);
-                        self.alloc.free(off, block);
-                    }
-                }
-            }
+    pub(crate) fn close(&mut self, ticket: u64, key: &[u8]) {
+        if let Some(r) = self.reading.remove(&ticket) {
+            self.release(r.hold, true);
+            self.relist(key, false);
         }
     }
 
-    /// Puts a spilled object back in the pool at a new block (its bytes must then be loaded by the
-    /// caller before the read that asked for it proceeds; the object has a reader, so it stays).
-    pub(crate) fn reload(&mut self, key: &[u8], evict: &mut Evictor<'_>) -> Result<u64> {
-        let len = match self.objs.get(key).map(|o| (o.loc, o.len)) {
-            None => return Err(missing(key)),
-            Some((Loc::Pool { off, .. }, _)) => return Ok(off),
-            Some((Loc::Spilled, len)) => len,
+    /// A load into the pool finished: the object is back in its block (and its file goes), or,
+    /// when `ok` is false, it stays in the spill tier (the caller closes its read).
+    pub(crate) fn loaded(&mut self, job: &LoadJob, ok: bool) {
+        let Some(o) = self.objs.get_mut(&job.key).filter(|o| o.id == job.id) else {
+            self.release(Hold::Block(job.off), false); // removed meanwhile
+            return;
         };
-        let (off, block) = self.place(len, evict)?;
-        if let Some(o) = self.objs.get_mut(key) {
-            o.loc = Loc::Pool { off, block };
+        if ok {
+            o.loc = Loc::Pool(job.off);
+            self.release(Hold::File(job.id), false);
+        } else {
+            o.loc = Loc::Spilled;
+            self.release(Hold::Block(job.off), false);
         }
-        Ok(off)
+        self.relist(&job.key, false);
     }
 
-    /// Undoes a `reload` whose bytes could not be loaded: the object stays in the spill tier.
-    pub(crate) fn unload(&mut self, key: &[u8]) {
-        if let Some(o) = self.objs.get_mut(key) {
-            if let Loc::Pool { off, block } = o.loc {
+    /// A spill finished: the object now lives in its file and its block is freed once no read
+    /// holds it; or, when `ok` is false, it stays in the pool.
+    pub(crate) fn spilled(&mut self, job: &SpillJob, ok: bool) {
+        self.spilling = self.spilling.saturating_sub(job.size);
+        let live = self.objs.get_mut(&job.key).filter(|o| o.id == job.id);
+        match (live, ok) {
+            (Some(o), true) => {
                 o.loc = Loc::Spilled;
-                self.alloc.free(off, block);
+                self.files.insert(job.id, Held { owned: true, holders: 0 });
+                self.release(Hold::Block(job.off), false);
             }
+            (Some(o), false) => o.loc = Loc::Pool(job.off),
+            (None, _) => self.io.push(Io::Delete(job.id)), // removed while spilling
         }
+        self.release(Hold::Block(job.off), true);
+        self.relist(&job.key, false);
     }
 
-    /// Removes `key`; returns the removed object (its block is freed now, or after its readers).
-    pub(crate) fn remove(&mut self, key: &[u8]) -> Option<Obj> {
-        self.unlist(key);
-        let o = self.objs.remove(key)?;
-        if let Loc::Pool { off, block } = o.loc {
-            if o.readers == 0 {
-                self.alloc.free(off, block);
-            } else {
-                self.doomed.insert(o.id, (off, block, o.readers));
+    // --- the rest of the API ---
+
+    /// Removes `key`; false if it was not there. Its block and file go once no read holds them.
+    pub(crate) fn remove(&mut self, key: &[u8]) -> bool {
+        let Some(o) = self.objs.get(key) else { return false };
+        let (slot, id, loc) = ((o.class(), o.tick), o.id, o.loc);
+        self.lru.remove(&slot);
+        self.objs.remove(key);
+        match loc {
+            Loc::Pool(off) | Loc::Spilling(off) => self.release(Hold::Block(off), false),
+            Loc::Spilled => self.release(Hold::File(id), false),
+            Loc::Loading(off) => {
+                self.release(Hold::Block(off), false);
+                self.release(Hold::File(id), false);
             }
         }
-        Some(o)
+        true
     }
 
     pub(crate) fn exists(&self, key: &[u8]) -> bool {
@@ -365,18 +521,18 @@ impl PoolState {
     }
 
     pub(crate) fn pin(&mut self, key: &[u8], up: bool) -> Result<()> {
-        self.unlist(key);
-        let o = self.objs.get_mut(key).ok_or_else(|| missing(key))?;
+        let o = self.objs.get_mut(key).ok_or_else(|| StoreError::not_found(key))?;
         if up {
             o.pins += 1;
         } else if o.pins == 0 {
-            let e = Error::InvalidArgument(format!("store key {} is not pinned", show_key(key)));
-            self.relist(key);
-            return Err(e);
+            return Err(StoreError::InvalidArgument(format!(
+                "store key {} is not pinned",
+                StoreKey(key.to_vec())
+            )));
         } else {
             o.pins -= 1;
         }
-        self.relist(key);
+        self.relist(key, false);
         Ok(())
     }
 
@@ -388,37 +544,27 @@ impl PoolState {
         consumers: u32,
         expires: Option<Instant>,
     ) -> Result<()> {
-        let o = self.objs.get_mut(key).ok_or_else(|| missing(key))?;
+        let o = self.objs.get_mut(key).ok_or_else(|| StoreError::not_found(key))?;
         o.consumers = consumers;
         o.expires = expires;
         Ok(())
     }
 
-    /// One consumer is done; returns the removed object when it was the last.
-    pub(crate) fn consumed(&mut self, key: &[u8]) -> Result<Option<Obj>> {
-        let o = self.objs.get_mut(key).ok_or_else(|| missing(key))?;
+    /// One consumer is done; true when it was the last and the object is gone.
+    pub(crate) fn consumed(&mut self, key: &[u8]) -> Result<bool> {
+        let o = self.objs.get_mut(key).ok_or_else(|| StoreError::not_found(key))?;
         if o.consumers == 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(StoreError::InvalidArgument(format!(
                 "store key {} has no consumer count (set a lease first)",
-                show_key(key)
+                StoreKey(key.to_vec())
             )));
         }
         o.consumers -= 1;
-        if o.consumers == 0 { Ok(self.remove(key)) } else { Ok(None) }
+        Ok(o.consumers == 0 && self.remove(key))
     }
 
-    /// Removes objects whose lease time has passed; returns them (their spill files must go).
-    pub(crate) fn expire_objects(&mut self, now: Instant) -> Vec<Obj> {
-        let dead: Vec<Vec<u8>> = self
-            .objs
-            .iter()
-            .filter(|(_, o)| o.expires.is_some_and(|t| t <= now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        dead.iter().filter_map(|k| self.remove(k)).collect()
-    }
-
-    /// Aborts pending puts and closes read leases past their deadline.
+    /// Aborts pending puts and closes read leases past their deadline, and removes objects whose
+    /// lease time has passed.
     pub(crate) fn expire(&mut self, now: Instant) {
         let dead: Vec<u64> =
             self.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(&t, _)| t).collect();
@@ -428,30 +574,47 @@ impl PoolState {
         let dead: Vec<u64> =
             self.reading.iter().filter(|(_, r)| r.deadline <= now).map(|(&t, _)| t).collect();
         for t in dead {
-            self.close_read(t);
+            if let Some(r) = self.reading.remove(&t) {
+                self.release(r.hold, true);
+            }
+        }
+        let dead: Vec<Vec<u8>> = self
+            .objs
+            .iter()
+            .filter(|(_, o)| o.expires.is_some_and(|t| t <= now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in dead {
+            self.remove(&k);
+        }
+        // Reads that expired may have made objects evictable again.
+        let keys: Vec<Vec<u8>> = self.objs.keys().cloned().collect();
+        for k in keys {
+            self.relist(&k, false);
         }
     }
 
     pub(crate) fn stats(&self) -> StoreStats {
+        let in_pool = |o: &&Obj| matches!(o.loc, Loc::Pool(_) | Loc::Spilling(_));
+        let objects = self.objs.values().filter(in_pool).count() as u64;
         StoreStats {
             capacity: self.alloc.capacity(),
             used: self.alloc.used(),
-            objects: self.objs.values().filter(|o| matches!(o.loc, Loc::Pool { .. })).count()
-                as u64,
-            spilled_objects: self.objs.values().filter(|o| o.loc == Loc::Spilled).count() as u64,
+            objects,
+            spilled_objects: self.objs.len() as u64 - objects,
             evictions: self.evictions,
             largest_free: self.alloc.largest_free(),
         }
     }
 
-    /// The id of `key` if it is in the spill tier.
+    /// The id of `key` if it is in the spill tier only.
     pub(crate) fn spilled_id(&self, key: &[u8]) -> Option<u64> {
         self.objs.get(key).filter(|o| o.loc == Loc::Spilled).map(|o| o.id)
     }
 
-    /// Keys and ids of every object (for shutdown cleanup of the spill tier).
-    pub(crate) fn spilled_ids(&self) -> Vec<u64> {
-        self.objs.values().filter(|o| o.loc == Loc::Spilled).map(|o| o.id).collect()
+    /// Every spill file that exists (for cleanup when the store is dropped).
+    pub(crate) fn files(&self) -> Vec<u64> {
+        self.files.keys().copied().collect()
     }
 }
 
@@ -466,117 +629,222 @@ mod tests {
     use proptest::prelude::*;
     use tensorwire_core::DType;
 
+    const P: u64 = 4096;
+
     fn meta(n: u64) -> TensorMeta {
         TensorMeta::contiguous(DType::U8, &[n])
     }
 
-    fn put(
-        s: &mut PoolState,
-        key: &str,
-        len: u64,
-        r: Retention,
-        ev: &mut Evictor<'_>,
-    ) -> Result<()> {
-        let far = Instant::now() + Duration::from_secs(3600);
-        let t = s.reserve(key.as_bytes(), &meta(len), len, r, far, ev)?;
-        s.commit(t.ticket, ev)
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(3600)
+    }
+
+    /// A put, carrying out the state's IO at once (spills succeed); returns the keys spilled or
+    /// dropped on the way.
+    fn put(s: &mut PoolState, key: &str, len: u64, r: Retention) -> Result<Vec<String>> {
+        let mut victims = Vec::new();
+        let t = loop {
+            let step = s.reserve(key.as_bytes(), &meta(len), len, r, far());
+            victims.extend(drain(s));
+            match step? {
+                Step::Done(t) => break t,
+                Step::Wait => continue,
+            }
+        };
+        s.commit(t.ticket)?;
+        victims.extend(drain(s));
+        Ok(victims)
+    }
+
+    /// Completes every queued spill successfully; returns the spilled keys.
+    fn drain(s: &mut PoolState) -> Vec<String> {
+        let mut done = Vec::new();
+        for io in s.take_io() {
+            if let Io::Spill(j) = io {
+                done.push(String::from_utf8(j.key.clone()).unwrap());
+                s.spilled(&j, true);
+            }
+        }
+        done
     }
 
     #[test]
     fn lru_order_soft_last_pinned_never() {
-        let marks = Marks { high: 40 * 4096, low: 30 * 4096 };
-        let mut s = PoolState::new(40 * 4096, marks);
-        let log = std::cell::RefCell::new(Vec::<String>::new());
-        let mut ev = |v: &Victim<'_>| {
-            log.borrow_mut().push(String::from_utf8(v.key.to_vec()).unwrap());
-            Ok(false)
+        let mut s = PoolState::new(40 * P, Marks { high: 40 * P, low: 30 * P }, false);
+        let mut evicted = Vec::new();
+        let mut put_pages = |s: &mut PoolState, k: &str, n: u64, r: Retention| {
+            let before: Vec<Vec<u8>> = s.objs.keys().cloned().collect();
+            put(s, k, n * P, r).unwrap();
+            for b in before {
+                if !s.exists(&b) {
+                    evicted.push(String::from_utf8(b).unwrap());
+                }
+            }
+            evicted.clone()
         };
-        let evicted = || log.borrow().clone();
-        put(&mut s, "soft", 10 * 4096, Retention::Soft, &mut ev).unwrap();
-        put(&mut s, "pinned", 10 * 4096, Retention::Pinned, &mut ev).unwrap();
-        put(&mut s, "a", 10 * 4096, Retention::Normal, &mut ev).unwrap();
-        put(&mut s, "b", 10 * 4096, Retention::Normal, &mut ev).unwrap();
-        let far = Instant::now() + Duration::from_secs(3600);
-        let r = s.open_read(b"a", far).unwrap(); // a is being read: not evictable
-        put(&mut s, "c", 10 * 4096, Retention::Normal, &mut ev).unwrap();
-        assert_eq!(evicted(), ["b"]);
-        put(&mut s, "d", 10 * 4096, Retention::Normal, &mut ev).unwrap();
-        assert_eq!(evicted(), ["b", "c"]);
-        s.close_read(r.ticket);
-        put(&mut s, "e", 10 * 4096, Retention::Normal, &mut ev).unwrap();
-        assert_eq!(evicted(), ["b", "c", "a"]);
-        put(&mut s, "f", 20 * 4096, Retention::Normal, &mut ev).unwrap();
-        assert_eq!(evicted(), ["b", "c", "a", "d", "e"]);
-        put(&mut s, "g", 10 * 4096, Retention::Normal, &mut ev).unwrap();
-        assert_eq!(evicted(), ["b", "c", "a", "d", "e", "f"]);
-        put(&mut s, "h", 10 * 4096, Retention::Normal, &mut ev).unwrap(); // fits in f's old block
-        s.pin(b"g", true).unwrap();
-        s.pin(b"h", true).unwrap();
-        put(&mut s, "i", 10 * 4096, Retention::Normal, &mut ev).unwrap();
-        assert_eq!(evicted().last().unwrap(), "soft", "soft goes once no normal object is left");
+        put_pages(&mut s, "soft", 10, Retention::Soft);
+        put_pages(&mut s, "pinned", 10, Retention::Pinned);
+        put_pages(&mut s, "a", 10, Retention::Normal);
+        put_pages(&mut s, "b", 10, Retention::Normal);
+        let Step::Done(r) = s.open(b"a", far(), false).unwrap() else { panic!() };
+        assert_eq!(put_pages(&mut s, "c", 10, Retention::Normal), ["b"], "a is being read");
+        assert_eq!(put_pages(&mut s, "d", 10, Retention::Normal), ["b", "c"]);
+        s.close(r.ticket, b"a");
+        assert_eq!(put_pages(&mut s, "e", 10, Retention::Normal), ["b", "c", "a"]);
+        s.pin(b"d", true).unwrap();
+        s.pin(b"e", true).unwrap();
+        assert_eq!(put_pages(&mut s, "f", 10, Retention::Normal).last().unwrap(), "soft");
         assert!(s.exists(b"pinned"));
+        let e = put(&mut s, "huge", 41 * P, Retention::Normal).unwrap_err();
+        assert!(matches!(e, StoreError::Capacity { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_victims_block_is_reused_only_after_its_spill_reported() {
+        let mut s = PoolState::new(4 * P, Marks { high: 4 * P, low: 4 * P }, true);
+        put(&mut s, "old", 4 * P, Retention::Normal).unwrap();
+        let step = s.reserve(b"new", &meta(4 * P), 4 * P, Retention::Normal, far()).unwrap();
+        assert!(matches!(step, Step::Wait), "room comes only when the spill is done");
+        let io = s.take_io();
+        let [Io::Spill(job)] = &io[..] else { panic!("{io:?}") };
+        assert_eq!(s.stats().used, 4 * P, "the victim's block is still held by its spill");
+        let Step::Done(r) = s.open(b"old", far(), false).unwrap() else { panic!("readable") };
+        s.spilled(job, true);
+        assert_eq!(s.stats().spilled_objects, 1);
+        let e = s.reserve(b"new", &meta(4 * P), 4 * P, Retention::Normal, far()).unwrap_err();
+        assert!(matches!(e, StoreError::Capacity { .. }), "a read still holds the old block: {e}");
+        s.close(r.ticket, b"old");
+        let step = s.reserve(b"new", &meta(4 * P), 4 * P, Retention::Normal, far()).unwrap();
+        assert!(matches!(step, Step::Done(_)), "the block is free once the read closed");
+    }
+
+    #[test]
+    fn a_failed_spill_keeps_the_object_and_a_removed_one_loses_its_file() {
+        let mut s = PoolState::new(2 * P, Marks { high: 2 * P, low: 2 * P }, true);
+        put(&mut s, "a", P, Retention::Normal).unwrap();
+        put(&mut s, "b", P, Retention::Normal).unwrap();
         assert!(matches!(
-            put(&mut s, "huge", 41 * 4096, Retention::Normal, &mut ev),
-            Err(Error::Capacity { .. })
+            s.reserve(b"c", &meta(P), P, Retention::Normal, far()).unwrap(),
+            Step::Wait
         ));
+        let Some(Io::Spill(job)) = s.take_io().pop() else { panic!() };
+        s.spilled(&job, false);
+        assert_eq!(s.stats().objects, 2, "a failed spill leaves the victim in the pool");
+        assert!(matches!(
+            s.reserve(b"c", &meta(P), P, Retention::Normal, far()).unwrap(),
+            Step::Wait
+        ));
+        let Some(Io::Spill(job)) = s.take_io().pop() else { panic!() };
+        assert!(s.remove(&job.key));
+        s.spilled(&job, true);
+        assert!(
+            matches!(&s.take_io()[..], [Io::Delete(id)] if *id == job.id),
+            "the file of an object removed while spilling is deleted"
+        );
+        assert_eq!(s.stats().used, P);
+    }
+
+    #[test]
+    fn loading_back_and_a_failed_load() {
+        let mut s = PoolState::new(2 * P, Marks { high: 0, low: 0 }, true);
+        put(&mut s, "a", P, Retention::Normal).unwrap();
+        assert_eq!(s.stats().spilled_objects, 1, "above the high mark: spilled at once");
+        let Step::Done(o) = s.open(b"a", far(), true).unwrap() else { panic!() };
+        let job = o.load.clone().expect("a spilled object is loaded for an in-pool read");
+        assert!(matches!(s.open(b"a", far(), true).unwrap(), Step::Wait), "one load at a time");
+        s.loaded(&job, false);
+        s.close(o.ticket, b"a");
+        assert_eq!((s.stats().used, s.stats().spilled_objects), (0, 1));
+        let Step::Done(o) = s.open(b"a", far(), true).unwrap() else { panic!() };
+        s.loaded(o.load.as_ref().unwrap(), true);
+        assert!(matches!(&s.take_io()[..], [Io::Delete(_)]), "the file goes once loaded");
+        s.close(o.ticket, b"a");
+        assert_eq!((s.stats().objects, s.stats().spilled_objects), (1, 0));
     }
 
     #[test]
     fn expiry_frees_abandoned_puts_and_reads() {
-        let mut s = PoolState::new(10 * 4096, Marks { high: 10 * 4096, low: 10 * 4096 });
-        let mut ev = |_: &Victim<'_>| Ok(false);
+        let mut s = PoolState::new(10 * P, Marks { high: 10 * P, low: 10 * P }, false);
         let now = Instant::now();
         let soon = now + Duration::from_millis(10);
-        s.reserve(b"x", &meta(4096), 4096, Retention::Normal, soon, &mut ev).unwrap();
-        put(&mut s, "y", 4096, Retention::Normal, &mut ev).unwrap();
-        s.open_read(b"y", soon).unwrap();
+        s.reserve(b"x", &meta(P), P, Retention::Normal, soon).unwrap();
+        put(&mut s, "y", P, Retention::Normal).unwrap();
+        s.open(b"y", soon, false).unwrap();
         s.remove(b"y");
-        assert_eq!(s.stats().used, 2 * 4096, "pending put and read-held block");
+        assert_eq!(s.stats().used, 2 * P, "pending put and read-held block");
         s.expire(now + Duration::from_millis(20));
         assert_eq!(s.stats().used, 0);
     }
 
     proptest! {
-        /// Under random puts, reads, pins and removes: pinned, read and `Pinned` objects are never
-        /// evicted, and used bytes always equal live blocks.
+        /// Random puts, reads, pins, removes and spills completing late (or failing): held objects
+        /// are never evicted, a spilling block stays allocated until its spill is reported, used
+        /// bytes always equal live blocks, and once everything is closed and removed nothing is
+        /// left (every spill file created is deleted).
         #[test]
-        fn never_evicts_held_objects(ops in proptest::collection::vec((0u8..6, 0u8..12, 1u64..6), 1..300)) {
-            let marks = Marks { high: 48 * 4096, low: 32 * 4096 };
-            let mut s = PoolState::new(64 * 4096, marks);
-            let far = Instant::now() + Duration::from_secs(3600);
-            let mut held: HashMap<String, u32> = HashMap::new();
-            let mut reads: Vec<(String, u64)> = Vec::new();
+        fn holds_and_io_are_consistent(
+            spill in any::<bool>(),
+            ops in proptest::collection::vec((0u8..8, 0u8..10, 1u64..6), 1..300),
+        ) {
+            let mut s = PoolState::new(48 * P, Marks { high: 40 * P, low: 28 * P }, spill);
+            let mut jobs: Vec<SpillJob> = Vec::new();
+            let mut files = std::collections::HashSet::new();
+            let mut reads: Vec<(Vec<u8>, u64, u64)> = Vec::new(); // key, ticket, object id
+            let mut pins: HashMap<Vec<u8>, u32> = HashMap::new();
             for (op, k, n) in ops {
-                let key = format!("k{k}");
-                let protected: Vec<String> = held.iter().filter(|(_, c)| **c > 0).map(|(k, _)| k.clone())
-                    .chain(reads.iter().map(|(k, _)| k.clone())).collect();
-                let mut bad = None;
-                let mut ev = |v: &Victim<'_>| {
-                    let k = String::from_utf8(v.key.to_vec()).unwrap();
-                    if protected.contains(&k) || v.obj.retention == Retention::Pinned { bad = Some(k); }
-                    Ok(false)
-                };
+                let key = format!("k{k}").into_bytes();
                 match op {
                     0 | 1 => {
                         let r = if n == 5 { Retention::Pinned } else { Retention::Normal };
-                        let _ = put(&mut s, &key, n * 4096, r, &mut ev);
-                    }
-                    2 => if let Ok(o) = s.open_read(key.as_bytes(), far) { reads.push((key, o.ticket)); },
-                    3 => if let Some((_, t)) = reads.pop() { s.close_read(t); },
-                    4 => if s.pin(key.as_bytes(), true).is_ok() { *held.entry(key).or_default() += 1; },
-                    _ => {
-                        if s.pin(key.as_bytes(), false).is_ok() { *held.entry(key.clone()).or_default() -= 1; }
-                        else if !reads.iter().any(|(k, _)| *k == key) && held.get(&key).copied().unwrap_or(0) == 0 {
-                            s.remove(key.as_bytes());
+                        if let Ok(Step::Done(t)) = s.reserve(&key, &meta(n * P), n * P, r, far()) {
+                            s.commit(t.ticket).unwrap();
                         }
                     }
+                    2 => if let Ok(Step::Done(o)) = s.open(&key, far(), n % 2 == 0) {
+                        if let Some(j) = &o.load { s.loaded(j, n != 4); }
+                        reads.push((key, o.ticket, o.id));
+                    },
+                    3 => if let Some((k, t, _)) = reads.pop() { s.close(t, &k); },
+                    4 => if s.pin(&key, true).is_ok() { *pins.entry(key).or_default() += 1; },
+                    5 => if s.pin(&key, false).is_ok() { *pins.entry(key).or_default() -= 1; },
+                    6 => { s.remove(&key); pins.remove(&key); }
+                    _ => if !jobs.is_empty() {
+                        let j = jobs.remove(n as usize % jobs.len());
+                        if n == 3 { files.remove(&j.id); } // a failed write leaves no file
+                        s.spilled(&j, n != 3);
+                    },
                 }
-                prop_assert_eq!(bad, None);
+                for io in s.take_io() {
+                    match io {
+                        Io::Spill(j) => {
+                            let held = pins.get(&j.key).copied().unwrap_or(0) > 0
+                                || reads.iter().any(|r| r.2 == j.id);
+                            prop_assert!(!held, "evicted a held object");
+                            prop_assert!(!jobs.iter().any(|x| x.off == j.off), "two spills of a block");
+                            files.insert(j.id);
+                            jobs.push(j);
+                        }
+                        Io::Delete(id) => { files.remove(&id); }
+                    }
+                }
+                for j in &jobs {
+                    prop_assert!(s.blocks.contains_key(&j.off), "a spilling block was freed");
+                }
+                let live: u64 = s.blocks.values().map(|b| b.size).sum();
+                prop_assert_eq!(s.stats().used, live);
+                for o in s.objs.values() {
+                    prop_assert!(o.retention != Retention::Pinned || matches!(o.loc, Loc::Pool(_)), "a Pinned object left the pool");
+                }
             }
-            for (_, t) in reads { s.close_read(t); }
+            for j in std::mem::take(&mut jobs) { s.spilled(&j, true); }
+            for (k, t, _) in reads { s.close(t, &k); }
             let keys: Vec<Vec<u8>> = s.objs.keys().cloned().collect();
             for k in keys { s.remove(&k); }
+            for io in s.take_io() {
+                if let Io::Delete(id) = io { files.remove(&id); }
+            }
             prop_assert_eq!(s.stats().used, 0);
+            prop_assert!(s.files.is_empty() && files.is_empty(), "spill files left: {:?}", files);
         }
     }
 }

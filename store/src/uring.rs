@@ -64,24 +64,55 @@ impl FileIo {
     }
 
     /// Fills `buf` from `offset`; a file that ends first is `UnexpectedEof`.
-    pub(crate) fn read_exact_at(
+    pub(crate) fn read_exact_at(&self, f: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        // SAFETY: `buf` is `buf.len()` writable bytes, borrowed for the call.
+        unsafe { self.read_exact_at_ptr(f, buf.as_mut_ptr(), buf.len(), offset) }
+    }
+
+    /// Fills `len` bytes at `ptr` from `offset`, writing through the pointer only (the kernel
+    /// writes the memory as a NIC would; no reference to it is formed).
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be writable memory that stays valid during the call.
+    pub(crate) unsafe fn read_exact_at_ptr(
         &self,
         f: &File,
-        mut buf: &mut [u8],
+        ptr: *mut u8,
+        len: usize,
         mut offset: u64,
     ) -> io::Result<()> {
-        let Some(ring) = &self.ring else { return f.read_exact_at(buf, offset) };
-        while !buf.is_empty() {
-            let n = buf.len().min(1 << 30) as u32;
-            let e = opcode::Read::new(types::Fd(f.as_raw_fd()), buf.as_mut_ptr(), n)
-                .offset(offset)
-                .build();
-            let done = self.run(ring, e)?;
-            if done == 0 {
+        let mut done = 0usize;
+        while done < len {
+            let n = (len - done).min(1 << 30);
+            // SAFETY: `done + n <= len`, inside the caller's range.
+            let at = unsafe { ptr.add(done) };
+            let got = match &self.ring {
+                Some(ring) => {
+                    let e = opcode::Read::new(types::Fd(f.as_raw_fd()), at, n as u32)
+                        .offset(offset)
+                        .build();
+                    self.run(ring, e)?
+                }
+                None => {
+                    let off = libc::off_t::try_from(offset)
+                        .map_err(|_| io::Error::other("file offset past off_t"))?;
+                    // SAFETY: `at` is `n` writable bytes (above); the result is checked.
+                    let r = unsafe { libc::pread(f.as_raw_fd(), at.cast(), n, off) };
+                    if r < 0 {
+                        let e = io::Error::last_os_error();
+                        if e.kind() == io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        return Err(e);
+                    }
+                    r as usize
+                }
+            };
+            if got == 0 {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "file ends early"));
             }
-            buf = &mut buf[done..];
-            offset += done as u64;
+            done += got;
+            offset += got as u64;
         }
         Ok(())
     }

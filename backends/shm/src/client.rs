@@ -5,18 +5,14 @@
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use parking_lot::Mutex;
+use tensorwire_core::backend::kit::{CancelGate, decode_error, gated_copy, spawn_cancellable};
 use tensorwire_core::backend::{Completion, Connection, Direction, Op};
-use tensorwire_core::cancel::CancelGate;
-use tensorwire_core::completion::spawn_cancellable;
-use tensorwire_core::copy::gated_copy;
-use tensorwire_core::fence::OpFence;
-use tensorwire_core::sync::lock;
-use tensorwire_core::wire::error::decode_error;
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::net::UnixStream;
 use tokio::sync::oneshot;
@@ -46,7 +42,6 @@ pub(crate) struct ClientShared {
     writer: FrameWriter,
     state: Mutex<State>,
     next_req: AtomicU64,
-    fence: Arc<OpFence>,
     answer_timeout: Duration,
 }
 
@@ -54,7 +49,7 @@ impl ClientShared {
     /// Fails every waiting op and drops every mapping of the peer's memory; idempotent.
     pub(crate) fn kill(&self, e: Error) {
         let (pending, maps) = {
-            let mut s = lock(&self.state);
+            let mut s = self.state.lock();
             if s.dead.is_none() {
                 s.dead = Some(e.clone());
             }
@@ -67,7 +62,7 @@ impl ClientShared {
     }
 
     fn alive(&self) -> Result<()> {
-        match &lock(&self.state).dead {
+        match &self.state.lock().dead {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
@@ -77,14 +72,14 @@ impl ClientShared {
     async fn ask(&self, h: Header, body: &[u8]) -> Result<Answer> {
         let (tx, rx) = oneshot::channel();
         {
-            let mut s = lock(&self.state);
+            let mut s = self.state.lock();
             if let Some(e) = &s.dead {
                 return Err(e.clone());
             }
             s.pending.insert(h.req, tx);
         }
         if let Err(e) = self.writer.send(&h, body, None).await {
-            lock(&self.state).pending.remove(&h.req);
+            self.state.lock().pending.remove(&h.req);
             self.kill(e.clone());
             return Err(e);
         }
@@ -125,7 +120,6 @@ impl ShmConnection {
             writer: FrameWriter::new(sock.clone()),
             state: Mutex::new(State::default()),
             next_req: AtomicU64::new(1),
-            fence: OpFence::new(),
             answer_timeout,
         });
         let r = shared.clone();
@@ -143,10 +137,10 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
         };
         match f.h.kind {
             Kind::Forget => {
-                lock(&c.state).maps.remove(&f.h.region);
+                c.state.lock().maps.remove(&f.h.region);
             }
             Kind::Granted | Kind::NotifyAck => {
-                let Some(tx) = lock(&c.state).pending.remove(&f.h.req) else {
+                let Some(tx) = c.state.lock().pending.remove(&f.h.req) else {
                     break Error::protocol(format!("shm: answer to unknown request {}", f.h.req));
                 };
                 let answer = if f.h.ok {
@@ -163,14 +157,14 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
 }
 
 async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<()> {
-    let len = op.local.len();
-    let region = op.remote.region;
-    let write = op.dir == Direction::Write;
-    let cached = lock(&c.state).maps.get(&region).cloned();
+    let len = op.local().len();
+    let region = op.remote().region;
+    let write = op.dir() == Direction::Write;
+    let cached = c.state.lock().maps.get(&region).cloned();
     let mut h = Header::new(Kind::Begin, c.next_req.fetch_add(1, Ordering::Relaxed));
     h.region = region;
-    h.key = op.remote.key;
-    h.offset = op.remote.offset;
+    h.key = op.remote().key;
+    h.offset = op.remote().offset;
     h.len = len;
     h.flags = if write { ACCESS_WRITE } else { 0 } | if cached.is_none() { WANT_FD } else { 0 };
     let answer = c.ask(h, &[]).await?;
@@ -193,21 +187,21 @@ async fn copy(
     let map = match (answer.fd, cached) {
         (Some(fd), _) => {
             let m = Arc::new(Mapping::new(fd, answer.len, answer.writable)?);
-            let mut s = lock(&c.state);
+            let mut s = c.state.lock();
             if s.dead.is_none() {
-                s.maps.insert(op.remote.region, m.clone());
+                s.maps.insert(op.remote().region, m.clone());
             }
             m
         }
         (None, Some(m)) => m,
         (None, None) => return Err(Error::protocol("shm: granted without a descriptor")),
     };
-    let len = op.local.len();
-    let write = op.dir == Direction::Write;
-    let remote = map.at(op.remote.offset, len, write)?;
-    let local = op.local.ptr() as usize;
+    let len = op.local().len();
+    let write = op.dir() == Direction::Write;
+    let remote = map.at(op.remote().offset, len, write)?;
+    let local = op.local().ptr() as usize;
     let (src, dst) = if write { (local, remote) } else { (remote, local) };
-    // SAFETY: `op.local` is a live registered slice of `len` bytes held by `op`; `remote` is
+    // SAFETY: `op.local()` is a live registered slice of `len` bytes held by `op`; `remote` is
     // inside `map` (checked by `at`), which this function holds; the peer holds its region open
     // (in-flight gate) until our End.
     unsafe { gated_copy(src, dst, len, gate, || c.alive()) }.await?;
@@ -218,12 +212,9 @@ impl Connection for ShmConnection {
     fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
         ops.into_iter()
             .map(|op| {
-                let ticket = self.shared.fence.ticket();
                 let c = self.shared.clone();
                 spawn_cancellable(move |gate| async move {
-                    let r = if op.local.is_empty() { c.alive() } else { run_op(c, op, gate).await };
-                    drop(ticket);
-                    r
+                    if op.local().is_empty() { c.alive() } else { run_op(c, op, gate).await }
                 })
             })
             .collect()
@@ -231,9 +222,7 @@ impl Connection for ShmConnection {
 
     fn notify(&self, msg: Bytes) -> Completion {
         let c = self.shared.clone();
-        let earlier = c.fence.wait_earlier();
         Box::pin(async move {
-            earlier.await;
             let mut h = Header::new(Kind::Notify, c.next_req.fetch_add(1, Ordering::Relaxed));
             h.len = msg.len() as u64;
             c.ask(h, &msg).await.map(drop)

@@ -10,8 +10,8 @@
 //!   region; the control messages around it (Begin/Granted/End, 56-byte frames) make the peer hold
 //!   the region open while the copy runs, so deregistration waits for remote copies too. Waiting is
 //!   on the socket (epoll), never a spinning poll.
-//! - **Fallback.** Caller-registered (raw) memory has no memfd; such regions carry no shm blob, so
-//!   [`Backend::reaches`] is false and the engine picks its next backend (tcp).
+//! - **Fallback.** Caller-registered (raw) memory has no memfd: `register` returns no blob for
+//!   it, so the engine picks its next backend (tcp) for ops on such regions.
 //! - **Cleanup.** Mappings of a peer's memory are dropped when the peer deregisters the region
 //!   (Forget), when the connection closes, or when the peer dies (end of stream); descriptors are
 //!   closed right after mapping; nothing is created in `/dev/shm` or on the file system.
@@ -23,18 +23,18 @@ mod uds;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use parking_lot::Mutex;
+use tensorwire_core::backend::kit::TaskSet;
 use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
-use tensorwire_core::sync::lock;
-use tensorwire_core::tasks::TaskSet;
 use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
 
 use client::{ClientShared, ShmConnection};
@@ -43,8 +43,6 @@ use uds::{FrameReader, FrameWriter};
 
 /// The backend's name.
 pub const NAME: &str = "shm";
-/// Region blob marking a region as shareable.
-const SHAREABLE: &[u8] = b"memfd";
 
 /// A registered region's descriptor, as peers receive it.
 #[derive(Debug)]
@@ -68,31 +66,8 @@ pub(crate) struct Table {
 
 impl Table {
     pub(crate) fn get(&self, id: RegionId) -> Option<Arc<Share>> {
-        lock(&self.regions).get(&id).cloned()
+        self.regions.lock().get(&id).cloned()
     }
-}
-
-/// Reopens `fd` read-only through /proc, so a peer cannot map it writable.
-fn reopen_read_only(fd: RawFd) -> Result<OwnedFd> {
-    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}"))
-        .map_err(|_| Error::protocol("shm: bad /proc path"))?;
-    // SAFETY: opening a NUL-terminated path; the result is checked.
-    let ro = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if ro < 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    // SAFETY: `ro` is a fresh descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(ro) })
-}
-
-fn dup(fd: RawFd) -> Result<OwnedFd> {
-    // SAFETY: F_DUPFD_CLOEXEC on a descriptor the caller guarantees open; the result is checked.
-    let d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-    if d < 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    // SAFETY: `d` is a fresh descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(d) })
 }
 
 #[derive(Debug, Default)]
@@ -114,12 +89,12 @@ impl Inner {
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.tasks.abort_all();
-        lock(&self.served).clear();
-        let clients: Vec<_> = lock(&self.clients).drain(..).collect();
+        self.served.lock().clear();
+        let clients: Vec<_> = self.clients.lock().drain(..).collect();
         for c in clients.iter().filter_map(Weak::upgrade) {
             c.kill(Error::PeerClosed("local shm backend shut down".into()));
         }
-        lock(&self.table.regions).clear();
+        self.table.regions.lock().clear();
     }
 }
 
@@ -204,7 +179,7 @@ async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
             mapped: Mutex::new(Default::default()),
         });
         {
-            let mut served = lock(&inner.served);
+            let mut served = inner.served.lock();
             served.retain(|w| w.strong_count() > 0);
             served.push(Arc::downgrade(&conn));
         }
@@ -231,42 +206,48 @@ impl Backend for ShmBackend {
         }
     }
 
-    fn attach(&self, host: Arc<dyn BackendHost>) {
+    async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
         if self.inner.host.set(host).is_err() {
-            return;
+            return Err(Error::InvalidArgument("shm: backend started twice".into()));
         }
-        let Some(std_listener) = lock(&self.listener).take() else { return };
-        match tokio::net::UnixListener::from_std(std_listener) {
-            Ok(l) => self.inner.track(accept_loop(l, Arc::downgrade(&self.inner))),
-            Err(e) => tracing::error!(error = %e, "shm: cannot serve (attach outside a runtime?)"),
-        }
+        let std_listener =
+            self.listener.lock().take().ok_or_else(|| {
+                Error::Internal("shm: the listener was taken before start".into())
+            })?;
+        let l =
+            tokio::net::UnixListener::from_std(std_listener).map_err(|e| Error::Unsupported {
+                backend: NAME,
+                what: format!("serving outside a tokio runtime: {e}"),
+            })?;
+        self.inner.track(accept_loop(l, Arc::downgrade(&self.inner)));
+        Ok(())
     }
 
     fn endpoint(&self) -> Bytes {
         Bytes::from(self.name.clone().into_bytes())
     }
 
-    async fn register(&self, region: &RegionInfo) -> Result<Bytes> {
-        let Some(fd) = region.fd.filter(|_| region.kind.is_host() && region.len > 0) else {
-            return Ok(Bytes::new()); // not shareable: peers reach it through another backend
+    async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
+        let Some(mem) = region.shareable() else {
+            return Ok(None); // caller memory: peers reach it through another backend
         };
-        let fd = if region.perms.write { dup(fd)? } else { reopen_read_only(fd)? };
-        let share = Arc::new(Share { fd, len: region.len, writable: region.perms.write });
-        lock(&self.inner.table.regions).insert(region.id, share);
-        Ok(Bytes::from_static(SHAREABLE))
+        // Peers that may only read get a read-only descriptor: they cannot map it writable.
+        let share = Share {
+            fd: mem.open(region.perms.write)?,
+            len: mem.len(),
+            writable: region.perms.write,
+        };
+        self.inner.table.regions.lock().insert(region.id, Arc::new(share));
+        Ok(Some(Bytes::new()))
     }
 
     async fn deregister(&self, id: RegionId) -> Result<()> {
-        lock(&self.inner.table.regions).remove(&id);
-        let served: Vec<_> = lock(&self.inner.served).iter().filter_map(Weak::upgrade).collect();
+        self.inner.table.regions.lock().remove(&id);
+        let served: Vec<_> = self.inner.served.lock().iter().filter_map(Weak::upgrade).collect();
         for conn in served {
             conn.forget(id).await;
         }
         Ok(())
-    }
-
-    fn reaches(&self, blob: Option<&Bytes>) -> bool {
-        blob.is_some_and(|b| b.as_ref() == SHAREABLE)
     }
 
     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
@@ -284,7 +265,7 @@ impl Backend for ShmBackend {
         sock.set_nonblocking(true)?;
         let sock = tokio::net::UnixStream::from_std(sock)?;
         let (conn, shared) = ShmConnection::new(sock, self.cfg.answer_timeout);
-        let mut clients = lock(&self.inner.clients);
+        let mut clients = self.inner.clients.lock();
         clients.retain(|w| w.strong_count() > 0);
         clients.push(Arc::downgrade(&shared));
         Ok(Arc::new(conn))

@@ -4,12 +4,12 @@
 //! for local ones. The region's memfd goes with the first grant (read-only unless peers may write).
 //! When the peer goes away, everything it held is released.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
-use tensorwire_core::sync::lock;
-use tensorwire_core::wire::error::encode_error;
+use tensorwire_core::backend::kit::encode_error;
 use tensorwire_core::{Access, BackendHost, Error, MemSlice, RegionId, Result};
 
 use crate::Table;
@@ -30,7 +30,7 @@ pub(crate) struct ServerConn {
 impl ServerConn {
     /// Tells the peer to drop its mapping of `region`, if it has one.
     pub(crate) async fn forget(&self, region: RegionId) {
-        if lock(&self.mapped).remove(&region) {
+        if self.mapped.lock().remove(&region) {
             let mut h = Header::new(Kind::Forget, 0);
             h.region = region;
             let _ = self.writer.send(&h, &[], None).await;
@@ -108,7 +108,7 @@ async fn serve_inner(
                 if h.flags & WANT_FD != 0 {
                     g.flags |= HAS_FD | if share.writable { WRITABLE } else { 0 };
                     fd = Some(share.fd());
-                    lock(&conn.mapped).insert(h.region);
+                    conn.mapped.lock().insert(h.region);
                 }
                 conn.writer.send(&g, &[], fd).await?;
             }

@@ -9,18 +9,14 @@
 //! Body that follows: Notify: `len` bytes; Granted or NotifyAck with status Err: `len` bytes of
 //! encoded error; nothing otherwise (a Granted ok's `len` is the region length).
 
-use tensorwire_core::wire::envelope::MAX_NOTIFY_BYTES;
-use tensorwire_core::wire::error::MAX_ERROR_BYTES;
+use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, Result};
 
 /// Header length.
 pub const HEADER_LEN: usize = 56;
-/// Magic.
-pub const MAGIC: [u8; 2] = *b"TS";
-/// Protocol version.
-pub const VERSION: u8 = 1;
-/// Largest notification body (a user payload plus the engine's envelope).
-pub const MAX_NOTIFY_WIRE: u64 = MAX_NOTIFY_BYTES as u64 + 1024;
+/// The protocol's magic ("TS"), version and largest body.
+pub const FRAMING: Framing =
+    Framing { name: "shm", magic: *b"TS", version: 1, max_payload: MAX_NOTIFY_WIRE as u32 };
 
 /// Begin: the client wants the region's memfd with the grant.
 pub const WANT_FD: u8 = 1;
@@ -120,71 +116,48 @@ impl Header {
 
     /// Encodes.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
-        let mut h = [0u8; HEADER_LEN];
-        h[..2].copy_from_slice(&MAGIC);
-        h[2] = VERSION;
-        h[3] = self.kind.tag();
-        h[4] = u8::from(!self.ok);
-        h[5] = self.flags;
-        h[8..16].copy_from_slice(&self.req.to_le_bytes());
-        h[16..24].copy_from_slice(&self.region.0.to_le_bytes());
-        h[24..40].copy_from_slice(&self.key.to_bits().to_le_bytes());
-        h[40..48].copy_from_slice(&self.offset.to_le_bytes());
-        h[48..56].copy_from_slice(&self.len.to_le_bytes());
-        h
+        let mut w = Writer::new();
+        w.raw(&FRAMING.magic).u8(FRAMING.version).u8(self.kind.tag());
+        w.u8(u8::from(!self.ok)).u8(self.flags).u16(0);
+        w.u64(self.req).u64(self.region.0).u128(self.key.to_bits()).u64(self.offset).u64(self.len);
+        w.finish_fixed()
     }
 
     /// Decodes and validates (magic, version, kind, status, flags, body bound). Never panics.
     pub fn decode(h: &[u8]) -> Result<Header> {
-        let h: &[u8; HEADER_LEN] = h.try_into().map_err(|_| {
-            Error::protocol(format!("shm header is {} bytes, expected {HEADER_LEN}", h.len()))
-        })?;
-        if h[..2] != MAGIC {
-            return Err(Error::protocol(format!("shm: bad magic {:02x}{:02x}", h[0], h[1])));
-        }
-        if h[2] != VERSION {
+        if h.len() != HEADER_LEN {
             return Err(Error::protocol(format!(
-                "shm protocol version {} not supported (this build speaks {VERSION})",
-                h[2]
+                "shm header is {} bytes, expected {HEADER_LEN}",
+                h.len()
             )));
         }
-        let kind = Kind::from_tag(h[3])?;
-        let ok = match h[4] {
+        let mut r = Reader::new(h, "shm header");
+        FRAMING.check_prefix(r.raw(3)?)?;
+        let kind = Kind::from_tag(r.u8()?)?;
+        let ok = match r.u8()? {
             0 => true,
             1 if matches!(kind, Kind::Granted | Kind::NotifyAck) => false,
             s => return Err(Error::protocol(format!("shm: bad status {s} on {kind:?}"))),
         };
-        if h[5] & !KNOWN_FLAGS != 0 || h[6..8] != [0, 0] {
+        let (flags, reserved) = (r.u8()?, r.u16()?);
+        if flags & !KNOWN_FLAGS != 0 || reserved != 0 {
             return Err(Error::protocol("shm: unknown flags or non-zero reserved bytes"));
         }
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&h[i..i + 8]);
-            u64::from_le_bytes(b)
-        };
-        let mut key = [0u8; 16];
-        key.copy_from_slice(&h[24..40]);
         let hdr = Header {
             kind,
             ok,
-            flags: h[5],
-            req: u64_at(8),
-            region: RegionId(u64_at(16)),
-            key: AccessKey::from_bits(u128::from_le_bytes(key)),
-            offset: u64_at(40),
-            len: u64_at(48),
+            flags,
+            req: r.u64()?,
+            region: RegionId(r.u64()?),
+            key: AccessKey::from_bits(r.u128()?),
+            offset: r.u64()?,
+            len: r.u64()?,
         };
         let limit = match kind {
             Kind::Notify => MAX_NOTIFY_WIRE,
-            _ => MAX_ERROR_BYTES as u64,
+            _ => MAX_ERROR_BYTES,
         };
-        if hdr.body_len() > limit {
-            return Err(Error::Capacity {
-                what: format!("shm {kind:?} body"),
-                requested: hdr.body_len(),
-                limit,
-            });
-        }
+        FRAMING.check_len(&format!("{kind:?} body"), hdr.body_len(), limit as u64)?;
         Ok(hdr)
     }
 }
@@ -205,7 +178,7 @@ mod tests {
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         assert_eq!(h.body_len(), 0);
         let mut n = Header::new(Kind::Notify, 1);
-        n.len = MAX_NOTIFY_WIRE + 1;
+        n.len = MAX_NOTIFY_WIRE as u64 + 1;
         assert!(matches!(Header::decode(&n.encode()), Err(Error::Capacity { .. })));
         let mut e = Header::new(Kind::Granted, 1);
         e.ok = false;
@@ -227,10 +200,10 @@ mod tests {
 
         #[test]
         fn decoded_headers_round_trip(mut bytes in proptest::collection::vec(any::<u8>(), HEADER_LEN)) {
-            bytes[..2].copy_from_slice(&MAGIC);
-            bytes[2] = VERSION;
+            bytes[..2].copy_from_slice(&FRAMING.magic);
+            bytes[2] = FRAMING.version;
             if let Ok(h) = Header::decode(&bytes) {
-                prop_assert!(h.body_len() <= MAX_NOTIFY_WIRE);
+                prop_assert!(h.body_len() <= MAX_NOTIFY_WIRE as u64);
                 prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
             }
         }

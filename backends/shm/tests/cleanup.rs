@@ -1,11 +1,12 @@
 //! Nothing outlives its engine: after a normal run and after a peer process is killed, this
 //! process's descriptor table and its memfd mappings are back where they started, and /dev/shm
-//! never saw a file. One test (plus the child entry point), so no other test in this binary moves
-//! the counts while it runs.
+//! never saw a file. One test (plus the child entry point `engine`), so no other test in this
+//! binary moves the counts while it runs (a `harness = false` binary).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tensorwire_conformance::harness::Harness;
 use tensorwire_conformance::multiprocess::{child, spawn_child};
 use tensorwire_core::{Backend, Engine, Permissions, TransferOp};
 use tensorwire_shm::ShmBackend;
@@ -14,9 +15,11 @@ fn shm() -> Arc<dyn Backend> {
     ShmBackend::new().expect("bind shm backend")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn child_engine() {
-    child(shm).await
+fn main() -> std::process::ExitCode {
+    Harness::new()
+        .test("nothing_outlives_its_engine", nothing_outlives_its_engine)
+        .child("engine", |args| async move { child(shm, &args[0]).await })
+        .run()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,11 +70,7 @@ async fn settle(what: &str, ok: impl Fn(Counts) -> bool) -> Counts {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_outlives_its_engine() {
-    if std::env::var(tensorwire_conformance::multiprocess::CHILD_ENV).is_ok() {
-        return;
-    }
     let shm_files = dev_shm();
     let base = counts();
 

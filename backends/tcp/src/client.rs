@@ -7,20 +7,17 @@
 //! A stream that fails kills the whole connection: every queued and pending op fails with the
 //! stream's error, the sockets are shut down, and later submits fail at once.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use tensorwire_core::backend::kit::{CancelGate, CompletionSender, decode_error, gated, ready};
 use tensorwire_core::backend::{Completion, Connection, Direction, Op};
-use tensorwire_core::cancel::CancelGate;
-use tensorwire_core::completion::{CompletionSender, gated, ready};
-use tensorwire_core::fence::{FenceTicket, OpFence};
-use tensorwire_core::sync::lock;
-use tensorwire_core::wire::error::decode_error;
-use tensorwire_core::{AccessKey, Error, MemSlice, RegionId, Result};
+use tensorwire_core::{AccessKey, Error, RegionId, Result};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
@@ -33,9 +30,10 @@ use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, check_preamble};
 struct OpState {
     gate: Arc<CancelGate>,
     remaining: AtomicUsize,
-    done: Mutex<Option<(CompletionSender, Option<FenceTicket>)>>,
-    /// Keeps the local memory registered and mapped while any piece is queued or in flight.
-    _local: Option<MemSlice>,
+    done: Mutex<Option<CompletionSender>>,
+    /// Keeps the local memory registered and mapped while any piece is queued or in flight, and
+    /// the op (with the engine's notification fence) alive until it has ended.
+    _op: Option<Op>,
 }
 
 impl OpState {
@@ -45,9 +43,8 @@ impl OpState {
             Err(_) => true,
         };
         if last {
-            if let Some((tx, ticket)) = lock(&self.done).take() {
+            if let Some(tx) = self.done.lock().take() {
                 let _ = tx.send(r);
-                drop(ticket);
             }
         }
     }
@@ -143,14 +140,13 @@ pub(crate) struct ConnShared {
     work: Notify,
     streams: Vec<StreamState>,
     next_id: AtomicU64,
-    fence: Arc<OpFence>,
 }
 
 impl ConnShared {
     /// Fails everything queued or pending and shuts the sockets; idempotent.
     pub(crate) fn kill(&self, e: Error) {
         let queued = {
-            let mut q = lock(&self.queues);
+            let mut q = self.queues.lock();
             if q.dead.is_none() {
                 q.dead = Some(e.clone());
             }
@@ -163,7 +159,7 @@ impl ConnShared {
         }
         for s in &self.streams {
             let pending: Vec<_> = {
-                let mut p = lock(&s.pending);
+                let mut p = s.pending.lock();
                 if p.dead.is_none() {
                     p.dead = Some(e.clone());
                 }
@@ -182,12 +178,12 @@ impl ConnShared {
     }
 
     fn is_dead(&self) -> Option<Error> {
-        lock(&self.queues).dead.clone()
+        self.queues.lock().dead.clone()
     }
 
     fn enqueue(&self, pieces: Vec<Piece>, small: bool) {
         let refused = {
-            let mut q = lock(&self.queues);
+            let mut q = self.queues.lock();
             match &q.dead {
                 Some(e) => Some((e.clone(), pieces)),
                 None => {
@@ -212,7 +208,7 @@ impl ConnShared {
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
-                let mut q = lock(&self.queues);
+                let mut q = self.queues.lock();
                 if q.dead.is_some() {
                     return None;
                 }
@@ -281,7 +277,6 @@ impl TcpConnection {
                 })
                 .collect(),
             next_id: AtomicU64::new(1),
-            fence: OpFence::new(),
         });
         let mut tasks = Vec::new();
         for i in 0..shared.streams.len() {
@@ -334,7 +329,7 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
         };
         let keep = p.op.clone();
         {
-            let mut pend = lock(&s.pending);
+            let mut pend = s.pending.lock();
             if let Some(e) = pend.dead.clone() {
                 drop(pend);
                 p.op.finish(Err(e));
@@ -375,7 +370,7 @@ fn matches(req: &What, resp: Kind) -> bool {
 async fn reader(c: Arc<ConnShared>, i: usize) {
     let s = &c.streams[i];
     let mut dog = Watchdog::new(c.cfg.stall);
-    let busy = || !lock(&s.pending).q.is_empty();
+    let busy = || !s.pending.lock().q.is_empty();
     let mut hbuf = [0u8; HEADER_LEN];
     loop {
         let r = io::recv_buf(&s.sock, &mut hbuf, &mut dog, &busy, "response header").await;
@@ -389,7 +384,7 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
             Ok(h) => h,
             Err(e) => return c.kill(e),
         };
-        let Some((id, p)) = lock(&s.pending).q.pop_front() else {
+        let Some((id, p)) = s.pending.lock().q.pop_front() else {
             return c
                 .kill(Error::protocol(format!("tcp: unsolicited {:?} from {}", h.kind, c.peer)));
         };
@@ -472,23 +467,24 @@ impl Connection for TcpConnection {
                 if let Some(e) = c.is_dead() {
                     return ready(Err(e));
                 }
-                if !op.local.kind().is_host() {
+                if !op.local().kind().is_host() {
                     return ready(Err(Error::Unsupported {
                         backend: crate::NAME,
-                        what: format!("{:?} memory", op.local.kind()),
+                        what: format!("{:?} memory", op.local().kind()),
                     }));
                 }
-                let len = op.local.len();
+                let len = op.local().len();
                 let n = len.div_ceil(c.cfg.piece).max(1);
                 let (gate, tx, completion) = gated();
-                let base = op.local.ptr() as usize;
+                let base = op.local().ptr() as usize;
+                let (dir, remote) = (op.dir(), op.remote().clone());
                 let state = Arc::new(OpState {
                     gate,
                     remaining: AtomicUsize::new(n as usize),
-                    done: Mutex::new(Some((tx, Some(c.fence.ticket())))),
-                    _local: Some(op.local),
+                    done: Mutex::new(Some(tx)),
+                    _op: Some(op),
                 });
-                let what = || match op.dir {
+                let what = || match dir {
                     Direction::Write => What::Write,
                     Direction::Read => What::Read,
                 };
@@ -498,9 +494,9 @@ impl Connection for TcpConnection {
                         Piece {
                             what: what(),
                             op: state.clone(),
-                            region: op.remote.region,
-                            key: op.remote.key,
-                            offset: op.remote.offset + at,
+                            region: remote.region,
+                            key: remote.key,
+                            offset: remote.offset + at,
                             addr: base + at as usize,
                             len: c.cfg.piece.min(len - at),
                         }
@@ -514,9 +510,7 @@ impl Connection for TcpConnection {
 
     fn notify(&self, msg: Bytes) -> Completion {
         let c = self.shared.clone();
-        let earlier = c.fence.wait_earlier();
         Box::pin(async move {
-            earlier.await;
             if let Some(e) = c.is_dead() {
                 return Err(e);
             }
@@ -524,8 +518,8 @@ impl Connection for TcpConnection {
             let state = Arc::new(OpState {
                 gate,
                 remaining: AtomicUsize::new(1),
-                done: Mutex::new(Some((tx, None))),
-                _local: None,
+                done: Mutex::new(Some(tx)),
+                _op: None,
             });
             let len = msg.len() as u64;
             let piece = Piece {

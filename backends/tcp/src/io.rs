@@ -9,7 +9,7 @@
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use tensorwire_core::cancel::CancelGate;
+use tensorwire_core::backend::kit::CancelGate;
 use tensorwire_core::{Error, Result};
 use tokio::io::Interest;
 use tokio::net::TcpStream;

@@ -33,17 +33,16 @@ pub mod wire;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use parking_lot::Mutex;
+use tensorwire_core::backend::kit::{Reader, TaskSet, Writer};
 use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
-use tensorwire_core::sync::lock;
-use tensorwire_core::tasks::TaskSet;
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
 use tokio::net::TcpStream;
 
@@ -117,7 +116,7 @@ impl Inner {
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.tasks.abort_all();
-        let conns: Vec<_> = lock(&self.conns).drain(..).collect();
+        let conns: Vec<_> = self.conns.lock().drain(..).collect();
         for c in conns.iter().filter_map(Weak::upgrade) {
             c.kill(Error::PeerClosed("local tcp backend shut down".into()));
         }
@@ -234,28 +233,30 @@ impl Backend for TcpBackend {
         }
     }
 
-    fn attach(&self, host: Arc<dyn BackendHost>) {
+    async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
         if self.inner.host.set(host).is_err() {
-            return; // attached once already
+            return Err(Error::InvalidArgument("tcp: backend started twice".into()));
         }
-        let Some(std_listener) = lock(&self.listener).take() else { return };
-        let listener = match tokio::net::TcpListener::from_std(std_listener) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(error = %e, "tcp: cannot serve (attach outside a tokio runtime?)");
-                return;
-            }
-        };
+        let std_listener = self.listener.lock().take().ok_or_else(|| {
+            Error::Internal("tcp: the data listener was taken before start".into())
+        })?;
+        let listener =
+            tokio::net::TcpListener::from_std(std_listener).map_err(|e| Error::Unsupported {
+                backend: NAME,
+                what: format!("serving outside a tokio runtime: {e}"),
+            })?;
         let weak = Arc::downgrade(&self.inner);
         self.inner.track(accept_loop(listener, weak, self.cfg.stall_timeout));
+        Ok(())
     }
 
     fn endpoint(&self) -> Bytes {
         encode_endpoint(self.cfg.advertise.unwrap_or(self.local))
     }
 
-    async fn register(&self, _region: &RegionInfo) -> Result<Bytes> {
-        Ok(Bytes::new()) // served through BackendHost::resolve; nothing to publish
+    async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
+        // Any host memory, served through BackendHost::resolve: nothing to publish.
+        Ok(region.kind.is_host().then(Bytes::new))
     }
 
     async fn deregister(&self, _id: RegionId) -> Result<()> {
@@ -275,7 +276,7 @@ impl Backend for TcpBackend {
             }
             e => e,
         })?;
-        let mut conns = lock(&self.inner.conns);
+        let mut conns = self.inner.conns.lock();
         conns.retain(|w| w.strong_count() > 0);
         conns.push(Arc::downgrade(&shared));
         Ok(Arc::new(conn))

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_core::wire::error::encode_error;
+use tensorwire_core::backend::kit::encode_error;
 use tensorwire_core::{Access, BackendHost, Error, MemSlice, Result};
 use tokio::net::TcpStream;
 

@@ -11,23 +11,18 @@
 //! bytes; Notify: `len` bytes; any response with status Err: `len` bytes of encoded error; nothing
 //! otherwise.
 
-use tensorwire_core::wire::envelope::MAX_NOTIFY_BYTES;
-use tensorwire_core::wire::error::MAX_ERROR_BYTES;
+use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, Result};
 
 /// Header length.
 pub const HEADER_LEN: usize = 64;
-/// Magic of every header.
-pub const MAGIC: [u8; 2] = *b"TD";
-/// Data protocol version.
-pub const VERSION: u8 = 1;
-/// Preamble each side sends first on a new stream.
-pub const PREAMBLE: [u8; 8] = [b'T', b'W', b'D', b'A', b'T', b'A', VERSION, 0];
 /// Largest single WRITE or READ piece on the wire; larger ops are split by the sender.
 pub const MAX_PIECE: u64 = 16 << 20;
-
-/// Largest notification body: a user payload plus the engine's envelope around it.
-pub const MAX_NOTIFY_WIRE: u64 = MAX_NOTIFY_BYTES as u64 + 1024;
+/// The data protocol's magic ("TD"), version and largest payload.
+pub const FRAMING: Framing =
+    Framing { name: "tcp data", magic: *b"TD", version: 1, max_payload: MAX_PIECE as u32 };
+/// Preamble each side sends first on a new stream.
+pub const PREAMBLE: [u8; 8] = [b'T', b'W', b'D', b'A', b'T', b'A', FRAMING.version, 0];
 
 /// Flag: the header's crc32c covers the piece's bytes.
 pub const FLAG_CRC: u8 = 1;
@@ -151,76 +146,53 @@ impl DataHeader {
 
     /// Encodes the header.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
-        let mut h = [0u8; HEADER_LEN];
-        h[..2].copy_from_slice(&MAGIC);
-        h[2] = VERSION;
-        h[3] = self.kind.tag();
-        h[4] = u8::from(!self.ok);
-        h[5] = self.flags;
-        h[8..16].copy_from_slice(&self.id.to_le_bytes());
-        h[16..24].copy_from_slice(&self.region.0.to_le_bytes());
-        h[24..40].copy_from_slice(&self.key.to_bits().to_le_bytes());
-        h[40..48].copy_from_slice(&self.offset.to_le_bytes());
-        h[48..56].copy_from_slice(&self.len.to_le_bytes());
-        h[56..60].copy_from_slice(&self.crc.to_le_bytes());
-        h
+        let mut w = Writer::new();
+        w.raw(&FRAMING.magic).u8(FRAMING.version).u8(self.kind.tag());
+        w.u8(u8::from(!self.ok)).u8(self.flags).u16(0);
+        w.u64(self.id).u64(self.region.0).u128(self.key.to_bits()).u64(self.offset).u64(self.len);
+        w.u32(self.crc).u32(0);
+        w.finish_fixed()
     }
 
     /// Decodes and validates a header: magic, version, kind, status, flags, and the payload bound of
     /// its kind. Never panics.
     pub fn decode(h: &[u8]) -> Result<DataHeader> {
-        let h: &[u8; HEADER_LEN] = h.try_into().map_err(|_| {
-            Error::protocol(format!("tcp data header is {} bytes, expected {HEADER_LEN}", h.len()))
-        })?;
-        if h[..2] != MAGIC {
-            return Err(Error::protocol(format!("tcp data: bad magic {:02x}{:02x}", h[0], h[1])));
-        }
-        if h[2] != VERSION {
+        if h.len() != HEADER_LEN {
             return Err(Error::protocol(format!(
-                "tcp data protocol version {} not supported (this build speaks {VERSION})",
-                h[2]
+                "tcp data header is {} bytes, expected {HEADER_LEN}",
+                h.len()
             )));
         }
-        let kind = Kind::from_tag(h[3])?;
-        let ok = match h[4] {
+        let mut r = Reader::new(h, "tcp data header");
+        FRAMING.check_prefix(r.raw(3)?)?;
+        let kind = Kind::from_tag(r.u8()?)?;
+        let ok = match r.u8()? {
             0 => true,
             1 if kind.is_response() => false,
             s => return Err(Error::protocol(format!("tcp data: bad status {s} on {kind:?}"))),
         };
-        if h[5] & !FLAG_CRC != 0 || h[6..8] != [0, 0] || h[60..64] != [0; 4] {
-            return Err(Error::protocol("tcp data: unknown flags or non-zero reserved bytes"));
-        }
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&h[i..i + 8]);
-            u64::from_le_bytes(b)
-        };
-        let mut key = [0u8; 16];
-        key.copy_from_slice(&h[24..40]);
+        let (flags, reserved) = (r.u8()?, r.u16()?);
         let hdr = DataHeader {
             kind,
             ok,
-            flags: h[5],
-            id: u64_at(8),
-            region: RegionId(u64_at(16)),
-            key: AccessKey::from_bits(u128::from_le_bytes(key)),
-            offset: u64_at(40),
-            len: u64_at(48),
-            crc: u32::from_le_bytes([h[56], h[57], h[58], h[59]]),
+            flags,
+            id: r.u64()?,
+            region: RegionId(r.u64()?),
+            key: AccessKey::from_bits(r.u128()?),
+            offset: r.u64()?,
+            len: r.u64()?,
+            crc: r.u32()?,
         };
+        if flags & !FLAG_CRC != 0 || reserved != 0 || r.u32()? != 0 {
+            return Err(Error::protocol("tcp data: unknown flags or non-zero reserved bytes"));
+        }
         let limit = match (kind, ok) {
             (_, false) => MAX_ERROR_BYTES as u64,
-            (Kind::Notify, _) => MAX_NOTIFY_WIRE,
-            (Kind::WriteAck | Kind::NotifyAck, true) => 0,
+            (Kind::Notify, _) => MAX_NOTIFY_WIRE as u64,
+            (Kind::WriteAck | Kind::NotifyAck, true) => return Ok(hdr), // `len` echoes the op
             _ => MAX_PIECE,
         };
-        if hdr.len > limit && !matches!((kind, ok), (Kind::WriteAck | Kind::NotifyAck, true)) {
-            return Err(Error::Capacity {
-                what: format!("tcp data {kind:?} length"),
-                requested: hdr.len,
-                limit,
-            });
-        }
+        FRAMING.check_len(&format!("{kind:?} length"), hdr.len, limit)?;
         Ok(hdr)
     }
 }
@@ -230,10 +202,10 @@ pub fn check_preamble(p: &[u8; 8]) -> Result<()> {
     if p[..6] != PREAMBLE[..6] {
         return Err(Error::protocol("tcp data: peer did not send the tensorwire data preamble"));
     }
-    if p[6] != VERSION {
+    if p[6] != FRAMING.version {
         return Err(Error::protocol(format!(
-            "tcp data: peer speaks data protocol version {}, this build speaks {VERSION}",
-            p[6]
+            "tcp data: peer speaks data protocol version {}, this build speaks {}",
+            p[6], FRAMING.version
         )));
     }
     Ok(())
@@ -279,8 +251,8 @@ mod tests {
 
         #[test]
         fn decoded_headers_respect_bounds(mut bytes in proptest::collection::vec(any::<u8>(), HEADER_LEN)) {
-            bytes[..2].copy_from_slice(&MAGIC);
-            bytes[2] = VERSION;
+            bytes[..2].copy_from_slice(&FRAMING.magic);
+            bytes[2] = FRAMING.version;
             if let Ok(h) = DataHeader::decode(&bytes) {
                 prop_assert!(h.payload_len() <= MAX_PIECE);
                 prop_assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);

@@ -13,7 +13,6 @@ use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
     RegionInfo,
 };
-use tensorwire_core::fence::OpFence;
 use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
 use tokio::sync::oneshot;
 
@@ -107,15 +106,15 @@ impl Backend for UcxBackend {
         }
     }
 
-    fn attach(&self, host: Arc<dyn BackendHost>) {
-        let _ = self.send(Cmd::Attach(host));
+    async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
+        self.send(Cmd::Start(host))
     }
 
     fn endpoint(&self) -> Bytes {
         self.address.clone()
     }
 
-    async fn register(&self, region: &RegionInfo) -> Result<Bytes> {
+    async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
         let (tx, rx) = oneshot::channel();
         self.send(Cmd::Register { info: region.clone(), reply: tx })?;
         reply(rx, "registering a region", self.cfg.answer_timeout).await
@@ -135,7 +134,6 @@ impl Backend for UcxBackend {
         Ok(Arc::new(UcxConnection {
             conn,
             handle: self.handle.clone(),
-            fence: OpFence::new(),
             answer_timeout: self.cfg.answer_timeout,
         }))
     }
@@ -187,7 +185,6 @@ impl Drop for UcxMemory {
 pub(crate) struct UcxConnection {
     conn: u64,
     handle: Arc<Handle>,
-    fence: Arc<OpFence>,
     answer_timeout: Duration,
 }
 
@@ -207,13 +204,13 @@ impl Connection for UcxConnection {
             completions.push(Box::pin(UcxCompletion {
                 rx,
                 gate: gate.clone(),
-                reads: op.dir == Direction::Read,
+                reads: op.dir() == Direction::Read,
                 finished: false,
                 handle: self.handle.clone(),
                 conn: self.conn,
                 bound: self.answer_timeout,
             }) as Completion);
-            submitted.push(Submitted { op, gate, done: tx, ticket: self.fence.ticket() });
+            submitted.push(Submitted { op, gate, done: tx });
         }
         if !self.handle.is_closed() {
             // A refused command drops its senders: every completion resolves as PeerClosed.
@@ -223,10 +220,8 @@ impl Connection for UcxConnection {
     }
 
     fn notify(&self, msg: Bytes) -> Completion {
-        let earlier = self.fence.wait_earlier();
         let (handle, conn, bound) = (self.handle.clone(), self.conn, self.answer_timeout);
         Box::pin(async move {
-            earlier.await;
             let (tx, rx) = oneshot::channel();
             handle.send(Cmd::Notify { conn, msg, reply: tx }).map_err(|_| gone())?;
             reply(rx, "notification answer", bound + Duration::from_secs(1)).await

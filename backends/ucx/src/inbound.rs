@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use bytes::Bytes;
+use tensorwire_core::backend::kit::encode_error;
 use tensorwire_core::region::{Access, MemSlice};
-use tensorwire_core::wire::error::encode_error;
 use tensorwire_core::{Error, Result};
 
 use crate::ffi::{Endpoint, MemHandle};

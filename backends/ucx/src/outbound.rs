@@ -1,8 +1,8 @@
 //! The initiating side, on the progress thread. An op asks the target to check and hold the
 //! region (Begin); once granted it moves its bytes with `ucp_put_nbx`/`ucp_get_nbx` in segments
 //! (at most `window` in flight), a WRITE then flushes the endpoint so the bytes are in place at
-//! the peer, and End releases the region. A notification is sent after every op before it has
-//! completed (the connection's fence), and acknowledged by the target.
+//! the peer, and End releases the region; the op is dropped (releasing the engine's notification
+//! fence) only then. A notification is acknowledged by the target.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
@@ -10,10 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tensorwire_core::backend::Direction;
-use tensorwire_core::fence::FenceTicket;
-use tensorwire_core::region::MemSlice;
-use tensorwire_core::wire::error::decode_error;
+use tensorwire_core::backend::kit::{MAX_NOTIFY_WIRE, decode_error};
+use tensorwire_core::backend::{Direction, Op};
 use tensorwire_core::{Error, Missing, RegionId, Result};
 use tensorwire_ucx_sys as sys;
 use tokio::sync::oneshot;
@@ -21,7 +19,7 @@ use tokio::sync::oneshot;
 use crate::ffi::{self, Endpoint, MemHandle, RemoteKey, Rma, Started};
 use crate::gate::OpGate;
 use crate::progress::{Graveyard, INBOUND, Progress, Submitted, Token};
-use crate::wire::{Kind, MAX_NOTIFY_WIRE, Msg, WRITE};
+use crate::wire::{Kind, Msg, WRITE};
 
 /// Remote keys cached per connection before the cache starts over.
 const MAX_RKEYS: usize = 4096;
@@ -78,7 +76,8 @@ pub(crate) struct OpState {
     pub(crate) conn: u64,
     req: u64,
     write: bool,
-    local: MemSlice,
+    /// The op: its local memory, kept (with the engine's notification fence) until it ends.
+    work: Op,
     memh: Option<Rc<MemHandle>>,
     region: RegionId,
     blob: Option<Bytes>,
@@ -94,7 +93,6 @@ pub(crate) struct OpState {
     error: Option<Error>,
     gate: Arc<OpGate>,
     done: oneshot::Sender<Result<()>>,
-    _ticket: FenceTicket,
     last: Instant,
 }
 
@@ -113,7 +111,7 @@ impl OpState {
     /// still touch goes to `graveyard`.
     pub(crate) fn fail_now(self, e: Error, graveyard: &mut Graveyard) {
         let _ = self.done.send(Err(e));
-        graveyard.bury(self.local, self.memh, self.rkey);
+        graveyard.bury(self.work.into_local(), self.memh, self.rkey);
     }
 }
 
@@ -184,19 +182,19 @@ impl Progress {
                 let _ = s.done.send(Err(e.clone()));
                 continue;
             }
-            if s.op.local.is_empty() {
+            if s.op.local().is_empty() {
                 let _ = s.done.send(Ok(()));
                 continue;
             }
-            let write = s.op.dir == Direction::Write;
+            let write = s.op.dir() == Direction::Write;
             let req = c.next_req;
             c.next_req += 1;
             let begin = Msg {
                 flags: if write { WRITE } else { 0 },
-                region: s.op.remote.region,
-                key: s.op.remote.key,
-                offset: s.op.remote.offset,
-                len: s.op.local.len(),
+                region: s.op.remote().region,
+                key: s.op.remote().key,
+                offset: s.op.remote().offset,
+                len: s.op.local().len(),
                 ..Msg::new(Kind::Begin, conn, req)
             };
             if let Err(e) = self.tokens.send(&c.ep, conn, &begin) {
@@ -208,8 +206,8 @@ impl Progress {
             c.grants.insert(req, id);
             c.deadlines.push_back((now + self.cfg.answer_timeout, req));
             c.ops.insert(id);
-            let memh = self.regions.get(&s.op.local.region_id()).cloned();
-            let blob = s.op.remote.blob.clone();
+            let memh = self.regions.get(&s.op.local().region_id()).cloned();
+            let blob = s.op.remote().blob.clone();
             self.ops.insert(
                 id,
                 OpState {
@@ -217,9 +215,8 @@ impl Progress {
                     req,
                     write,
                     memh,
-                    region: s.op.remote.region,
+                    region: s.op.remote().region,
                     blob: (!blob.is_empty()).then_some(blob),
-                    local: s.op.local,
                     rkey: None,
                     addr: 0,
                     next: 0,
@@ -231,7 +228,7 @@ impl Progress {
                     error: None,
                     gate: s.gate,
                     done: s.done,
-                    _ticket: s.ticket,
+                    work: s.op,
                     last: now,
                 },
             );
@@ -257,8 +254,12 @@ impl Progress {
         }
         op.granted = true;
         op.addr = msg.offset;
-        let rkey = if msg.len != op.local.len() {
-            Err(Error::protocol(format!("ucx: granted {} bytes of {}", msg.len, op.local.len())))
+        let rkey = if msg.len != op.work.local().len() {
+            Err(Error::protocol(format!(
+                "ucx: granted {} bytes of {}",
+                msg.len,
+                op.work.local().len()
+            )))
         } else {
             rkey_for(c, op.region, op.blob.as_ref())
         };
@@ -267,7 +268,7 @@ impl Progress {
                 // Started after every message of this batch is handled, smallest first: grants
                 // that arrive together start small ops before a large one.
                 op.rkey = Some(k);
-                self.runnable.insert((op.local.len(), id));
+                self.runnable.insert((op.work.local().len(), id));
             }
             Err(e) => {
                 op.error = Some(e);
@@ -290,7 +291,7 @@ impl Progress {
             }
             Some(None) => {}
         }
-        let len = op.local.len();
+        let len = op.work.local().len();
         // One segment per turn: the thread then handles new messages and gives every other
         // runnable op (smallest remainder first) its turn, so a small op never waits for a large
         // one to finish, even where requests complete inline (CMA copies in the call).
@@ -299,7 +300,7 @@ impl Progress {
             if op.gate.enter() {
                 let n = (len - op.next).min(seg);
                 let token = self.tokens.add(Token::Rma(id));
-                // SAFETY: the local range is inside `op.local`, a live registered slice that this
+                // SAFETY: the local range is inside `op.work.local()`, a live registered slice that this
                 // op holds until it finishes, and an op finishes only with no request in flight
                 // (a cancelled op waits too: its completion's drop waits for the gate); `rkey` was
                 // unpacked on `c.ep` for the region the peer granted, `addr + next` is inside the
@@ -308,7 +309,7 @@ impl Progress {
                     c.ep.rma(
                         Rma {
                             write: op.write,
-                            local: op.local.ptr() as usize + op.next as usize,
+                            local: op.work.local().ptr() as usize + op.next as usize,
                             len: n as usize,
                             remote: op.addr + op.next,
                         },
@@ -344,7 +345,7 @@ impl Progress {
             }
             return;
         }
-        let issued = op.granted && op.error.is_none() && op.next == op.local.len();
+        let issued = op.granted && op.error.is_none() && op.next == op.work.local().len();
         if issued && op.write && !op.flush_started {
             // Put completion is local; a flush issued right after this op's last segment completes
             // once they (and what was issued before them) are at the peer, so the op completes
@@ -421,7 +422,7 @@ impl Progress {
             None => Ok(()),
         });
         if op.abandoned {
-            self.graveyard.bury(op.local, op.memh, op.rkey);
+            self.graveyard.bury(op.work.into_local(), op.memh, op.rkey);
         }
     }
 

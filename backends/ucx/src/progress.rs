@@ -13,9 +13,9 @@ use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_cha
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tensorwire_core::backend::kit::{DetachedMemory, MAX_BLOB_BYTES};
 use tensorwire_core::backend::{BackendHost, Op, RegionInfo};
-use tensorwire_core::fence::FenceTicket;
-use tensorwire_core::region::{DetachedMemory, MAX_BLOB_BYTES, MemSlice};
+use tensorwire_core::region::MemSlice;
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::sync::oneshot;
 
@@ -48,16 +48,15 @@ pub(crate) struct Submitted {
     pub(crate) op: Op,
     pub(crate) gate: Arc<OpGate>,
     pub(crate) done: oneshot::Sender<Result<()>>,
-    pub(crate) ticket: FenceTicket,
 }
 
 /// What the backend and its connections ask of the thread.
 #[derive(Debug)]
 pub(crate) enum Cmd {
-    Attach(Arc<dyn BackendHost>),
+    Start(Arc<dyn BackendHost>),
     Register {
         info: RegionInfo,
-        reply: oneshot::Sender<Result<Bytes>>,
+        reply: oneshot::Sender<Result<Option<Bytes>>>,
     },
     Deregister(RegionId),
     /// Allocate memory through UCX; the reply is its address.
@@ -490,7 +489,7 @@ impl Progress {
 
     fn command(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Attach(host) => self.host = Some(host),
+            Cmd::Start(host) => self.host = Some(host),
             Cmd::Register { info, reply } => {
                 let _ = reply.send(self.register(&info));
             }
@@ -524,23 +523,27 @@ impl Progress {
         }
     }
 
-    fn register(&mut self, info: &RegionInfo) -> Result<Bytes> {
+    fn register(&mut self, info: &RegionInfo) -> Result<Option<Bytes>> {
         if self.stopping.is_some() {
             return Err(Error::PeerClosed("local ucx backend shut down".into()));
         }
-        if info.len == 0 || !info.kind.is_host() {
-            return Ok(Bytes::new());
+        if !info.kind.is_host() {
+            return Ok(None); // the capabilities say host memory only
         }
+        if info.len == 0 {
+            return Ok(Some(Bytes::new()));
+        }
+        let addr = info.base() as usize;
         let len = usize::try_from(info.len)
             .map_err(|_| Error::InvalidArgument(format!("region of {} bytes", info.len)))?;
         // Memory this backend allocated: its own handle (and remote key) reaches it with one copy.
         let own = self.allocations.iter().find_map(|(&base, (n, m))| {
             let end = base.checked_add(*n)?;
-            (info.addr >= base && info.addr.checked_add(len)? <= end).then(|| m.clone())
+            (addr >= base && addr.checked_add(len)? <= end).then(|| m.clone())
         });
         let memh = match own {
             Some(m) => m,
-            None => Rc::new(self.worker.map(info.addr, len, info.perms.read, info.perms.write)?),
+            None => Rc::new(self.worker.map(addr, len, info.perms.read, info.perms.write)?),
         };
         // Peers get a key only for memory they may touch; private regions stay local.
         let blob = if info.perms.read || info.perms.write { memh.pack()? } else { Vec::new() };
@@ -552,7 +555,7 @@ impl Progress {
             });
         }
         self.regions.insert(info.id, memh);
-        Ok(Bytes::from(blob))
+        Ok(Some(Bytes::from(blob)))
     }
 
     fn begin_shutdown(&mut self) {

@@ -10,20 +10,16 @@
 //! body is the initiator's worker address (Hello), the user message (Notify), or an encoded error
 //! (Granted, HelloAck or NotifyAck without the OK flag).
 
-use tensorwire_core::wire::envelope::MAX_NOTIFY_BYTES;
-use tensorwire_core::wire::error::MAX_ERROR_BYTES;
+use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, Result};
 
 /// Header length.
 pub const HEADER_LEN: usize = 64;
-/// Magic.
-pub const MAGIC: [u8; 2] = *b"TU";
-/// Protocol version.
-pub const VERSION: u8 = 1;
 /// Largest worker address a Hello carries.
 pub const MAX_ADDRESS_BYTES: usize = 16 << 10;
-/// Largest notification body (a user payload plus the engine's envelope).
-pub const MAX_NOTIFY_WIRE: usize = MAX_NOTIFY_BYTES + 1024;
+/// The messages' magic ("TU"), version and largest body.
+pub const FRAMING: Framing =
+    Framing { name: "ucx", magic: *b"TU", version: 1, max_payload: MAX_ADDRESS_BYTES as u32 };
 
 /// Answer flag: the request succeeded (else the body is an encoded error).
 pub const OK: u8 = 1;
@@ -139,63 +135,31 @@ impl<'a> Msg<'a> {
 
     /// Encodes header and body into one buffer.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER_LEN + self.body.len());
-        out.extend_from_slice(&MAGIC);
-        out.push(VERSION);
-        out.push(self.kind.tag());
-        out.push(self.flags);
-        out.extend_from_slice(&[0; 3]);
-        for v in [self.conn, self.req, self.region.0] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out.extend_from_slice(&self.key.to_bits().to_le_bytes());
-        out.extend_from_slice(&self.offset.to_le_bytes());
-        out.extend_from_slice(&self.len.to_le_bytes());
-        out.extend_from_slice(self.body);
-        out
+        let mut w = Writer::new();
+        w.raw(&FRAMING.magic).u8(FRAMING.version).u8(self.kind.tag()).u8(self.flags);
+        w.raw(&[0; 3]).u64(self.conn).u64(self.req).u64(self.region.0);
+        w.u128(self.key.to_bits()).u64(self.offset).u64(self.len).raw(self.body);
+        w.finish()
     }
 
     /// Decodes one message; every malformed input is an error, never a panic.
     pub fn decode(buf: &'a [u8]) -> Result<Msg<'a>> {
-        let Some((h, body)) = buf.split_first_chunk::<HEADER_LEN>() else {
-            return Err(Error::protocol(format!("ucx: message of {} bytes", buf.len())));
-        };
-        if h[0..2] != MAGIC {
-            return Err(Error::protocol("ucx: bad magic"));
-        }
-        if h[2] != VERSION {
-            return Err(Error::protocol(format!("ucx: protocol version {}", h[2])));
-        }
-        let kind = Kind::from_tag(h[3])?;
-        let flags = h[4];
-        if flags & !KNOWN_FLAGS != 0 || h[5..8] != [0; 3] {
+        let mut r = Reader::new(buf, "ucx message");
+        FRAMING.check_prefix(r.raw(3)?)?;
+        let kind = Kind::from_tag(r.u8()?)?;
+        let flags = r.u8()?;
+        if flags & !KNOWN_FLAGS != 0 || r.raw(3)? != [0; 3] {
             return Err(Error::protocol(format!("ucx: unknown flags {flags:#x}")));
         }
-        let max = kind.max_body(flags);
-        if body.len() > max {
-            return Err(Error::protocol(format!(
-                "ucx: {kind:?} body of {} bytes (limit {max})",
-                body.len()
-            )));
-        }
-        let u64_at = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&h[i..i + 8]);
-            u64::from_le_bytes(b)
-        };
-        let mut key = [0u8; 16];
-        key.copy_from_slice(&h[32..48]);
-        Ok(Msg {
-            kind,
-            flags,
-            conn: u64_at(8),
-            req: u64_at(16),
-            region: RegionId(u64_at(24)),
-            key: AccessKey::from_bits(u128::from_le_bytes(key)),
-            offset: u64_at(48),
-            len: u64_at(56),
-            body,
-        })
+        let (conn, req, region) = (r.u64()?, r.u64()?, RegionId(r.u64()?));
+        let (key, offset, len) = (AccessKey::from_bits(r.u128()?), r.u64()?, r.u64()?);
+        let body = r.rest();
+        FRAMING.check_len(
+            &format!("{kind:?} body"),
+            body.len() as u64,
+            kind.max_body(flags) as u64,
+        )?;
+        Ok(Msg { kind, flags, conn, req, region, key, offset, len, body })
     }
 }
 

@@ -1,21 +1,43 @@
 //! A process may exit right after dropping (or shutting down) its UCX backends, while their
 //! progress threads are still tearing UCX down: exit must be clean, not an abort inside libucs.
-//! The parent re-runs this binary as children that do exactly that, several times, since the
-//! window is a race.
-#![cfg(feature = "ucx")]
+//! The parent re-runs this binary (a `harness = false` test) as children that do exactly that,
+//! several times, since the window is a race.
 
+#[cfg(not(feature = "ucx"))]
+fn main() {
+    println!(
+        "skipped: built without the `ucx` feature (cargo test -p tensorwire-ucx --features ucx)"
+    );
+}
+
+#[cfg(feature = "ucx")]
+fn main() -> std::process::ExitCode {
+    tensorwire_conformance::harness::Harness::new()
+        .test("exit_right_after_dropping_backends_is_clean", || async {
+            tokio::task::spawn_blocking(exit_right_after_dropping_backends_is_clean).await.unwrap()
+        })
+        .child("exit", |args| async move { child(&args[0], &args[1]).await })
+        .run()
+}
+
+#[cfg(feature = "ucx")]
 use std::io::Read;
-use std::process::{Command, Stdio};
+#[cfg(feature = "ucx")]
+use std::process::Stdio;
+#[cfg(feature = "ucx")]
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "ucx")]
 use tensorwire_core::{Engine, Permissions, TransferOp};
+#[cfg(feature = "ucx")]
 use tensorwire_ucx::{UcxBackend, UcxConfig};
 
-const CHILD: &str = "TENSORWIRE_UCX_EXIT_CHILD";
+#[cfg(feature = "ucx")]
 const CHILDREN: usize = 18;
 
 /// The child's body: two engines move bytes, then everything is dropped and the process exits at
 /// once: after a shutdown, after a plain drop, or with a large WRITE still moving.
+#[cfg(feature = "ucx")]
 async fn child(mode: &str, tls: &str) {
     let mk = || UcxBackend::with_config(UcxConfig::transports(tls)).unwrap();
     let a = Engine::builder().backend(mk()).start().await.unwrap();
@@ -39,22 +61,13 @@ async fn child(mode: &str, tls: &str) {
     }
 }
 
-#[test]
+#[cfg(feature = "ucx")]
 fn exit_right_after_dropping_backends_is_clean() {
-    if let Ok(job) = std::env::var(CHILD) {
-        let (mode, tls) = job.split_once('/').unwrap();
-        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
-        rt.block_on(child(mode, tls));
-        drop(rt);
-        return;
-    }
-    let exe = std::env::current_exe().unwrap();
     for i in 0..CHILDREN {
         let mode = ["drop", "shutdown", "busy"][i % 3];
         let tls = ["tcp", "sm,self"][i / 3 % 2];
-        let mut kid = Command::new(&exe)
-            .args(["--exact", "exit_right_after_dropping_backends_is_clean", "--nocapture"])
-            .env(CHILD, format!("{mode}/{tls}"))
+        let mut kid = tensorwire_conformance::harness::child_command("exit")
+            .args([mode, tls])
             .env("UCX_NET_DEVICES", "lo")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

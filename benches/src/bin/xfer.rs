@@ -9,13 +9,14 @@
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
+use tensorwire_benches::Result;
 
 use clap::{Parser, ValueEnum};
 use tensorwire_benches::measure::{Budget, fmt_size, median, parse_size};
 use tensorwire_benches::report::{Line, Summary};
 use tensorwire_benches::store::StoreMode;
 use tensorwire_benches::suite::{self, Plan};
-use tensorwire_core::{Error, Result};
+use tensorwire_core::Error;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum OpArg {
@@ -199,7 +200,7 @@ fn main() -> ExitCode {
             Ok(false) => {}
             Err(e) => return Err(e),
         }
-        tokio::spawn(run(args)).await.unwrap_or_else(|e| Err(Error::protocol(e.to_string())))
+        tokio::spawn(run(args)).await.unwrap_or_else(|e| Err(e.to_string().into()))
     });
     match r {
         Ok(()) => ExitCode::SUCCESS,

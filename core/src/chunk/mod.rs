@@ -6,5 +6,5 @@ mod plan;
 pub(crate) mod ready;
 mod tracker;
 
-pub use plan::{ByteRange, Chunk, ChunkPlan, MAX_RANGES};
+pub use plan::{ByteRange, Chunk, ChunkPlan, LandedChunk, MAX_RANGES};
 pub use tracker::ChunkTracker;

@@ -24,6 +24,20 @@ impl ByteRange {
     }
 }
 
+/// A chunk of a plan placed in memory: which chunk, its span along the chunk dimension, and the
+/// byte ranges it occupies (as offsets in the region that holds the tensor).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LandedChunk {
+    /// Chunk index in the plan.
+    pub index: u32,
+    /// First index along the chunk dimension.
+    pub start: u64,
+    /// One past the last index along the chunk dimension.
+    pub end: u64,
+    /// Its bytes, as offsets in the region.
+    pub ranges: Vec<ByteRange>,
+}
+
 /// One chunk: its index, the element range `[start, end)` along the chunk dimension, and its bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Chunk {
@@ -161,6 +175,13 @@ impl ChunkPlan {
         self.chunks.get(index as usize).ok_or_else(|| {
             Error::InvalidArgument(format!("chunk {index} of a {}-chunk plan", self.chunks.len()))
         })
+    }
+    /// Chunk `index` as it lies in memory whose tensor storage starts at `base`.
+    pub fn landed(&self, index: u32, base: u64) -> Result<LandedChunk> {
+        let c = self.chunk(index)?;
+        let ranges =
+            c.ranges.iter().map(|r| ByteRange { offset: base + r.offset, len: r.len }).collect();
+        Ok(LandedChunk { index, start: c.start, end: c.end, ranges })
     }
     /// One past the last byte any chunk touches (relative to the region start).
     pub fn extent(&self) -> u64 {

@@ -15,7 +15,7 @@ use super::transfer::TransferOp;
 use super::{EngineShared, lock};
 use crate::backend::Direction;
 use crate::chunk::ready::ReadySet;
-use crate::chunk::{ByteRange, ChunkPlan, ChunkTracker};
+use crate::chunk::{ChunkPlan, ChunkTracker, LandedChunk};
 use crate::error::{Error, Result};
 use crate::ids::EngineId;
 use crate::region::{Region, RegionInner, RemoteRegion};
@@ -26,19 +26,6 @@ use crate::wire::envelope::Message;
 pub(crate) enum ChunkSignal {
     Landed { from: EngineId, index: u32 },
     Aborted { from: EngineId, reason: String },
-}
-
-/// A chunk that has landed in the consumer's region.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LandedChunk {
-    /// Chunk index in the plan.
-    pub index: u32,
-    /// First index along the chunk dimension.
-    pub start: u64,
-    /// One past the last index along the chunk dimension.
-    pub end: u64,
-    /// The bytes now valid, as offsets in the consumer's region.
-    pub ranges: Vec<ByteRange>,
 }
 
 fn check_fits(what: &str, region_len: u64, base: u64, plan: &ChunkPlan) -> Result<()> {
@@ -174,17 +161,7 @@ impl ChunkStream {
             )))),
             ChunkSignal::Landed { index, .. } => {
                 self.tracker.on_landed(index)?;
-                let c = self.plan.chunk(index)?;
-                Ok(Some(LandedChunk {
-                    index,
-                    start: c.start,
-                    end: c.end,
-                    ranges: c
-                        .ranges
-                        .iter()
-                        .map(|r| ByteRange { offset: self.base + r.offset, len: r.len })
-                        .collect(),
-                }))
+                Ok(Some(self.plan.landed(index, self.base)?))
             }
         }
     }
@@ -322,7 +299,7 @@ impl ChunkSender {
         let mut set = std::mem::take(&mut *lock(&self.tasks));
         let mut first_err = None;
         while let Some(r) = set.join_next().await {
-            let r = r.unwrap_or_else(|j| Err(Error::protocol(format!("chunk task failed: {j}"))));
+            let r = r.unwrap_or_else(|j| Err(Error::Internal(format!("chunk task failed: {j}"))));
             if let Err(e) = r {
                 first_err.get_or_insert(e);
             }

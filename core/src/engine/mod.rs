@@ -17,7 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-pub use chunked::{ChunkSender, ChunkStream, LandedChunk};
+pub use chunked::{ChunkSender, ChunkStream};
 pub use session::Session;
 pub use transfer::{TransferHandle, TransferOp, TransferReport};
 
@@ -25,7 +25,7 @@ use crate::backend::{Backend, RegionInfo};
 use crate::chunk::ChunkPlan;
 use crate::error::{Error, Missing, Result};
 use crate::ids::{AccessKey, EngineId, RegionId};
-use crate::memory::{HostMapping, MemoryKind};
+use crate::memory::{DeviceCopier, HostMapping, MemoryKind, ShareableMemory};
 use crate::region::{Permissions, Region, RegionInner, Storage};
 use crate::wire::descriptor::EngineDescriptor;
 use chunked::ChunkSignal;
@@ -107,6 +107,7 @@ pub(crate) struct EngineShared {
     pub(crate) host: String,
     pub(crate) config: EngineConfig,
     pub(crate) backends: Vec<Arc<dyn Backend>>,
+    pub(crate) copier: Option<Arc<dyn DeviceCopier>>,
     pub(crate) regions: RegionTable,
     /// Descriptors of peers that completed a handshake with us (either direction).
     pub(crate) peers: Mutex<HashMap<EngineId, EngineDescriptor>>,
@@ -148,24 +149,19 @@ impl EngineShared {
     ) -> Result<Region> {
         self.ensure_open()?;
         let id = self.regions.next_id();
-        let fd = match &storage {
-            Storage::Owned(m) => m.fd(),
-            Storage::Raw(_) => None,
+        let (addr, shareable) = match &storage {
+            Storage::Owned(m) => (m.ptr() as usize, ShareableMemory::of(m)),
+            Storage::Raw(a) => (*a, None),
         };
-        let addr = match &storage {
-            Storage::Owned(m) => m.ptr() as usize,
-            Storage::Raw(a) => *a,
-        };
-        let info = RegionInfo { id, kind, addr, len, perms, fd };
+        let info = RegionInfo { id, kind, addr, len, perms, shareable };
         let mut blobs = Vec::with_capacity(self.backends.len());
-        for b in &self.backends {
+        for (i, b) in self.backends.iter().enumerate() {
             match b.register(&info).await {
-                Ok(blob) => blobs.push((b.name(), blob)),
+                Ok(Some(blob)) => blobs.push((b.name(), blob)),
+                Ok(None) => {}
                 Err(e) => {
-                    for (name, _) in &blobs {
-                        if let Some(done) = self.backends.iter().find(|b| b.name() == *name) {
-                            let _ = done.deregister(id).await;
-                        }
+                    for done in &self.backends[..i] {
+                        let _ = done.deregister(id).await;
                     }
                     return Err(e);
                 }
@@ -182,6 +178,7 @@ impl EngineShared {
             drained: tokio::sync::Notify::new(),
             blobs,
             engine_id: self.id,
+            copier: self.copier.clone(),
         });
         self.regions.insert(inner.clone());
         Ok(Region { inner, engine: Arc::downgrade(self) })
@@ -280,6 +277,7 @@ pub struct Engine {
 pub struct EngineBuilder {
     config: EngineConfig,
     backends: Vec<Arc<dyn Backend>>,
+    copier: Option<Arc<dyn DeviceCopier>>,
 }
 
 impl EngineBuilder {
@@ -293,7 +291,14 @@ impl EngineBuilder {
         self.config = config;
         self
     }
-    /// Binds the control endpoint, attaches the backends and starts serving handshakes.
+    /// The copier for device memory (from a GPU crate): [`crate::MemSlice::copy_from`] uses it
+    /// for every copy that involves a device region of this engine.
+    pub fn device_copier(mut self, copier: Arc<dyn DeviceCopier>) -> Self {
+        self.copier = Some(copier);
+        self
+    }
+    /// Binds the control endpoint, starts the backends and starts serving handshakes. A backend
+    /// that cannot start fails the whole start (the backends started before it are shut down).
     pub async fn start(self) -> Result<Engine> {
         if self.backends.is_empty() {
             return Err(Error::InvalidArgument("an engine needs at least one backend".into()));
@@ -312,6 +317,7 @@ impl EngineBuilder {
             host,
             config: self.config,
             backends: self.backends,
+            copier: self.copier,
             regions: RegionTable::new(),
             peers: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
@@ -323,8 +329,13 @@ impl EngineBuilder {
             closed: AtomicBool::new(false),
             counters: Counters::default(),
         });
-        for b in &shared.backends {
-            b.attach(Arc::new(host::HostAdapter::new(&shared)));
+        for (i, b) in shared.backends.iter().enumerate() {
+            if let Err(e) = b.start(Arc::new(host::HostAdapter::new(&shared))).await {
+                for started in &shared.backends[..i] {
+                    started.shutdown().await;
+                }
+                return Err(e);
+            }
         }
         let task = tokio::spawn(control::serve(listener, Arc::downgrade(&shared)));
         *lock(&shared.listener) = Some(task);
@@ -388,7 +399,7 @@ impl Engine {
             requested: len,
             limit: usize::MAX as u64,
         })?;
-        let mapping = HostMapping::new(n)?;
+        let mapping = Arc::new(HostMapping::new(n)?);
         self.shared.register(Storage::Owned(mapping), len, MemoryKind::Host, perms).await
     }
 

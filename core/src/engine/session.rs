@@ -15,6 +15,7 @@ use crate::backend::{
 };
 use crate::chunk::ChunkPlan;
 use crate::error::{Error, Missing, Result};
+use crate::fence::OpFence;
 use crate::ids::EngineId;
 use crate::memory::MemoryKind;
 use crate::region::{MemSlice, Region, RemoteRegion};
@@ -33,13 +34,27 @@ struct SessionInner {
     engine: Weak<EngineShared>,
     peer: RwLock<EngineDescriptor>,
     addr: RwLock<Option<SocketAddr>>,
-    conns: tokio::sync::Mutex<HashMap<&'static str, Arc<dyn Connection>>>,
+    conns: tokio::sync::Mutex<HashMap<&'static str, Conn>>,
+}
+
+/// A backend connection and the fence that orders notifications after its ops.
+#[derive(Debug, Clone)]
+struct Conn {
+    conn: Arc<dyn Connection>,
+    fence: OpFence,
+}
+
+/// One backend-sized piece of an op, before the engine hands it to a connection.
+struct Piece {
+    local: MemSlice,
+    remote: RemoteSlice,
 }
 
 /// An op checked and cut into backend-sized pieces.
 struct Prepared {
     backend: usize,
-    pieces: Vec<Op>,
+    dir: Direction,
+    pieces: Vec<Piece>,
 }
 
 impl Session {
@@ -116,7 +131,8 @@ impl Session {
     }
 
     /// Picks the first backend (in engine preference order) the peer also runs that can move
-    /// `local` <-> `remote` memory in direction `dir` (or notify, when `dir` is None).
+    /// `local` <-> `remote` memory in direction `dir` (or notify, when `dir` is None) and, for an
+    /// op, registered the remote region (a backend that cannot reach it registered no blob).
     fn select(
         engine: &EngineShared,
         peer: &EngineDescriptor,
@@ -142,7 +158,7 @@ impl Session {
                     }
                     None => c.notify,
                 };
-                let reaches = remote.is_none_or(|r| b.reaches(r.blob(b.name())));
+                let reaches = remote.is_none_or(|r| r.blob(b.name()).is_some());
                 shared && host_ok && op_ok && reaches
             })
             .ok_or_else(|| Error::Unsupported {
@@ -158,11 +174,7 @@ impl Session {
             })
     }
 
-    async fn connection(
-        &self,
-        engine: &EngineShared,
-        backend: &Arc<dyn Backend>,
-    ) -> Result<Arc<dyn Connection>> {
+    async fn connection(&self, engine: &EngineShared, backend: &Arc<dyn Backend>) -> Result<Conn> {
         let mut conns = self.inner.conns.lock().await;
         if let Some(c) = conns.get(backend.name()) {
             return Ok(c.clone());
@@ -179,8 +191,9 @@ impl Session {
         let conn = tokio::time::timeout(limit, backend.connect(&info)).await.map_err(|_| {
             Error::timeout(format!("{} connect to {}", backend.name(), peer.engine), limit)
         })??;
-        conns.insert(backend.name(), conn.clone());
-        Ok(conn)
+        let c = Conn { conn, fence: OpFence::new() };
+        conns.insert(backend.name(), c.clone());
+        Ok(c)
     }
 
     fn prepare(
@@ -220,9 +233,8 @@ impl Session {
         let blob = op.remote.blob(b.name()).cloned().unwrap_or_default();
         let max = b.capabilities().max_request_bytes.max(1);
         let mut pieces = Vec::with_capacity(op.len.div_ceil(max).max(1) as usize);
-        let cut = |off: u64, slice: MemSlice| Op {
-            dir: op.dir,
-            local: slice,
+        let cut = |off: u64, local: MemSlice| Piece {
+            local,
             remote: RemoteSlice {
                 region: op.remote.id,
                 key: op.remote.key,
@@ -240,7 +252,7 @@ impl Session {
                 off += n;
             }
         }
-        Ok(Prepared { backend, pieces })
+        Ok(Prepared { backend, dir: op.dir, pieces })
     }
 
     /// Submits a batch. Every op gets its own handle that resolves on its own (an op rejected up front
@@ -253,12 +265,12 @@ impl Session {
         };
         let peer = self.descriptor();
         let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
-        // backend index -> (op index, pieces)
-        let mut groups: HashMap<usize, Vec<(usize, Vec<Op>)>> = HashMap::new();
+        // backend index -> (op index, prepared op)
+        let mut groups: HashMap<usize, Vec<(usize, Prepared)>> = HashMap::new();
         for (i, op) in ops.iter().enumerate() {
             match self.prepare(&engine, &peer, op) {
                 Ok(p) => {
-                    groups.entry(p.backend).or_default().push((i, p.pieces));
+                    groups.entry(p.backend).or_default().push((i, p));
                     handles.push(None);
                 }
                 Err(e) => handles.push(Some(TransferHandle::failed(e))),
@@ -266,7 +278,7 @@ impl Session {
         }
         for (b, members) in groups {
             let backend = engine.backends[b].clone();
-            let conn = match self.connection(&engine, &backend).await {
+            let c = match self.connection(&engine, &backend).await {
                 Ok(c) => c,
                 Err(e) => {
                     for (i, _) in members {
@@ -275,11 +287,32 @@ impl Session {
                     continue;
                 }
             };
-            let counts: Vec<(usize, usize)> = members.iter().map(|(i, p)| (*i, p.len())).collect();
-            let all: Vec<Op> = members.into_iter().flat_map(|(_, p)| p).collect();
-            let mut done: std::vec::IntoIter<Completion> = conn.submit(all).into_iter();
+            let counts: Vec<(usize, usize)> =
+                members.iter().map(|(i, p)| (*i, p.pieces.len())).collect();
+            let all: Vec<Op> = members
+                .into_iter()
+                .flat_map(|(_, p)| {
+                    let dir = p.dir;
+                    let fence = &c.fence;
+                    p.pieces.into_iter().map(move |x| Op {
+                        dir,
+                        local: x.local,
+                        remote: x.remote,
+                        ticket: fence.ticket(),
+                    })
+                })
+                .collect();
+            let mut done: std::vec::IntoIter<Completion> = c.conn.submit(all).into_iter();
             for (i, n) in counts {
                 let pieces: Vec<Completion> = done.by_ref().take(n).collect();
+                if pieces.len() != n {
+                    let e = Error::Internal(format!(
+                        "{} returned fewer completions than ops",
+                        backend.name()
+                    ));
+                    handles[i] = Some(TransferHandle::failed(e));
+                    continue;
+                }
                 handles[i] =
                     Some(TransferHandle::running(&engine, backend.name(), &ops[i], pieces));
             }
@@ -287,7 +320,9 @@ impl Session {
         handles
             .into_iter()
             .map(|h| {
-                h.unwrap_or_else(|| TransferHandle::failed(Error::protocol("op lost in submit")))
+                h.unwrap_or_else(|| {
+                    TransferHandle::failed(Error::Internal("an op was lost in submit".into()))
+                })
             })
             .collect()
     }
@@ -297,7 +332,7 @@ impl Session {
         let mut hs = self.submit(vec![op]).await;
         match hs.pop() {
             Some(h) => h.await,
-            None => Err(Error::protocol("submit returned no handle")),
+            None => Err(Error::Internal("submit returned no handle".into())),
         }
     }
 
@@ -306,9 +341,14 @@ impl Session {
         let peer = self.descriptor();
         let bytes = Envelope { from: engine.id, msg }.encode()?;
         let b = engine.backends[Self::select(&engine, &peer, None, None)?].clone();
-        let conn = self.connection(&engine, &b).await?;
+        let c = self.connection(&engine, &b).await?;
+        let earlier = c.fence.wait_earlier();
         let limit = engine.config.transfer_timeout;
-        tokio::time::timeout(limit, conn.notify(bytes))
+        let ordered = async move {
+            earlier.await; // every op submitted before this notification has ended
+            c.conn.notify(bytes).await
+        };
+        tokio::time::timeout(limit, ordered)
             .await
             .map_err(|_| Error::timeout(format!("notification to {}", peer.engine), limit))?
     }

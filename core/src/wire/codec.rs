@@ -52,6 +52,19 @@ impl Writer {
     pub fn str(&mut self, v: &str) -> &mut Self {
         self.bytes(v.as_bytes())
     }
+    /// Appends an optional value: a presence byte (0 or 1), then the value written by `put`.
+    pub fn opt<T>(&mut self, v: Option<T>, put: impl FnOnce(&mut Self, T)) -> &mut Self {
+        match v {
+            Some(v) => {
+                self.u8(1);
+                put(self, v);
+            }
+            None => {
+                self.u8(0);
+            }
+        }
+        self
+    }
     /// Appends raw bytes without a length.
     pub fn raw(&mut self, v: &[u8]) -> &mut Self {
         self.buf.extend_from_slice(v);
@@ -60,6 +73,14 @@ impl Writer {
     /// The encoded bytes.
     pub fn finish(self) -> Vec<u8> {
         self.buf
+    }
+    /// The encoded bytes as a fixed-size header: callers write exactly `N` bytes (their tests
+    /// check the length); a shorter encoding is zero-padded, a longer one cut.
+    pub fn finish_fixed<const N: usize>(self) -> [u8; N] {
+        let mut out = [0u8; N];
+        let n = self.buf.len().min(N);
+        out[..n].copy_from_slice(&self.buf[..n]);
+        out
     }
 }
 
@@ -91,6 +112,10 @@ impl<'a> Reader<'a> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.take(N)?);
         Ok(out)
+    }
+    /// Reads `n` raw bytes (what [`Writer::raw`] wrote).
+    pub fn raw(&mut self, n: usize) -> Result<&'a [u8]> {
+        self.take(n)
     }
     /// Reads one byte.
     pub fn u8(&mut self) -> Result<u8> {
@@ -132,6 +157,19 @@ impl<'a> Reader<'a> {
         let raw = self.bytes(max, field)?;
         String::from_utf8(raw.to_vec())
             .map_err(|_| Error::protocol(format!("{}: {field} is not UTF-8", self.what)))
+    }
+    /// Reads what [`Writer::opt`] wrote, the value with `get`; a presence byte other than 0 or 1
+    /// is an error naming `field`.
+    pub fn opt<T>(
+        &mut self,
+        field: &str,
+        get: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<Option<T>> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => get(self).map(Some),
+            t => Err(Error::protocol(format!("{}: {field}: presence byte {t}", self.what))),
+        }
     }
     /// Reads an element count of at most `max`.
     pub fn count(&mut self, max: usize, field: &str) -> Result<usize> {

@@ -11,6 +11,8 @@ use crate::wire::codec::{Reader, Writer};
 pub const ENVELOPE_VERSION: u8 = 1;
 /// Largest user notification payload.
 pub const MAX_NOTIFY_BYTES: usize = 64 << 10;
+/// Largest encoded envelope: what a backend's `notify` must be able to carry.
+pub const MAX_NOTIFY_WIRE: usize = MAX_NOTIFY_BYTES + 1024;
 /// Longest abort reason.
 const MAX_REASON: usize = 1024;
 

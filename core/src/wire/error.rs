@@ -73,6 +73,9 @@ pub fn encode_error(e: &Error) -> Vec<u8> {
         Error::Backend { backend, source } => {
             w.u8(11).str(backend).str(clip(&source.to_string()));
         }
+        Error::Internal(s) => {
+            w.u8(13).str(clip(s));
+        }
     }
     w.finish()
 }
@@ -139,6 +142,7 @@ pub fn decode_error(buf: &[u8]) -> Result<Error> {
             }
         }
         12 => Error::Checksum { what: text(&mut r, "what")?, expected: r.u32()?, actual: r.u32()? },
+        13 => Error::Internal(text(&mut r, "reason")?),
         t => return Err(Error::protocol(format!("error body: unknown error tag {t}"))),
     };
     r.finish()?;
@@ -172,6 +176,8 @@ mod tests {
         assert!(e.to_string().contains("tcp: gpu"));
         let e = round(Error::Checksum { what: "w".into(), expected: 1, actual: 2 });
         assert!(matches!(e, Error::Checksum { expected: 1, actual: 2, .. }));
+        let e = round(Error::Internal("op lost".into()));
+        assert!(matches!(e, Error::Internal(s) if s == "op lost"));
         let long = "é".repeat(5000);
         assert!(
             matches!(round(Error::Protocol(long)), Error::Protocol(s) if s.len() <= MAX_ERROR_TEXT)

@@ -1,41 +1,39 @@
-//! Handshake messages (the payloads of control frames):
+//! The authenticated handshake's messages (payloads of frames with the reserved kinds):
 //! 1. client -> server `Open`: the client's nonce;
-//! 2. server -> client `Challenge`: the server's nonce and, when it has a cluster secret, its proof;
-//! 3. client -> server `Hello`: the client's proof (when it has a secret) and its descriptor;
-//! 4. server -> client `Hello`: the server's descriptor (or a `Reject` frame with the reason).
+//! 2. server -> client `Challenge`: the server's nonce and, with a cluster secret, its proof;
+//! 3. client -> server `Proof`: the client's proof (with a secret).
 //!
-//! Descriptors (which carry region keys) are sent only after the peer has authenticated.
+//! Then come the protocol's own messages, or a `Reject` frame (UTF-8 reason) from either side.
+//! Every decoder is total.
 
 use crate::auth::AUTH_LEN;
 use crate::error::Result;
 use crate::wire::codec::{Reader, Writer};
-use crate::wire::descriptor::EngineDescriptor;
+use crate::wire::frame::RESERVED_KINDS;
+
+/// Frame kind of `Open`.
+pub const OPEN: u8 = RESERVED_KINDS;
+/// Frame kind of `Challenge`.
+pub const CHALLENGE: u8 = RESERVED_KINDS + 1;
+/// Frame kind of `Proof`.
+pub const PROOF: u8 = RESERVED_KINDS + 2;
+/// Frame kind of a refusal (payload: the reason, UTF-8).
+pub const REJECT: u8 = RESERVED_KINDS + 3;
 
 fn get_array(r: &mut Reader<'_>) -> Result<[u8; AUTH_LEN]> {
     let mut out = [0u8; AUTH_LEN];
-    for b in &mut out {
-        *b = r.u8()?;
-    }
+    out.copy_from_slice(r.raw(AUTH_LEN)?);
     Ok(out)
 }
 
 fn get_proof(r: &mut Reader<'_>) -> Result<Option<[u8; AUTH_LEN]>> {
-    match r.u8()? {
-        0 => Ok(None),
-        1 => Ok(Some(get_array(r)?)),
-        t => Err(crate::error::Error::protocol(format!("handshake: bad proof flag {t}"))),
-    }
+    r.opt("proof", get_array)
 }
 
 fn put_proof(w: &mut Writer, proof: &Option<[u8; AUTH_LEN]>) {
-    match proof {
-        None => {
-            w.u8(0);
-        }
-        Some(p) => {
-            w.u8(1).raw(p);
-        }
-    }
+    w.opt(proof.as_ref(), |w, p| {
+        w.raw(p);
+    });
 }
 
 /// Step 1: the client's nonce.
@@ -48,9 +46,7 @@ pub struct Open {
 impl Open {
     /// Encodes.
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new();
-        w.raw(&self.nonce);
-        w.finish()
+        self.nonce.to_vec()
     }
     /// Decodes; never panics.
     pub fn decode(buf: &[u8]) -> Result<Open> {
@@ -88,36 +84,32 @@ impl Challenge {
     }
 }
 
-/// Steps 3 and 4: an optional proof and a descriptor.
+/// Step 3: the client's proof.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hello {
-    /// Client proof (absent in the server's Hello, or when the client has no secret).
+pub struct Proof {
+    /// Client proof, present when the client has a cluster secret.
     pub proof: Option<[u8; AUTH_LEN]>,
-    /// The sender's descriptor.
-    pub descriptor: EngineDescriptor,
 }
 
-impl Hello {
+impl Proof {
     /// Encodes.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         put_proof(&mut w, &self.proof);
-        w.raw(&self.descriptor.encode());
         w.finish()
     }
     /// Decodes; never panics.
-    pub fn decode(buf: &[u8]) -> Result<Hello> {
-        let mut r = Reader::new(buf, "handshake hello");
+    pub fn decode(buf: &[u8]) -> Result<Proof> {
+        let mut r = Reader::new(buf, "handshake proof");
         let proof = get_proof(&mut r)?;
-        let descriptor = EngineDescriptor::decode(r.rest())?;
-        Ok(Hello { proof, descriptor })
+        r.finish()?;
+        Ok(Proof { proof })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::EngineId;
     use proptest::prelude::*;
 
     #[test]
@@ -127,17 +119,11 @@ mod tests {
         for proof in [None, Some([9; AUTH_LEN])] {
             let c = Challenge { nonce: [1; AUTH_LEN], proof };
             assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
-            let h = Hello {
-                proof,
-                descriptor: EngineDescriptor {
-                    engine: EngineId(3),
-                    host: "h".into(),
-                    backends: vec![],
-                    regions: vec![],
-                },
-            };
-            assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+            let p = Proof { proof };
+            assert_eq!(Proof::decode(&p.encode()).unwrap(), p);
         }
+        assert!(Proof::decode(&[2]).is_err());
+        assert!(Open::decode(&[0; AUTH_LEN + 1]).is_err());
     }
 
     proptest! {
@@ -145,7 +131,7 @@ mod tests {
         fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
             let _ = Open::decode(&bytes);
             let _ = Challenge::decode(&bytes);
-            let _ = Hello::decode(&bytes);
+            let _ = Proof::decode(&bytes);
         }
     }
 }

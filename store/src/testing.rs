@@ -1,15 +1,24 @@
-//! The store suite, written once and run against every [`Store`]: the embedded store and a remote
-//! store node. A [`StoreFactory`] builds a store of a given configuration plus a client engine to
-//! allocate the caller's regions from. Expand with `store_tests!(factory)`.
+//! The store suite, written once and run against any [`Store`] through the trait object (the
+//! embedded store and a remote store node run it here; another implementation runs it the same
+//! way). A [`StoreFactory`] builds a store of a given configuration plus a client engine to
+//! allocate the caller's regions from, and says how the store differs where a test needs it
+//! (where its spill tier keeps a key, how a client dies mid-put). Expand with
+//! `tensorwire_store::store_tests!(factory)`.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use tensorwire_core::{DType, Engine, Error, Missing, Permissions, TensorMeta};
-use tensorwire_store::{EmbeddedStore, Retention, Store, StoreConfig};
+use tensorwire_conformance::{bounded, pattern};
+use tensorwire_core::{DType, Engine, Error, Permissions, TensorMeta};
 
-use crate::{bounded, pattern};
+use crate::{Retention, Store, StoreConfig, StoreError};
+
+#[doc(hidden)]
+pub mod __private {
+    pub use tokio;
+}
 
 /// A store under test.
 pub struct StoreUnderTest {
@@ -17,9 +26,7 @@ pub struct StoreUnderTest {
     pub store: Arc<dyn Store>,
     /// Engine for the caller's regions.
     pub client: Engine,
-    /// The embedded store behind it (itself, or the node's), for spill-file access.
-    pub backing: Arc<EmbeddedStore>,
-    /// Anything that must live as long as the test (engines, the node).
+    /// Anything that must live as long as the test (engines, the node, the backing store).
     pub keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
 
@@ -31,6 +38,9 @@ pub trait StoreFactory: Send + Sync {
     /// Starts a put of `len` bytes under `key` and then vanishes without committing (a client
     /// killed mid-put).
     async fn abandon_put(&self, t: &StoreUnderTest, key: &[u8], len: u64);
+    /// The file that holds `key` while it is in the spill tier only (the suite corrupts it), or
+    /// `None` when it is not there.
+    fn spill_file(&self, t: &StoreUnderTest, key: &[u8]) -> Option<PathBuf>;
 }
 
 fn meta(len: u64) -> TensorMeta {
@@ -83,7 +93,7 @@ pub async fn exists_and_remove(f: &dyn StoreFactory) {
     assert!(s.exists(b"k").await.unwrap());
     assert!(s.remove(b"k").await.unwrap());
     assert!(!s.remove(b"k").await.unwrap());
-    assert!(matches!(s.get(b"k").await, Err(Error::NotFound(Missing::Other(_)))));
+    assert!(matches!(s.get(b"k").await, Err(StoreError::NotFound { key }) if key.0 == b"k"));
     assert_eq!(s.stats().await.unwrap().used, 0, "removed objects free their blocks");
     let batch = s.exists_batch(&[b"a", b"k"]).await;
     assert!(batch.iter().all(|r| matches!(r, Ok(false))));
@@ -93,28 +103,34 @@ pub async fn exists_and_remove(f: &dyn StoreFactory) {
 pub async fn bad_inputs(f: &dyn StoreFactory) {
     let t = f.make(cfg(4 << 20)).await;
     let s = &t.store;
-    assert!(matches!(s.get(b"nope").await, Err(Error::NotFound(_))));
+    assert!(matches!(s.get(b"nope").await, Err(StoreError::NotFound { .. })));
     let dst = t.client.alloc(4096, Permissions::NONE).await.unwrap();
-    assert!(matches!(s.get_into(b"nope", &dst, 0).await, Err(Error::NotFound(_))));
+    assert!(matches!(s.get_into(b"nope", &dst, 0).await, Err(StoreError::NotFound { .. })));
     let big = 8u64 << 20;
     let src = t.client.alloc(big, Permissions::NONE).await.unwrap();
     let e = s.put_from(b"big", &meta(big), &src, 0, big, Retention::Normal).await.unwrap_err();
-    assert!(matches!(e, Error::Capacity { .. }), "oversized object: {e}");
+    assert!(matches!(e, StoreError::Capacity { .. }), "oversized object: {e}");
     let e = s.put(b"m", &meta(100), &[0; 10], Retention::Normal).await.unwrap_err();
-    assert!(matches!(e, Error::InvalidTensor(_)), "metadata larger than the bytes: {e}");
+    assert!(matches!(e, StoreError::InvalidTensor(_)), "metadata larger than the bytes: {e}");
     let e = s.put(b"", &meta(1), &[0], Retention::Normal).await.unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "empty key: {e}");
-    let long = vec![b'x'; tensorwire_store::MAX_KEY + 1];
+    assert!(matches!(e, StoreError::InvalidArgument(_)), "empty key: {e}");
+    let long = vec![b'x'; crate::MAX_KEY + 1];
     let e = s.put(&long, &meta(1), &[0], Retention::Normal).await.unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "long key: {e}");
+    assert!(matches!(e, StoreError::InvalidArgument(_)), "long key: {e}");
     s.put(b"dup", &meta(8), &[1; 8], Retention::Normal).await.unwrap();
     let e = s.put(b"dup", &meta(8), &[2; 8], Retention::Normal).await.unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "duplicate key: {e}");
+    assert!(matches!(e, StoreError::Exists { .. }), "duplicate key: {e}");
     s.put(b"wide", &meta(8192), &[3; 8192], Retention::Normal).await.unwrap();
     let e = s.get_into(b"wide", &dst, 0).await.unwrap_err();
-    assert!(matches!(e, Error::OutOfBounds { .. }), "destination too small: {e}");
+    assert!(
+        matches!(e, StoreError::Engine(Error::OutOfBounds { .. })),
+        "destination too small: {e}"
+    );
+    let src = t.client.alloc(16, Permissions::NONE).await.unwrap();
+    let e = s.put_from(b"r", &meta(32), &src, 0, 32, Retention::Normal).await.unwrap_err();
+    assert!(matches!(e, StoreError::Engine(Error::OutOfBounds { .. })), "source too small: {e}");
     let e = s.unpin(b"dup").await.unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "unpin of an unpinned key: {e}");
+    assert!(matches!(e, StoreError::InvalidArgument(_)), "unpin of an unpinned key: {e}");
     let st = s.stats().await.unwrap();
     assert_eq!(st.objects, 2, "only the two good puts are stored");
 }
@@ -137,7 +153,7 @@ pub async fn lru_eviction(f: &dyn StoreFactory) {
     assert!(st.evictions >= 2 && st.used <= 2 * mb, "{st:?}");
 }
 
-fn futures_lite(v: Vec<Result<bool, Error>>) -> Vec<bool> {
+fn futures_lite(v: Vec<crate::Result<bool>>) -> Vec<bool> {
     v.into_iter().map(|r| r.unwrap()).collect()
 }
 
@@ -169,7 +185,7 @@ pub async fn pinning_and_retention(f: &dyn StoreFactory) {
     assert!(!s.exists(b"soft").await.unwrap(), "soft goes when no normal object is evictable");
     s.pin(b"new4").await.unwrap();
     let e = s.put(b"new5", &meta(mb), &one, Retention::Normal).await.unwrap_err();
-    assert!(matches!(e, Error::Capacity { .. }), "everything pinned: {e}");
+    assert!(matches!(e, StoreError::Capacity { .. }), "everything pinned: {e}");
     for k in [&b"pinned"[..], b"counted", b"new3", b"new4"] {
         assert!(s.get(k).await.unwrap().1 == one, "{:?} intact", String::from_utf8_lossy(k));
     }
@@ -219,8 +235,6 @@ pub async fn spill_and_reload(f: &dyn StoreFactory) {
         ..cfg(4 << 20)
     };
     let t = f.make(c).await;
-    let io = t.backing.spill_io().expect("a spill tier is configured");
-    println!("spill tier I/O here: {io}");
     let s = &t.store;
     let mb = 1u64 << 20;
     let datas: Vec<Vec<u8>> = (0..6).map(|i| pattern(mb as usize + i * 7, i as u8)).collect();
@@ -240,7 +254,7 @@ pub async fn spill_and_reload(f: &dyn StoreFactory) {
     }
     // Corrupt one spilled object and truncate another.
     let spilled: Vec<(usize, std::path::PathBuf)> = (0..6)
-        .filter_map(|i| t.backing.spill_file(format!("o{i}").as_bytes()).map(|p| (i, p)))
+        .filter_map(|i| f.spill_file(&t, format!("o{i}").as_bytes()).map(|p| (i, p)))
         .collect();
     assert!(spilled.len() >= 2, "objects in the spill tier now: {spilled:?}");
     let (ci, cpath) = &spilled[0];
@@ -249,12 +263,12 @@ pub async fn spill_and_reload(f: &dyn StoreFactory) {
     bytes[n - 10] ^= 0xff;
     std::fs::write(cpath, &bytes).unwrap();
     let e = s.get(format!("o{ci}").as_bytes()).await.unwrap_err();
-    assert!(matches!(e, Error::Checksum { .. }), "corrupt spill file: {e}");
+    assert!(matches!(e, StoreError::Corrupt(ref m) if m.contains("checksum")), "corrupt: {e}");
     let (ti, tpath) = &spilled[1];
     let f2 = std::fs::OpenOptions::new().write(true).open(tpath).unwrap();
     f2.set_len(5000).unwrap();
     let e = s.get(format!("o{ti}").as_bytes()).await.unwrap_err();
-    assert!(matches!(e, Error::Protocol(_)), "truncated spill file: {e}");
+    assert!(matches!(e, StoreError::Corrupt(ref m) if m.contains("truncated")), "truncated: {e}");
     for i in 0..6 {
         s.remove(format!("o{i}").as_bytes()).await.unwrap();
     }
@@ -296,13 +310,13 @@ pub async fn leases(f: &dyn StoreFactory) {
     let s = &t.store;
     s.put(b"emb", &meta(100), &[5; 100], Retention::Pinned).await.unwrap();
     let e = s.consumed(b"emb").await.unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument(_)), "consumed without a count: {e}");
+    assert!(matches!(e, StoreError::InvalidArgument(_)), "consumed without a count: {e}");
     s.set_lease(b"emb", 2, None).await.unwrap();
     assert!(!s.consumed(b"emb").await.unwrap());
     assert!(s.exists(b"emb").await.unwrap());
     assert!(s.consumed(b"emb").await.unwrap(), "the last consumer removes it");
     assert!(!s.exists(b"emb").await.unwrap());
-    assert!(matches!(s.consumed(b"emb").await, Err(Error::NotFound(_))));
+    assert!(matches!(s.consumed(b"emb").await, Err(StoreError::NotFound { .. })));
     s.put(b"ttl", &meta(100), &[6; 100], Retention::Pinned).await.unwrap();
     s.set_lease(b"ttl", 0, Some(Duration::from_millis(200))).await.unwrap();
     assert!(s.exists(b"ttl").await.unwrap());
@@ -319,10 +333,10 @@ pub async fn batches(f: &dyn StoreFactory) {
     src.write_bytes(0, &pattern(4 * len as usize, 9)).unwrap();
     let m = meta(len);
     let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("b{i}").into_bytes()).collect();
-    let puts: Vec<tensorwire_store::PutFrom<'_>> = keys
+    let puts: Vec<crate::PutFrom<'_>> = keys
         .iter()
         .enumerate()
-        .map(|(i, k)| tensorwire_store::PutFrom {
+        .map(|(i, k)| crate::PutFrom {
             key: k,
             meta: &m,
             src: &src,
@@ -334,14 +348,14 @@ pub async fn batches(f: &dyn StoreFactory) {
     assert!(t.store.put_from_batch(&puts).await.iter().all(Result::is_ok));
     let dst = t.client.alloc(4 * len, Permissions::NONE).await.unwrap();
     let missing_key = b"nope".to_vec();
-    let mut gets: Vec<tensorwire_store::GetInto<'_>> = keys
+    let mut gets: Vec<crate::GetInto<'_>> = keys
         .iter()
         .enumerate()
-        .map(|(i, k)| tensorwire_store::GetInto { key: k, dst: &dst, offset: i as u64 * len })
+        .map(|(i, k)| crate::GetInto { key: k, dst: &dst, offset: i as u64 * len })
         .collect();
-    gets.push(tensorwire_store::GetInto { key: &missing_key, dst: &dst, offset: 0 });
+    gets.push(crate::GetInto { key: &missing_key, dst: &dst, offset: 0 });
     let r = t.store.get_into_batch(&gets).await;
-    assert!(r[..4].iter().all(Result::is_ok) && matches!(r[4], Err(Error::NotFound(_))));
+    assert!(r[..4].iter().all(Result::is_ok) && matches!(r[4], Err(StoreError::NotFound { .. })));
     assert!(dst.to_vec(0, 4 * len).unwrap() == src.to_vec(0, 4 * len).unwrap());
     let ks: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     assert!(t.store.remove_batch(&ks).await.iter().all(|r| matches!(r, Ok(true))));
@@ -369,13 +383,13 @@ macro_rules! __each_store_test {
 #[macro_export]
 macro_rules! __one_store_test {
     ($f:expr, $name:ident) => {
-        #[$crate::__private::tokio::test(
+        #[$crate::testing::__private::tokio::test(
             flavor = "multi_thread",
             worker_threads = 2,
-            crate = "tensorwire_conformance::__private::tokio"
+            crate = "tensorwire_store::testing::__private::tokio"
         )]
         async fn $name() {
-            $crate::store::$name(&$f).await
+            $crate::testing::$name(&$f).await
         }
     };
 }

@@ -1,31 +1,38 @@
 //! The orchestrator as a service, with workers in other processes: a decode worker process that is
 //! killed (SIGKILL) while it holds items; every request still completes and nothing is decoded
-//! twice. Plus: a client with the wrong cluster secret is refused.
+//! twice. Plus: a client with the wrong cluster secret is refused. A `harness = false` binary:
+//! the worker processes are its child entry point `decode_worker`.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
+use tensorwire_conformance::harness::{Harness, child_command};
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_diffusion::sched::{MaxFreeCredit, SchedConfig};
-use tensorwire_diffusion::service::{
+use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_orchestrator::service::{
     OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
-use tensorwire_diffusion::{Priority, Stage};
+use tensorwire_orchestrator::{OrchestratorError, Priority, Stage};
 
-const ROLE: &str = "TW_SERVICE_WORKER";
 const SECRET: &str = "correct horse battery staple";
+
+fn main() -> std::process::ExitCode {
+    Harness::new()
+        .test("killed_decode_worker_loses_nothing", killed_decode_worker_loses_nothing)
+        .test("wrong_secret_is_refused", wrong_secret_is_refused)
+        .child("decode_worker", |args| async move { decode_worker(&args[0], &args[1]).await })
+        .run()
+}
 
 fn secret() -> ClusterSecret {
     ClusterSecret::new(SECRET)
 }
 
 /// A decode worker process: "ok" decodes (reports) every assignment; "hang" holds them forever.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decode_worker() {
-    let Ok(mode) = std::env::var(ROLE) else { return };
-    let addr = std::env::var("TW_ORCH").unwrap().parse().unwrap();
+async fn decode_worker(mode: &str, orch: &str) {
+    let addr = orch.parse().unwrap();
     let s = secret();
     let (w, mut rx) = WorkerClient::connect(
         addr,
@@ -44,7 +51,7 @@ async fn decode_worker() {
             continue; // never reports: the parent kills this process
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-        w.report(&a, Ok(())).await.unwrap();
+        w.report(&a, Ok::<(), String>(())).await.unwrap();
         println!("@@DECODED {}", a.request);
     }
 }
@@ -62,13 +69,8 @@ impl Drop for Proc {
 }
 
 fn spawn(mode: &str, orch: &str) -> Proc {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "decode_worker", "--nocapture", "--test-threads=1"])
-        .env(ROLE, mode)
-        .env("TW_ORCH", orch)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child =
+        child_command("decode_worker").args([mode, orch]).stdout(Stdio::piped()).spawn().unwrap();
     let out = BufReader::new(child.stdout.take().unwrap());
     let (tx, lines) = std::sync::mpsc::sync_channel(1024);
     std::thread::spawn(move || {
@@ -116,16 +118,12 @@ async fn instant_worker(addr: std::net::SocketAddr, stage: Stage) -> tokio::task
             .unwrap();
     tokio::spawn(async move {
         while let Some(a) = rx.recv().await {
-            w.report(&a, Ok(())).await.unwrap();
+            w.report(&a, Ok::<(), String>(())).await.unwrap();
         }
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_decode_worker_loses_nothing() {
-    if std::env::var(ROLE).is_ok() {
-        return;
-    }
     let svc = service().await;
     let addr = svc.addr();
     let hang = spawn("hang", &addr.to_string());
@@ -162,17 +160,13 @@ async fn killed_decode_worker_loses_nothing() {
     drop(hang);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_secret_is_refused() {
-    if std::env::var(ROLE).is_ok() {
-        return;
-    }
     let svc = service().await;
     let wrong = ClusterSecret::new("not the secret");
     let e = SubmitClient::connect(svc.addr(), Some(&wrong)).await.unwrap_err();
-    assert!(matches!(e, tensorwire_core::Error::AccessDenied(_)), "{e}");
+    assert!(matches!(e, OrchestratorError::Refused(_)), "{e}");
     let e = WorkerClient::connect(svc.addr(), None, Stage::Decode, 1, "h", Duration::from_secs(1))
         .await
         .unwrap_err();
-    assert!(matches!(e, tensorwire_core::Error::AccessDenied(_)), "no secret: {e}");
+    assert!(matches!(e, OrchestratorError::Refused(_)), "no secret: {e}");
 }

@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
-use crate::queue::{Priority, Stage};
+use crate::{Priority, Stage};
 
 /// A worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -186,6 +186,15 @@ pub enum Outcome {
     },
 }
 
+impl Outcome {
+    /// The request it is about.
+    pub fn request(&self) -> u64 {
+        match self {
+            Outcome::Completed { request } | Outcome::Failed { request, .. } => *request,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Worker {
     stage: Stage,
@@ -243,14 +252,6 @@ pub struct Scheduler {
     last_scan: Option<Duration>,
 }
 
-fn si(s: Stage) -> usize {
-    match s {
-        Stage::Encode => 0,
-        Stage::Denoise => 1,
-        Stage::Decode => 2,
-    }
-}
-
 impl std::fmt::Debug for Scheduler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Scheduler")
@@ -264,14 +265,6 @@ fn class(p: Priority) -> u8 {
     match p {
         Priority::Interactive => 0,
         Priority::Batch => 1,
-    }
-}
-
-fn next_stage(s: Stage) -> Option<Stage> {
-    match s {
-        Stage::Encode => Some(Stage::Denoise),
-        Stage::Denoise => Some(Stage::Decode),
-        Stage::Decode => None,
     }
 }
 
@@ -298,7 +291,7 @@ impl Scheduler {
     /// Keeps the free-worker index right for `id` after its busy count or slots changed.
     fn reindex(&mut self, id: WorkerId) {
         if let Some(w) = self.workers.get(&id) {
-            let set = &mut self.free[si(w.stage)];
+            let set = &mut self.free[w.stage.index()];
             if w.busy < w.slots {
                 set.insert(id);
             } else {
@@ -319,12 +312,12 @@ impl Scheduler {
 
     /// Items running at `stage`.
     pub fn running(&self, stage: Stage) -> usize {
-        self.running_by[si(stage)]
+        self.running_by[stage.index()]
     }
 
     /// Free slots of the live workers of `stage`.
     pub fn free_slots(&self, stage: Stage) -> u32 {
-        self.free[si(stage)]
+        self.free[stage.index()]
             .iter()
             .filter_map(|id| self.workers.get(id))
             .map(|w| w.slots.saturating_sub(w.busy))
@@ -333,7 +326,7 @@ impl Scheduler {
 
     /// Total slots of the live workers of `stage`.
     pub fn slots(&self, stage: Stage) -> u32 {
-        self.slots_by[si(stage)]
+        self.slots_by[stage.index()]
     }
 
     /// Requests not yet ended.
@@ -403,7 +396,7 @@ impl Scheduler {
                 items: Vec::new(),
             },
         );
-        self.slots_by[si(stage)] += slots;
+        self.slots_by[stage.index()] += slots;
         self.reindex(id);
     }
 
@@ -415,7 +408,7 @@ impl Scheduler {
     /// A worker advertises its slot count (credit).
     pub fn credit(&mut self, id: WorkerId, slots: u32, now: Duration) {
         if let Some(w) = self.workers.get_mut(&id) {
-            let i = si(w.stage);
+            let i = w.stage.index();
             self.slots_by[i] = self.slots_by[i] - w.slots + slots;
             w.slots = slots;
             w.last_seen = now;
@@ -450,7 +443,7 @@ impl Scheduler {
             }
         }
         let (_, item) = self.running.remove(&key)?;
-        self.running_by[si(key.stage)] -= 1;
+        self.running_by[key.stage.index()] -= 1;
         if let Some(w) = self.workers.get_mut(&worker) {
             w.busy = w.busy.saturating_sub(1);
             w.items.retain(|k| *k != key);
@@ -466,7 +459,7 @@ impl Scheduler {
         if let Some(w) = self.workers.get_mut(&worker) {
             w.last_seen = now;
         }
-        match next_stage(key.stage) {
+        match key.stage.next() {
             Some(stage) => {
                 let next =
                     Item { key: ItemKey { request: key.request, stage }, attempt: 1, ..item };
@@ -499,11 +492,11 @@ impl Scheduler {
 
     fn lose_worker(&mut self, id: WorkerId, now: Duration, reason: &str) {
         let Some(w) = self.workers.remove(&id) else { return };
-        self.free[si(w.stage)].remove(&id);
-        self.slots_by[si(w.stage)] -= w.slots;
+        self.free[w.stage.index()].remove(&id);
+        self.slots_by[w.stage.index()] -= w.slots;
         for key in w.items {
             if let Some((_, item)) = self.running.remove(&key) {
-                self.running_by[si(key.stage)] -= 1;
+                self.running_by[key.stage.index()] -= 1;
                 self.retry(item, now, reason);
             }
         }
@@ -563,7 +556,7 @@ impl Scheduler {
                 else {
                     break;
                 };
-                let candidates: Vec<Candidate<'_>> = self.free[si(stage)]
+                let candidates: Vec<Candidate<'_>> = self.free[stage.index()]
                     .iter()
                     .filter_map(|id| self.workers.get(id).map(|w| (id, w)))
                     .filter(|(_, w)| w.busy < w.slots)
@@ -586,7 +579,7 @@ impl Scheduler {
                 w.busy += 1;
                 w.items.push(item.key);
                 self.reindex(wid);
-                self.running_by[si(stage)] += 1;
+                self.running_by[stage.index()] += 1;
                 self.running.insert(item.key, (wid, item.clone()));
                 self.stats.dispatched += 1;
                 out.push(Dispatch { item, worker: wid });
@@ -753,16 +746,20 @@ mod tests {
     }
 
     proptest! {
-        /// Random joins, deaths, heartbeats, results and failures: credit never exceeds slots, no
-        /// item runs twice, nothing is lost, and every request ends exactly once.
+        /// Random joins, deaths, heartbeats, credit changes, results and failures: a dispatch
+        /// never takes a worker past its credit (busy <= slots, except for a worker whose credit
+        /// was lowered below what it already runs), no item runs twice, nothing is lost, and
+        /// every request ends exactly once.
         #[test]
-        fn invariants(ops in proptest::collection::vec((0u8..8, 0u64..6, 0u64..40), 1..400)) {
+        fn invariants(ops in proptest::collection::vec((0u8..9, 0u64..6, 0u64..40), 1..400)) {
             let mut s = Scheduler::new(SchedConfig { heartbeat_timeout: ms(50), max_attempts: 3, aging: ms(30), decode_headroom: 1 }, Box::new(MaxFreeCredit));
             let stages = [Stage::Encode, Stage::Denoise, Stage::Decode];
             let mut now = ms(0);
             let mut next_req = 0u64;
             let mut running: Vec<Dispatch> = Vec::new();
             let mut ended: HashMap<u64, u32> = HashMap::new();
+            // Workers whose credit was lowered below their running items.
+            let mut over: std::collections::HashSet<WorkerId> = Default::default();
             for (op, a, b) in ops {
                 now += ms(b % 20);
                 match op {
@@ -774,9 +771,19 @@ mod tests {
                         let d = running.swap_remove((b as usize) % running.len());
                         if op == 5 { s.finished(d.item.key, d.worker, now); } else { s.failed(d.item.key, d.worker, "x", now); }
                     }
+                    7 => s.credit(WorkerId(a), (b % 4) as u32, now),
                     _ => {}
                 }
+                for (id, w) in &s.workers {
+                    if w.busy > w.slots { over.insert(*id); } else { over.remove(id); }
+                }
+                let before: HashMap<WorkerId, u32> = s.workers.iter().map(|(&id, w)| (id, w.busy)).collect();
                 let fresh = s.dispatch(now);
+                for (id, w) in &s.workers {
+                    if w.busy > before.get(id).copied().unwrap_or(0) {
+                        prop_assert!(w.busy <= w.slots, "dispatched past the credit of {:?}: {} of {}", id, w.busy, w.slots);
+                    }
+                }
                 // Forget dispatches the scheduler took back (dead, departed or rejoined workers).
                 running.retain(|d| {
                     s.running.get(&d.item.key).is_some_and(|(w, it)| *w == d.worker && it.attempt == d.item.attempt)
@@ -787,10 +794,13 @@ mod tests {
                     prop_assert_eq!(s.running.get(&d.item.key).map(|(w, _)| *w), Some(d.worker));
                     running.push(d);
                 }
-                for w in s.workers.values() { prop_assert!(w.busy <= w.slots.max(w.busy.min(w.items.len() as u32))); prop_assert_eq!(w.busy as usize, w.items.len()); }
+                for (id, w) in &s.workers {
+                    prop_assert!(w.busy <= w.slots || over.contains(id), "{:?} runs {} items on {} slots", id, w.busy, w.slots);
+                    prop_assert_eq!(w.busy as usize, w.items.len());
+                }
                 for st in stages {
                     let free: std::collections::BTreeSet<WorkerId> = s.workers.iter().filter(|(_, w)| w.stage == st && w.busy < w.slots).map(|(&id, _)| id).collect();
-                    prop_assert_eq!(&free, &s.free[si(st)], "free index");
+                    prop_assert_eq!(&free, &s.free[st.index()], "free index");
                     prop_assert_eq!(s.slots(st), s.workers.values().filter(|w| w.stage == st).map(|w| w.slots).sum::<u32>());
                     prop_assert_eq!(s.running(st), s.running.keys().filter(|k| k.stage == st).count());
                 }

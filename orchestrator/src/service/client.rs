@@ -3,54 +3,63 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::auth::{ClusterSecret, nonce};
-use tensorwire_core::sync::lock;
-use tensorwire_core::{Error, Result};
+use crate::{Priority, Stage};
+use parking_lot::Mutex;
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::{Error, handshake};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
-use super::wire::{Msg, Role, read_msg};
-use crate::queue::{Priority, Stage};
+use super::wire::{FRAMING, MAX_DATA, Msg, Role, read_msg};
+use crate::error::{OrchestratorError, Result};
 
-async fn handshake(
+/// Bound on connecting and the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects, runs the authenticated handshake, says what this client is and reads its welcome.
+async fn open(
     addr: SocketAddr,
     secret: Option<&ClusterSecret>,
     role: Role,
-    timeout: Duration,
 ) -> Result<(OwnedReadHalf, OwnedWriteHalf, u64)> {
-    tokio::time::timeout(timeout, async {
-        let sock = TcpStream::connect(addr)
+    let opened = async {
+        let mut sock = TcpStream::connect(addr)
             .await
             .map_err(|e| Error::PeerClosed(format!("orchestrator at {addr}: {e}")))?;
         sock.set_nodelay(true)?;
-        let (mut rd, mut wr) = sock.into_split();
-        let client = nonce();
-        wr.write_all(&Msg::Open { nonce: client }.encode()).await?;
-        let Some(Msg::Challenge { nonce: server, proof }) = read_msg(&mut rd).await? else {
-            return Err(Error::protocol("orchestrator: expected Challenge"));
-        };
-        if let Some(s) = secret {
-            if !s.verify_server(&client, &server, &proof) {
-                return Err(Error::AccessDenied("orchestrator failed authentication".into()));
-            }
-        }
-        let proof = secret.map_or([0; 32], |s| s.client_proof(&server, &client));
-        wr.write_all(&Msg::Hello { proof, role }.encode()).await?;
-        match read_msg(&mut rd).await? {
-            Some(Msg::Welcome { worker }) => Ok((rd, wr, worker)),
-            Some(Msg::Reject { reason }) => {
-                Err(Error::AccessDenied(format!("orchestrator: {reason}")))
+        handshake::client(&mut sock, &FRAMING, secret, addr).await?;
+        sock.write_all(&Msg::Hello { role }.encode()?).await?;
+        match read_msg(&mut sock).await? {
+            Some(Msg::Welcome { worker }) => {
+                let (rd, wr) = sock.into_split();
+                Ok((rd, wr, worker))
             }
             _ => Err(Error::protocol("orchestrator: expected Welcome")),
         }
+    };
+    let r: std::result::Result<_, Error> =
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, opened).await.map_err(|_| {
+            Error::timeout(format!("orchestrator handshake with {addr}"), HANDSHAKE_TIMEOUT)
+        })?;
+    r.map_err(|e| match e {
+        Error::AccessDenied(m) => OrchestratorError::Refused(m),
+        e => e.into(),
     })
-    .await
-    .map_err(|_| Error::timeout(format!("orchestrator handshake with {addr}"), timeout))?
+}
+
+/// Writes every message of `rx` to `wr` until either side closes.
+async fn write_all(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Msg>) {
+    while let Some(m) = rx.recv().await {
+        let Ok(frame) = m.encode() else { break };
+        if wr.write_all(&frame).await.is_err() {
+            break;
+        }
+    }
 }
 
 /// An item the orchestrator assigned to this worker.
@@ -92,16 +101,10 @@ impl WorkerClient {
         heartbeat: Duration,
     ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
         let role = Role::Worker { stage, slots, host: host.into(), labels: vec![] };
-        let (mut rd, mut wr, id) = handshake(addr, secret, role, Duration::from_secs(10)).await?;
-        let (out, mut out_rx) = mpsc::channel::<Msg>(1024);
+        let (mut rd, wr, id) = open(addr, secret, role).await?;
+        let (out, out_rx) = mpsc::channel::<Msg>(1024);
         let (tx, rx) = mpsc::channel(1024);
-        let writer = tokio::spawn(async move {
-            while let Some(m) = out_rx.recv().await {
-                if wr.write_all(&m.encode()).await.is_err() {
-                    break;
-                }
-            }
-        });
+        let writer = tokio::spawn(write_all(wr, out_rx));
         let reader = tokio::spawn(async move {
             while let Ok(Some(Msg::Assign { request, stage, attempt, data })) =
                 read_msg(&mut rd).await
@@ -129,30 +132,34 @@ impl WorkerClient {
         self.id
     }
 
-    /// Reports the end of an assignment.
-    pub async fn report(&self, a: &Assignment, result: Result<()>) -> Result<()> {
+    /// Reports the end of an assignment (an error re-queues it; its text is the reason).
+    pub async fn report<E: std::fmt::Display>(
+        &self,
+        a: &Assignment,
+        result: std::result::Result<(), E>,
+    ) -> Result<()> {
         self.report_with(a, result.map(|()| Vec::new())).await
     }
 
     /// Reports the end of an assignment with outputs for the next stage (at most
-    /// [`super::wire::MAX_DATA`] bytes).
-    pub async fn report_with(&self, a: &Assignment, result: Result<Vec<u8>>) -> Result<()> {
+    /// [`MAX_DATA`] bytes).
+    pub async fn report_with<E: std::fmt::Display>(
+        &self,
+        a: &Assignment,
+        result: std::result::Result<Vec<u8>, E>,
+    ) -> Result<()> {
         let (ok, reason, data) = match result {
             Ok(d) => (true, String::new(), d),
             Err(e) => (false, e.to_string(), Vec::new()),
         };
-        if data.len() > super::wire::MAX_DATA {
-            return Err(Error::Capacity {
-                what: "stage outputs".into(),
-                requested: data.len() as u64,
-                limit: super::wire::MAX_DATA as u64,
-            });
+        if data.len() > MAX_DATA {
+            return Err(OrchestratorError::InvalidArgument(format!(
+                "stage outputs of {} bytes; a result carries at most {MAX_DATA}",
+                data.len()
+            )));
         }
         let m = Msg::Result { request: a.request, stage: a.stage, ok, reason, data };
-        self.out
-            .send(m)
-            .await
-            .map_err(|_| Error::PeerClosed("orchestrator connection closed".into()))
+        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
     }
 }
 
@@ -161,35 +168,41 @@ type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>>;
 /// A client that submits requests.
 #[derive(Debug)]
 pub struct SubmitClient {
-    out: tokio::sync::Mutex<OwnedWriteHalf>,
+    out: mpsc::Sender<Msg>,
     waiting: Waiters,
-    reader: tokio::task::JoinHandle<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for SubmitClient {
     fn drop(&mut self) {
-        self.reader.abort();
+        self.tasks.iter().for_each(tokio::task::JoinHandle::abort);
     }
 }
 
 impl SubmitClient {
     /// Connects as a submitter.
     pub async fn connect(addr: SocketAddr, secret: Option<&ClusterSecret>) -> Result<SubmitClient> {
-        let (mut rd, wr, _) =
-            handshake(addr, secret, Role::Submitter, Duration::from_secs(10)).await?;
+        let (mut rd, wr, _) = open(addr, secret, Role::Submitter).await?;
+        let (out, out_rx) = mpsc::channel::<Msg>(1024);
+        let writer = tokio::spawn(write_all(wr, out_rx));
         let waiting: Waiters = Arc::default();
         let w = waiting.clone();
         let reader = tokio::spawn(async move {
             while let Ok(Some(Msg::Outcome { request, ok, reason })) = read_msg(&mut rd).await {
-                if let Some(tx) = lock(&w).remove(&request) {
-                    let _ = tx.send(if ok { Ok(()) } else { Err(Error::protocol(reason)) });
+                if let Some(tx) = w.lock().remove(&request) {
+                    let r = if ok {
+                        Ok(())
+                    } else {
+                        Err(OrchestratorError::Failed { request, reason })
+                    };
+                    let _ = tx.send(r);
                 }
             }
-            for (_, tx) in lock(&w).drain() {
-                let _ = tx.send(Err(Error::PeerClosed("orchestrator connection closed".into())));
+            for (_, tx) in w.lock().drain() {
+                let _ = tx.send(Err(OrchestratorError::Stopped));
             }
         });
-        Ok(SubmitClient { out: tokio::sync::Mutex::new(wr), waiting, reader })
+        Ok(SubmitClient { out, waiting, tasks: vec![writer, reader] })
     }
 
     /// Submits a request; the receiver yields its outcome.
@@ -199,9 +212,9 @@ impl SubmitClient {
         priority: Priority,
     ) -> Result<oneshot::Receiver<Result<()>>> {
         let (tx, rx) = oneshot::channel();
-        lock(&self.waiting).insert(request, tx);
+        self.waiting.lock().insert(request, tx);
         let m = Msg::Submit { request, priority, deadline_ms: 0 };
-        self.out.lock().await.write_all(&m.encode()).await?;
+        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)?;
         Ok(rx)
     }
 }

@@ -1,0 +1,25 @@
+//! Everything a backend author needs besides the trait, in one place:
+//!
+//! - completions: [`spawn_cancellable`] (an op run as a task whose completion cancels it on
+//!   drop), [`gated`] (a completion resolved from the backend's own I/O tasks), [`ready`];
+//! - [`CancelGate`]: "no byte lands after the completion's drop returns", for CPU copies;
+//! - [`gated_copy`]: the segmented CPU copy of memory-to-memory backends;
+//! - [`TaskSet`]: the background tasks a backend owns (accept loops, served connections);
+//! - [`ShareableMemory`] (on [`super::RegionInfo::shareable`]) and [`DetachedMemory`]
+//!   (from `MemSlice::detach`): memory as a same-host backend or a NIC keeps it;
+//! - wire helpers: the bounded [`Reader`] / [`Writer`] codec, the shared [`Framing`] checks for a
+//!   data header's magic, version and length, and [`encode_error`] / [`decode_error`] to send an
+//!   inbound op's refusal back to its initiator as the same [`crate::Error`];
+//! - bounds: [`MAX_NOTIFY_WIRE`] (largest message `notify` carries), [`MAX_ERROR_BYTES`],
+//!   [`MAX_BLOB_BYTES`].
+
+pub use crate::cancel::CancelGate;
+pub use crate::completion::{CompletionSender, gated, ready, spawn_cancellable};
+pub use crate::copy::{Copied, SEGMENT, gated_copy};
+pub use crate::memory::ShareableMemory;
+pub use crate::region::{DetachedMemory, MAX_BLOB_BYTES};
+pub use crate::tasks::TaskSet;
+pub use crate::wire::codec::{Reader, Writer};
+pub use crate::wire::envelope::MAX_NOTIFY_WIRE;
+pub use crate::wire::error::{MAX_ERROR_BYTES, decode_error, encode_error};
+pub use crate::wire::frame::Framing;

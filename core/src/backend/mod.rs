@@ -1,0 +1,217 @@
+//! The plugin boundary: a `Backend` moves bytes between registered memory of two engines; the engine
+//! does everything else (handshake, sessions, selection, chunking, notification ordering, timeouts,
+//! telemetry). What a backend author needs besides the trait is in [`kit`].
+//!
+//! Contract for implementors (the conformance suite checks it):
+//! - [`Backend::start`] is called once, inside the engine's tokio runtime, before anything else
+//!   but `name` and `capabilities`; an error stops the engine from starting (say what is missing).
+//! - [`Backend::register`] returns the public blob a peer needs for a region, or `None` when this
+//!   backend cannot reach that memory (the engine then picks another backend for ops on it).
+//! - [`Connection::submit`] returns one `Completion` per op, each resolving on its own: a slow op
+//!   never delays its batchmates.
+//! - An [`Op`] is dropped when it has ended: completed (for a WRITE, the bytes are in place at the
+//!   peer), failed or cancelled, never before. The engine orders a notification after every op
+//!   dropped before it: a backend keeps each `Op` until its completion is decided.
+//! - Dropping a `Completion` cancels its op: once the drop returns, no more bytes of that op are
+//!   written into local memory (the remote side of a WRITE may have received a prefix).
+//! - Inbound operations on two-sided media are checked through [`BackendHost::resolve`] (key,
+//!   permission, bounds, deregistration) and the returned `MemSlice` is held while the bytes move.
+//! - [`Connection::notify`] delivers its message to the peer's [`BackendHost::deliver`]; the engine
+//!   calls it only once every earlier op on the connection has ended.
+//! - A peer that goes away fails pending ops with `Error::PeerClosed` (or the engine's timeout
+//!   fires).
+
+pub mod kit;
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::error::Result;
+use crate::fence::FenceTicket;
+use crate::ids::{AccessKey, EngineId, RegionId};
+use crate::memory::{MemoryKind, MemoryKinds, ShareableMemory};
+use crate::region::{Access, MemSlice, Permissions};
+
+/// What a backend can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Memory kinds it can move from or into locally.
+    pub local: MemoryKinds,
+    /// Memory kinds it can reach on the peer.
+    pub remote: MemoryKinds,
+    /// Supports READ.
+    pub read: bool,
+    /// Supports WRITE.
+    pub write: bool,
+    /// Supports notifications.
+    pub notify: bool,
+    /// Only works when both engines are on the same host.
+    pub same_host_only: bool,
+    /// Largest single op; the engine splits larger transfers.
+    pub max_request_bytes: u64,
+}
+
+/// Direction of an op, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Remote -> local.
+    Read,
+    /// Local -> remote.
+    Write,
+}
+
+impl Direction {
+    /// The access the op makes on the remote region.
+    pub fn remote_access(self) -> Access {
+        match self {
+            Direction::Read => Access::Read,
+            Direction::Write => Access::Write,
+        }
+    }
+}
+
+/// The remote end of an op: region, key, offset, and the backend's public blob for it.
+#[derive(Debug, Clone)]
+pub struct RemoteSlice {
+    /// Region id on the peer.
+    pub region: RegionId,
+    /// Access key.
+    pub key: AccessKey,
+    /// Offset in the region.
+    pub offset: u64,
+    /// This backend's public blob for the region (what the peer's `register` returned).
+    pub blob: Bytes,
+}
+
+/// One READ or WRITE between a local slice and a remote slice of the same length. Made by the
+/// engine; keep it until the op has ended and drop it then (see the module contract): it carries
+/// the engine's notification fence, which is why its parts are reached through accessors and
+/// never moved out one by one.
+#[derive(Debug)]
+pub struct Op {
+    pub(crate) dir: Direction,
+    pub(crate) local: MemSlice,
+    pub(crate) remote: RemoteSlice,
+    pub(crate) ticket: FenceTicket,
+}
+
+impl Op {
+    /// Direction.
+    pub fn dir(&self) -> Direction {
+        self.dir
+    }
+    /// Local memory (the length of the op).
+    pub fn local(&self) -> &MemSlice {
+        &self.local
+    }
+    /// Remote memory.
+    pub fn remote(&self) -> &RemoteSlice {
+        &self.remote
+    }
+    /// Ends the op and keeps only its local memory (e.g. to [`MemSlice::detach`] it when the
+    /// transport may still touch it after giving up).
+    pub fn into_local(self) -> MemSlice {
+        let Op { local, ticket, .. } = self;
+        drop(ticket);
+        local
+    }
+}
+
+/// The completion of one op. Dropping it cancels the op (see the module contract).
+pub type Completion = Pin<Box<dyn Future<Output = Result<()>> + Send + 'static>>;
+
+/// A region as a backend sees it at registration.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RegionInfo {
+    /// Region id.
+    pub id: RegionId,
+    /// Memory kind.
+    pub kind: MemoryKind,
+    /// Length in bytes.
+    pub len: u64,
+    /// Peer permissions.
+    pub perms: Permissions,
+    pub(crate) addr: usize,
+    pub(crate) shareable: Option<ShareableMemory>,
+}
+
+impl RegionInfo {
+    /// The region's base address, in the address space of its memory kind (a device pointer for
+    /// device memory), for backends that register memory with hardware (a NIC, a driver). Valid
+    /// until the backend's `deregister` for this region returns.
+    pub fn base(&self) -> *mut u8 {
+        self.addr as *mut u8
+    }
+
+    /// Engine-allocated host memory can be shared with another process of this host (a same-host
+    /// backend passes the descriptor to its peer); `None` for caller memory and empty regions.
+    pub fn shareable(&self) -> Option<&ShareableMemory> {
+        self.shareable.as_ref()
+    }
+}
+
+/// What a backend needs to reach a peer: its engine, host identity and this backend's endpoint blob.
+#[derive(Debug, Clone)]
+pub struct PeerBackendInfo {
+    /// Peer engine.
+    pub engine: EngineId,
+    /// Peer host identity.
+    pub host: String,
+    /// The peer backend's `endpoint()` blob.
+    pub endpoint: Bytes,
+}
+
+/// The engine side a backend calls into: region lookup for inbound ops, and the inbound
+/// notification sink.
+pub trait BackendHost: Send + Sync + Debug + 'static {
+    /// Resolves an inbound access, checking region existence, key, permission and bounds in that order.
+    fn resolve(
+        &self,
+        region: RegionId,
+        key: AccessKey,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<MemSlice>;
+    /// Delivers an inbound notification; an error (queue full) goes back to the sender.
+    fn deliver(&self, msg: Bytes) -> Result<()>;
+}
+
+/// A transport plugin. Object-safe; the engine holds it as `Arc<dyn Backend>`.
+#[async_trait]
+pub trait Backend: Send + Sync + Debug + 'static {
+    /// Short stable name ("mem", "tcp", "shm", ...).
+    fn name(&self) -> &'static str;
+    /// What it can do.
+    fn capabilities(&self) -> Capabilities;
+    /// Starts serving for the engine `host`: called once, inside the engine's runtime, before any
+    /// other call except `name` and `capabilities`. Fails when the backend cannot serve (no
+    /// runtime, no device, a listener that cannot start).
+    async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()>;
+    /// What a peer needs to reach this backend.
+    fn endpoint(&self) -> Bytes;
+    /// Registers a region; returns the public blob peers need for it, or `None` when this backend
+    /// cannot reach the region's memory (ops on it then go through another backend).
+    async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>>;
+    /// Forgets a region.
+    async fn deregister(&self, id: RegionId) -> Result<()>;
+    /// Opens a connection to a peer's backend.
+    async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>>;
+    /// Stops serving: pending and later ops on either side fail with `PeerClosed`.
+    async fn shutdown(&self);
+}
+
+/// A connection to one peer's backend.
+pub trait Connection: Send + Sync + Debug + 'static {
+    /// Starts the ops; one completion per op, in the same order.
+    fn submit(&self, ops: Vec<Op>) -> Vec<Completion>;
+    /// Sends a small message to the peer's [`BackendHost::deliver`]; resolves once it was
+    /// delivered (or refused, with the peer's error). The engine orders it after earlier ops.
+    fn notify(&self, msg: Bytes) -> Completion;
+}

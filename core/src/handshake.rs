@@ -1,0 +1,181 @@
+//! The authenticated handshake every framed protocol opens with (engine control endpoint, store
+//! RPC, orchestrator service), written once. With a cluster secret both sides prove they hold it
+//! (HMAC challenge in both directions, see [`crate::auth`]) before either sends anything else:
+//! the server proves itself in its `Challenge`, and the client checks that proof before it sends
+//! its own proof and, after it, its first protocol message. Without a secret on both sides the
+//! handshake still runs (same messages, no proofs) and each side logs that its peer is
+//! unauthenticated; a secret on one side only is refused with a message saying which.
+//!
+//! [`client`] returns once the client's proof is on its way: the client then sends its first
+//! message at once (no extra round trip); a server that refuses the proof answers that message
+//! with a `Reject`, which [`expect`] turns into [`Error::AccessDenied`] with the server's reason.
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::auth::{AUTH_LEN, ClusterSecret, Side, nonce};
+use crate::error::{Error, Result};
+use crate::wire::frame::Framing;
+use crate::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof, REJECT};
+
+/// Reads the next frame of `framing` and requires kind `want`; a `Reject` becomes
+/// [`Error::AccessDenied`] with the peer's reason, and an end of stream [`Error::PeerClosed`].
+pub async fn expect<R>(r: &mut R, framing: &Framing, want: u8) -> Result<Vec<u8>>
+where
+    R: AsyncRead + Unpin + ?Sized,
+{
+    match framing.read(r).await? {
+        Some((k, payload)) if k == want => Ok(payload),
+        Some((REJECT, reason)) => Err(Error::AccessDenied(format!(
+            "{} peer refused: {}",
+            framing.name,
+            String::from_utf8_lossy(&reason)
+        ))),
+        Some((k, _)) => {
+            Err(Error::protocol(format!("{}: expected frame kind {want}, got {k}", framing.name)))
+        }
+        None => Err(Error::PeerClosed(format!("{}: peer closed the connection", framing.name))),
+    }
+}
+
+/// Sends a `Reject` with `e`'s text (best effort) and returns `e`.
+pub async fn refuse<W, T>(w: &mut W, framing: &Framing, e: Error) -> Result<T>
+where
+    W: AsyncWrite + Unpin + ?Sized,
+{
+    let _ = framing.write(w, REJECT, e.to_string().as_bytes()).await;
+    Err(e)
+}
+
+/// The client side: sends `Open`, checks the server's `Challenge`, sends `Proof`. The caller
+/// bounds it with its handshake timeout.
+pub async fn client<S>(
+    s: &mut S,
+    framing: &Framing,
+    secret: Option<&ClusterSecret>,
+    peer: SocketAddr,
+) -> Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    let mine = nonce();
+    framing.write(s, OPEN, &Open { nonce: mine }.encode()).await?;
+    let ch = Challenge::decode(&expect(s, framing, CHALLENGE).await?)?;
+    let name = framing.name;
+    let proof = match (secret, ch.proof) {
+        (Some(k), Some(p)) if k.verify(Side::Server, framing.magic, &mine, &ch.nonce, &p) => {
+            Some(k.proof(Side::Client, framing.magic, &mine, &ch.nonce))
+        }
+        (Some(_), Some(_)) => {
+            let e = Error::AccessDenied(format!(
+                "{name} peer {peer} failed authentication: wrong cluster secret"
+            ));
+            return refuse(s, framing, e).await;
+        }
+        (Some(_), None) => {
+            let e = Error::AccessDenied(format!(
+                "{name} peer {peer} has no cluster secret; refusing an unauthenticated peer"
+            ));
+            return refuse(s, framing, e).await;
+        }
+        (None, Some(_)) => {
+            let e = Error::AccessDenied(format!(
+                "{name} peer {peer} requires a cluster secret, and none is configured here"
+            ));
+            return refuse(s, framing, e).await;
+        }
+        (None, None) => {
+            tracing::warn!(%peer, protocol = name, "unauthenticated peer: no cluster secret is configured");
+            None
+        }
+    };
+    framing.write(s, PROOF, &Proof { proof }.encode()).await
+}
+
+/// The server side: answers `Open` with a `Challenge` and checks the client's `Proof`; a client
+/// that fails gets a `Reject` and the error is returned. The caller bounds it with its handshake
+/// timeout.
+pub async fn server<S>(
+    s: &mut S,
+    framing: &Framing,
+    secret: Option<&ClusterSecret>,
+    peer: SocketAddr,
+) -> Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    let open = match Open::decode(&expect(s, framing, OPEN).await?) {
+        Ok(o) => o,
+        Err(e) => return refuse(s, framing, e).await,
+    };
+    let mine = nonce();
+    let proof = secret.map(|k| k.proof(Side::Server, framing.magic, &open.nonce, &mine));
+    framing.write(s, CHALLENGE, &Challenge { nonce: mine, proof }.encode()).await?;
+    let theirs = match Proof::decode(&expect(s, framing, PROOF).await?) {
+        Ok(p) => p.proof,
+        Err(e) => return refuse(s, framing, e).await,
+    };
+    let proven = |p: &[u8; AUTH_LEN], k: &ClusterSecret| {
+        k.verify(Side::Client, framing.magic, &open.nonce, &mine, p)
+    };
+    match (secret, theirs) {
+        (Some(k), Some(p)) if proven(&p, k) => Ok(()),
+        (Some(_), _) => {
+            let e = Error::AccessDenied(format!(
+                "{} peer {peer} did not prove the cluster secret",
+                framing.name
+            ));
+            refuse(s, framing, e).await
+        }
+        (None, _) => {
+            tracing::warn!(%peer, protocol = framing.name, "accepting an unauthenticated peer: no cluster secret is configured");
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::frame::CONTROL;
+
+    async fn run(a: Option<&[u8]>, b: Option<&[u8]>) -> (Result<()>, Result<()>) {
+        let (mut c, mut s) = tokio::io::duplex(4096);
+        let (ka, kb) = (a.map(ClusterSecret::new), b.map(ClusterSecret::new));
+        let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let client = async {
+            client(&mut c, &CONTROL, ka.as_ref(), addr).await?;
+            // The protocol's first message, answered by the server if it accepted the proof.
+            CONTROL.write(&mut c, 1, b"hello").await?;
+            expect(&mut c, &CONTROL, 1).await.map(drop)
+        };
+        let server = async {
+            server(&mut s, &CONTROL, kb.as_ref(), addr).await?;
+            expect(&mut s, &CONTROL, 1).await?;
+            CONTROL.write(&mut s, 1, b"welcome").await
+        };
+        tokio::join!(client, server)
+    }
+
+    #[tokio::test]
+    async fn both_sides_prove_the_same_secret() {
+        let (c, s) = run(Some(b"k"), Some(b"k")).await;
+        c.unwrap();
+        s.unwrap();
+        let (c, s) = run(None, None).await;
+        c.unwrap();
+        s.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_wrong_or_missing_secret_is_refused_with_its_reason() {
+        let (c, s) = run(Some(b"k"), Some(b"other")).await;
+        assert!(c.unwrap_err().to_string().contains("wrong cluster secret"));
+        assert!(matches!(s, Err(Error::AccessDenied(_)) | Err(Error::PeerClosed(_))), "{s:?}");
+        let (c, _) = run(None, Some(b"k")).await;
+        assert!(c.unwrap_err().to_string().contains("requires a cluster secret"));
+        let (c, _) = run(Some(b"k"), None).await;
+        assert!(c.unwrap_err().to_string().contains("has no cluster secret"));
+    }
+}

@@ -1,0 +1,268 @@
+//! The one driver of the scheduler core, shared by the library orchestrator, the network service
+//! and the simulator. It owns the [`Scheduler`] and everything around it that all three need:
+//! worker ids and their endpoints (`W`: a handler, a connection, nothing), who waits for each
+//! request (`R`), the outputs a stage reported (the next stage's inputs), per-stage busy time,
+//! and the metrics. Time is passed in; it does no IO. Each caller only moves events in and acts
+//! on what comes out ([`Driver::dispatch`], [`Driver::take_outcomes`]).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::Stage;
+
+use crate::sched::{
+    Dispatch, ItemKey, Outcome, RoutingPolicy, SchedConfig, SchedStats, Scheduler, Submit, WorkerId,
+};
+
+/// A snapshot of an orchestrator.
+#[derive(Debug, Clone, Default)]
+pub struct OrchestratorStats {
+    /// Scheduler counters.
+    pub sched: SchedStats,
+    /// Queue depth per stage (indexed by [`Stage::index`]).
+    pub queued: [usize; 3],
+    /// Running items per stage.
+    pub running: [usize; 3],
+    /// Busy time per stage summed over its workers (utilisation numerator).
+    pub busy: [Duration; 3],
+    /// Slots per stage.
+    pub slots: [u32; 3],
+    /// Time since start.
+    pub elapsed: Duration,
+}
+
+/// A dispatch decision with what the worker needs to act on it.
+#[derive(Debug)]
+pub struct Assignment<'a, W> {
+    /// The decision.
+    pub dispatch: Dispatch,
+    /// The worker's endpoint.
+    pub worker: &'a W,
+    /// What the previous stage reported for this request (empty for the first stage).
+    pub inputs: &'a [u8],
+}
+
+/// The scheduler with its bookkeeping.
+pub struct Driver<W, R> {
+    sched: Scheduler,
+    workers: HashMap<WorkerId, W>,
+    waiting: HashMap<u64, R>,
+    outputs: HashMap<u64, Vec<u8>>,
+    started: HashMap<ItemKey, Duration>,
+    busy: [Duration; 3],
+    next_worker: u64,
+}
+
+impl<W, R> std::fmt::Debug for Driver<W, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("sched", &self.sched)
+            .field("workers", &self.workers.len())
+            .field("waiting", &self.waiting.len())
+            .finish()
+    }
+}
+
+impl<W, R> Driver<W, R> {
+    /// A driver over a fresh scheduler.
+    pub fn new(cfg: SchedConfig, policy: Box<dyn RoutingPolicy>) -> Self {
+        Driver {
+            sched: Scheduler::new(cfg, policy),
+            workers: HashMap::new(),
+            waiting: HashMap::new(),
+            outputs: HashMap::new(),
+            started: HashMap::new(),
+            busy: [Duration::ZERO; 3],
+            next_worker: 0,
+        }
+    }
+
+    /// The scheduler (read-only).
+    pub fn sched(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// A new worker of `stage` reached through `endpoint`; returns its id.
+    pub fn join(
+        &mut self,
+        stage: Stage,
+        slots: u32,
+        host: &str,
+        labels: Vec<String>,
+        endpoint: W,
+        now: Duration,
+    ) -> WorkerId {
+        self.next_worker += 1;
+        let id = WorkerId(self.next_worker);
+        self.sched.join(id, stage, slots, host, labels, now);
+        self.workers.insert(id, endpoint);
+        id
+    }
+
+    /// A worker left (its connection closed, its process died): its items are re-queued now.
+    pub fn leave(&mut self, id: WorkerId, now: Duration) {
+        self.workers.remove(&id);
+        self.sched.leave(id, now);
+    }
+
+    /// A worker is alive.
+    pub fn heartbeat(&mut self, id: WorkerId, now: Duration) {
+        self.sched.heartbeat(id, now);
+    }
+
+    /// Every worker is alive (in-process workers live as long as the driver).
+    pub fn heartbeat_all(&mut self, now: Duration) {
+        for &id in self.workers.keys() {
+            self.sched.heartbeat(id, now);
+        }
+    }
+
+    /// A worker advertises its free slots.
+    pub fn credit(&mut self, id: WorkerId, slots: u32, now: Duration) {
+        self.sched.credit(id, slots, now);
+    }
+
+    /// A new request; `waiter` gets its outcome. A duplicate id is refused: the waiter comes back
+    /// with the failed outcome.
+    pub fn submit(&mut self, s: Submit, waiter: R, now: Duration) -> Result<(), (R, Outcome)> {
+        let request = s.request;
+        if !self.sched.submit(s, now) {
+            let reason = format!("request id {request} is already in flight");
+            return Err((waiter, Outcome::Failed { request, reason }));
+        }
+        self.waiting.insert(request, waiter);
+        Ok(())
+    }
+
+    /// A worker ended an item: `Ok(outputs)` (the next stage's inputs) or `Err(reason)`, which
+    /// re-queues it. Returns false when the result was ignored (a late or foreign result).
+    pub fn result(
+        &mut self,
+        worker: WorkerId,
+        key: ItemKey,
+        result: Result<Vec<u8>, String>,
+        now: Duration,
+    ) -> bool {
+        let accepted = match result {
+            Ok(outputs) => {
+                let accepted = self.sched.finished(key, worker, now);
+                if accepted {
+                    self.outputs.insert(key.request, outputs);
+                }
+                accepted
+            }
+            Err(reason) => self.sched.failed(key, worker, &reason, now),
+        };
+        if let Some(t) = accepted.then(|| self.started.remove(&key)).flatten() {
+            self.busy[key.stage.index()] += now.saturating_sub(t);
+        }
+        accepted
+    }
+
+    /// Every dispatch decision possible now, each with its worker's endpoint and inputs.
+    /// Decisions for a worker without an endpoint (it left) are dropped; the scheduler re-queues
+    /// them when the worker is declared gone.
+    pub fn dispatch(&mut self, now: Duration) -> Vec<Assignment<'_, W>> {
+        let decisions = self.sched.dispatch(now);
+        if !decisions.is_empty() {
+            metrics::counter!("tensorwire_dispatched_total").increment(decisions.len() as u64);
+        }
+        for d in &decisions {
+            self.started.insert(d.item.key, now);
+        }
+        decisions
+            .into_iter()
+            .filter_map(|d| {
+                let worker = self.workers.get(&d.worker)?;
+                let inputs = self.outputs.get(&d.item.key.request).map_or(&[][..], Vec::as_slice);
+                Some(Assignment { dispatch: d, worker, inputs })
+            })
+            .collect()
+    }
+
+    /// Requests that ended since the last call, each with its waiter.
+    pub fn take_outcomes(&mut self) -> Vec<(Outcome, Option<R>)> {
+        self.sched
+            .take_outcomes()
+            .into_iter()
+            .map(|o| {
+                let r = o.request();
+                self.outputs.remove(&r);
+                (o, self.waiting.remove(&r))
+            })
+            .collect()
+    }
+
+    /// A snapshot at `now` (time since the driver's epoch).
+    pub fn stats(&self, now: Duration) -> OrchestratorStats {
+        let mut st = OrchestratorStats {
+            sched: self.sched.stats(),
+            busy: self.busy,
+            elapsed: now,
+            ..OrchestratorStats::default()
+        };
+        for stage in Stage::ALL {
+            let i = stage.index();
+            st.queued[i] = self.sched.queued(stage);
+            st.running[i] = self.sched.running(stage);
+            st.slots[i] = self.sched.slots(stage);
+        }
+        st
+    }
+
+    /// Publishes queue depth, free slots and re-queues through the `metrics` facade.
+    pub fn publish_metrics(&self) {
+        for stage in Stage::ALL {
+            metrics::gauge!("tensorwire_queue_depth", "stage" => stage.name())
+                .set(self.sched.queued(stage) as f64);
+            metrics::gauge!("tensorwire_free_slots", "stage" => stage.name())
+                .set(f64::from(self.sched.free_slots(stage)));
+        }
+        metrics::gauge!("tensorwire_requeued").set(self.sched.stats().requeued as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Priority;
+    use crate::sched::MaxFreeCredit;
+
+    fn submit(r: u64) -> Submit {
+        Submit { request: r, priority: Priority::Batch, deadline: None, host: None, labels: vec![] }
+    }
+
+    #[test]
+    fn outputs_flow_to_the_next_stage_and_waiters_get_outcomes() {
+        let mut d: Driver<&str, u32> = Driver::new(SchedConfig::default(), Box::new(MaxFreeCredit));
+        let t = Duration::from_millis;
+        let enc = d.join(Stage::Encode, 1, "h", vec![], "enc", t(0));
+        d.join(Stage::Denoise, 1, "h", vec![], "den", t(0));
+        d.join(Stage::Decode, 1, "h", vec![], "dec", t(0));
+        d.submit(submit(7), 70, t(0)).unwrap();
+        let (_, o) = d.submit(submit(7), 71, t(0)).unwrap_err();
+        assert!(matches!(o, Outcome::Failed { request: 7, .. }), "duplicate id refused");
+        let a = d.dispatch(t(1));
+        assert_eq!((a.len(), *a[0].worker, a[0].inputs), (1, "enc", &[][..]));
+        let key = a[0].dispatch.item.key;
+        assert!(!d.result(WorkerId(99), key, Ok(vec![]), t(2)), "a foreign result is ignored");
+        assert!(d.result(enc, key, Ok(b"embedding ref".to_vec()), t(5)));
+        let a = d.dispatch(t(6));
+        assert_eq!((*a[0].worker, a[0].inputs), ("den", &b"embedding ref"[..]));
+        let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        d.result(w, key, Err("oom".into()), t(7));
+        let a = d.dispatch(t(8));
+        assert_eq!(a[0].dispatch.item.attempt, 2, "a failed item is re-queued");
+        let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        d.result(w, key, Ok(b"latent ref".to_vec()), t(9));
+        let a = d.dispatch(t(10));
+        let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        d.result(w, key, Ok(vec![]), t(12));
+        let out = d.take_outcomes();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0], (Outcome::Completed { request: 7 }, Some(70)));
+        let st = d.stats(t(12));
+        assert_eq!(st.busy[Stage::Encode.index()], t(4));
+        assert_eq!(st.sched.completed, 1);
+    }
+}

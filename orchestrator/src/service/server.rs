@@ -1,0 +1,228 @@
+//! The orchestrator as a network service: one task owns the [`Driver`]; each connection is a
+//! worker or a submitter, opened with the authenticated handshake (the cluster secret, when one
+//! is configured). A worker whose connection closes (a killed process) leaves at once and its
+//! items are re-queued; one that goes silent is declared dead after the heartbeat timeout.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::{Error, handshake};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use super::wire::{FRAMING, Msg, Role, read_msg};
+use crate::driver::Driver;
+use crate::error::{OrchestratorError, Result};
+use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
+
+/// Service settings.
+pub struct ServiceConfig {
+    /// Scheduler settings.
+    pub sched: SchedConfig,
+    /// Routing policy.
+    pub policy: Box<dyn RoutingPolicy>,
+    /// Shared secret; without one any client is accepted (and a warning is logged).
+    pub secret: Option<ClusterSecret>,
+    /// Bound on a client's handshake.
+    pub handshake_timeout: Duration,
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceConfig").field("sched", &self.sched).finish_non_exhaustive()
+    }
+}
+
+enum Event {
+    Join { role: Role, tx: mpsc::Sender<Msg>, reply: tokio::sync::oneshot::Sender<u64> },
+    Gone { worker: u64 },
+    Heartbeat { worker: u64 },
+    Credit { worker: u64, slots: u32 },
+    Result { worker: u64, key: ItemKey, result: std::result::Result<Vec<u8>, String> },
+    Submit { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
+}
+
+/// A running orchestrator service; dropping it stops it.
+#[derive(Debug)]
+pub struct OrchestratorService {
+    addr: SocketAddr,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for OrchestratorService {
+    fn drop(&mut self) {
+        self.tasks.iter().for_each(tokio::task::JoinHandle::abort);
+    }
+}
+
+impl OrchestratorService {
+    /// Listens on `listen` and serves.
+    pub async fn serve(listen: SocketAddr, cfg: ServiceConfig) -> Result<OrchestratorService> {
+        let l = TcpListener::bind(listen).await.map_err(|e| {
+            Error::InvalidArgument(format!("orchestrator: cannot listen on {listen}: {e}"))
+        })?;
+        let addr = l.local_addr().map_err(Error::from)?;
+        if cfg.secret.is_none() {
+            tracing::warn!("orchestrator service without a cluster secret: any client is accepted");
+        }
+        let (tx, rx) = mpsc::channel(4096);
+        let core = tokio::spawn(run(Driver::new(cfg.sched, cfg.policy), rx));
+        let secret = cfg.secret.clone().map(Arc::new);
+        let hs = cfg.handshake_timeout;
+        let acceptor = tokio::spawn(async move {
+            loop {
+                let Ok((sock, peer)) = l.accept().await else { continue };
+                let _ = sock.set_nodelay(true);
+                let (tx, secret) = (tx.clone(), secret.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = connection(sock, peer, tx, secret, hs).await {
+                        tracing::debug!(error = %e, "orchestrator: connection ended");
+                    }
+                });
+            }
+        });
+        Ok(OrchestratorService { addr, tasks: vec![core, acceptor] })
+    }
+
+    /// The address clients connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+async fn connection(
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    events: mpsc::Sender<Event>,
+    secret: Option<Arc<ClusterSecret>>,
+    hs: Duration,
+) -> Result<()> {
+    let role = tokio::time::timeout(hs, async {
+        handshake::server(&mut sock, &FRAMING, secret.as_deref(), peer).await?;
+        match read_msg(&mut sock).await? {
+            Some(Msg::Hello { role }) => Ok(role),
+            _ => Err(Error::protocol("orchestrator: expected Hello")),
+        }
+    })
+    .await
+    .map_err(|_| Error::timeout("orchestrator handshake", hs))??;
+    let (mut rd, mut wr) = sock.into_split();
+    let (out_tx, mut out_rx) = mpsc::channel::<Msg>(1024);
+    let (reply, id) = tokio::sync::oneshot::channel();
+    events
+        .send(Event::Join { role: role.clone(), tx: out_tx.clone(), reply })
+        .await
+        .map_err(|_| OrchestratorError::Stopped)?;
+    let worker = id.await.map_err(|_| OrchestratorError::Stopped)?;
+    wr.write_all(&Msg::Welcome { worker }.encode()?).await.map_err(Error::from)?;
+    let writer = tokio::spawn(async move {
+        while let Some(m) = out_rx.recv().await {
+            let Ok(frame) = m.encode() else { break };
+            if wr.write_all(&frame).await.is_err() {
+                break;
+            }
+        }
+    });
+    let is_worker = matches!(role, Role::Worker { .. });
+    let r = async {
+        while let Some(m) = read_msg(&mut rd).await? {
+            let ev = match m {
+                Msg::Heartbeat if is_worker => Event::Heartbeat { worker },
+                Msg::Credit { slots } if is_worker => Event::Credit { worker, slots },
+                Msg::Result { request, stage, ok, reason, data } if is_worker => {
+                    let key = ItemKey { request, stage };
+                    Event::Result { worker, key, result: if ok { Ok(data) } else { Err(reason) } }
+                }
+                Msg::Submit { request, priority, .. } if !is_worker => {
+                    Event::Submit { request, priority, tx: out_tx.clone() }
+                }
+                other => {
+                    let e = Error::protocol(format!("orchestrator: unexpected {other:?}"));
+                    return Err(OrchestratorError::from(e));
+                }
+            };
+            if events.send(ev).await.is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    if is_worker {
+        let _ = events.send(Event::Gone { worker }).await; // its items are re-queued now
+    }
+    writer.abort();
+    r
+}
+
+type ServiceDriver = Driver<mpsc::Sender<Msg>, mpsc::Sender<Msg>>;
+
+async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        let ev = tokio::select! {
+            e = rx.recv() => match e { Some(e) => Some(e), None => return },
+            _ = tick.tick() => None,
+        };
+        let now = start.elapsed();
+        match ev {
+            Some(Event::Join { role, tx, reply }) => {
+                let id = match role {
+                    Role::Worker { stage, slots, host, labels } => {
+                        d.join(stage, slots, &host, labels, tx, now).0
+                    }
+                    Role::Submitter => 0,
+                };
+                let _ = reply.send(id);
+            }
+            Some(Event::Gone { worker }) => d.leave(WorkerId(worker), now),
+            Some(Event::Heartbeat { worker }) => d.heartbeat(WorkerId(worker), now),
+            Some(Event::Credit { worker, slots }) => d.credit(WorkerId(worker), slots, now),
+            Some(Event::Result { worker, key, result }) => {
+                d.result(WorkerId(worker), key, result, now);
+            }
+            Some(Event::Submit { request, priority, tx }) => {
+                let sub = Submit { request, priority, deadline: None, host: None, labels: vec![] };
+                if let Err((tx, o)) = d.submit(sub, tx, now) {
+                    let _ = tx.try_send(outcome_msg(o));
+                }
+            }
+            None => {}
+        }
+        // A worker that cannot take its assignment (gone or flooded) gives its items back.
+        let refused: Vec<WorkerId> = d
+            .dispatch(now)
+            .into_iter()
+            .filter_map(|a| {
+                let item = &a.dispatch.item;
+                let m = Msg::Assign {
+                    request: item.key.request,
+                    stage: item.key.stage,
+                    attempt: item.attempt,
+                    data: a.inputs.to_vec(),
+                };
+                a.worker.try_send(m).is_err().then_some(a.dispatch.worker)
+            })
+            .collect();
+        for w in refused {
+            d.leave(w, now);
+        }
+        for (o, waiter) in d.take_outcomes() {
+            if let Some(tx) = waiter {
+                let _ = tx.try_send(outcome_msg(o));
+            }
+        }
+        d.publish_metrics();
+    }
+}
+
+fn outcome_msg(o: Outcome) -> Msg {
+    match o {
+        Outcome::Completed { request } => Msg::Outcome { request, ok: true, reason: String::new() },
+        Outcome::Failed { request, reason } => Msg::Outcome { request, ok: false, reason },
+    }
+}

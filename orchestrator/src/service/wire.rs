@@ -1,0 +1,244 @@
+//! The orchestrator service protocol, on the common framing ([`FRAMING`], magic "TO"): after the
+//! authenticated handshake (`tensorwire_core::handshake`) the client says what it is (`Hello`)
+//! and the server answers `Welcome{worker id}`; then workers send heartbeats, credits and results
+//! and receive assignments, and submitters send requests and receive outcomes. A refusal is the
+//! handshake's `Reject` frame. Bodies are built with the core codec; decoders are total.
+
+use crate::{Priority, Stage};
+use tensorwire_core::wire::codec::{Reader, Writer};
+use tensorwire_core::wire::frame::Framing;
+use tensorwire_core::{Error, Result};
+
+/// Largest payload.
+pub const MAX_PAYLOAD: u32 = 64 << 10;
+/// The service's framing.
+pub const FRAMING: Framing =
+    Framing { name: "orchestrator", magic: *b"TO", version: 2, max_payload: MAX_PAYLOAD };
+const MAX_TEXT: usize = 1024;
+const MAX_LABELS: usize = 8;
+/// Largest opaque stage data (inputs / outputs) in one message.
+pub const MAX_DATA: usize = 48 << 10;
+
+/// What a client is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// A stage worker.
+    Worker {
+        /// Its stage.
+        stage: Stage,
+        /// Concurrent items it takes.
+        slots: u32,
+        /// Its host.
+        host: String,
+        /// Rail / NUMA labels.
+        labels: Vec<String>,
+    },
+    /// A client that submits requests.
+    Submitter,
+}
+
+/// Every message of the protocol (field names say what the variant documentation describes).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    /// Client: what it is.
+    Hello { role: Role },
+    /// Server: accepted (workers get their id; submitters 0).
+    Welcome { worker: u64 },
+    /// Worker: alive.
+    Heartbeat,
+    /// Worker: its slot count changed.
+    Credit { slots: u32 },
+    /// Server -> worker: run this item; `data` is what the previous stage reported (its outputs,
+    /// e.g. encoded payload references), empty for the first stage.
+    Assign { request: u64, stage: Stage, attempt: u32, data: Vec<u8> },
+    /// Worker: an item ended; `data` (its outputs) goes to the next stage's assignment.
+    Result { request: u64, stage: Stage, ok: bool, reason: String, data: Vec<u8> },
+    /// Submitter: a new request.
+    Submit { request: u64, priority: Priority, deadline_ms: u64 },
+    /// Server -> submitter: a request ended.
+    Outcome { request: u64, ok: bool, reason: String },
+}
+
+fn clip(s: &str) -> &str {
+    let mut end = s.len().min(MAX_TEXT);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+impl Msg {
+    /// The frame kind and body.
+    pub fn encode_body(&self) -> (u8, Vec<u8>) {
+        let mut w = Writer::new();
+        let kind = match self {
+            Msg::Hello { role } => {
+                match role {
+                    Role::Worker { stage, slots, host, labels } => {
+                        w.u8(1);
+                        stage.encode(&mut w);
+                        w.u32(*slots).str(clip(host));
+                        w.u32(labels.len().min(MAX_LABELS) as u32);
+                        for l in labels.iter().take(MAX_LABELS) {
+                            w.str(clip(l));
+                        }
+                    }
+                    Role::Submitter => {
+                        w.u8(2);
+                    }
+                }
+                1
+            }
+            Msg::Welcome { worker } => {
+                w.u64(*worker);
+                2
+            }
+            Msg::Heartbeat => 3,
+            Msg::Credit { slots } => {
+                w.u32(*slots);
+                4
+            }
+            Msg::Assign { request, stage, attempt, data } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                w.u32(*attempt).bytes(data);
+                5
+            }
+            Msg::Result { request, stage, ok, reason, data } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                w.u8(u8::from(*ok)).str(clip(reason)).bytes(data);
+                6
+            }
+            Msg::Submit { request, priority, deadline_ms } => {
+                w.u64(*request);
+                priority.encode(&mut w);
+                w.u64(*deadline_ms);
+                7
+            }
+            Msg::Outcome { request, ok, reason } => {
+                w.u64(*request).u8(u8::from(*ok)).str(clip(reason));
+                8
+            }
+        };
+        (kind, w.finish())
+    }
+
+    /// The whole frame (header + body).
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let (kind, body) = self.encode_body();
+        FRAMING.encode(kind, &body)
+    }
+
+    /// Decodes a body of `kind`. Never panics.
+    pub fn decode(kind: u8, p: &[u8]) -> Result<Msg> {
+        let mut r = Reader::new(p, "orchestrator message");
+        let m = match kind {
+            1 => {
+                let role = match r.u8()? {
+                    1 => {
+                        let stage = Stage::decode(&mut r)?;
+                        let slots = r.u32()?;
+                        let host = r.str(MAX_TEXT, "host")?;
+                        let n = r.count(MAX_LABELS, "labels")?;
+                        let labels =
+                            (0..n).map(|_| r.str(MAX_TEXT, "label")).collect::<Result<_>>()?;
+                        Role::Worker { stage, slots, host, labels }
+                    }
+                    2 => Role::Submitter,
+                    t => return Err(Error::protocol(format!("orchestrator: unknown role {t}"))),
+                };
+                Msg::Hello { role }
+            }
+            2 => Msg::Welcome { worker: r.u64()? },
+            3 => Msg::Heartbeat,
+            4 => Msg::Credit { slots: r.u32()? },
+            5 => Msg::Assign {
+                request: r.u64()?,
+                stage: Stage::decode(&mut r)?,
+                attempt: r.u32()?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
+            },
+            6 => Msg::Result {
+                request: r.u64()?,
+                stage: Stage::decode(&mut r)?,
+                ok: r.u8()? != 0,
+                reason: r.str(MAX_TEXT, "reason")?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
+            },
+            7 => Msg::Submit {
+                request: r.u64()?,
+                priority: Priority::decode(&mut r)?,
+                deadline_ms: r.u64()?,
+            },
+            8 => Msg::Outcome {
+                request: r.u64()?,
+                ok: r.u8()? != 0,
+                reason: r.str(MAX_TEXT, "reason")?,
+            },
+            k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
+        };
+        r.finish()?;
+        Ok(m)
+    }
+}
+
+/// Reads one message from `s`; `Ok(None)` at a clean end of stream. A handshake `Reject` is
+/// [`Error::AccessDenied`] with the server's reason.
+pub async fn read_msg(s: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<Option<Msg>> {
+    match FRAMING.read(s).await? {
+        None => Ok(None),
+        Some((tensorwire_core::wire::handshake::REJECT, reason)) => {
+            Err(Error::AccessDenied(format!("orchestrator: {}", String::from_utf8_lossy(&reason))))
+        }
+        Some((kind, body)) => Msg::decode(kind, &body).map(Some),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trips() {
+        let msgs = [
+            Msg::Hello {
+                role: Role::Worker {
+                    stage: Stage::Decode,
+                    slots: 2,
+                    host: "h".into(),
+                    labels: vec!["rail0".into()],
+                },
+            },
+            Msg::Hello { role: Role::Submitter },
+            Msg::Welcome { worker: 3 },
+            Msg::Credit { slots: 4 },
+            Msg::Assign { request: 9, stage: Stage::Denoise, attempt: 2, data: vec![1, 2] },
+            Msg::Result {
+                request: 9,
+                stage: Stage::Denoise,
+                ok: false,
+                reason: "oom".into(),
+                data: vec![],
+            },
+            Msg::Submit { request: 1, priority: Priority::Interactive, deadline_ms: 5 },
+            Msg::Outcome { request: 1, ok: true, reason: String::new() },
+            Msg::Heartbeat,
+        ];
+        for m in msgs {
+            let f = m.encode().unwrap();
+            let (k, body) = FRAMING.decode(&f).unwrap();
+            assert_eq!(Msg::decode(k, body).unwrap(), m);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn decoders_are_total(kind in any::<u8>(), bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
+            let _ = Msg::decode(kind, &bytes);
+            let _ = FRAMING.decode(&bytes);
+        }
+    }
+}
