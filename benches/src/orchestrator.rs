@@ -44,10 +44,7 @@ pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
     let mut next = 0u64;
     let submit = |s: &mut Scheduler, r: u64, now: Duration| {
         let p = if r % 4 == 0 { Priority::Interactive } else { Priority::Batch };
-        s.submit(
-            Submit { request: r, priority: p, deadline: None, host: None, labels: vec![] },
-            now,
-        );
+        s.submit(Submit::new(r, p), now);
     };
     let start = Instant::now();
     for _ in 0..in_flight.min(requests) {

@@ -137,7 +137,7 @@ impl StoreBench {
         if write {
             let key = format!("put-{}", self.next.fetch_add(1, Ordering::Relaxed));
             self.store
-                .put_from(key.as_bytes(), &meta(size), &self.src, 0, size, Retention::Normal)
+                .put_from(key.as_bytes(), &meta(size), &self.src.slice(0, size)?, Retention::Normal)
                 .await?;
             self.store.remove(key.as_bytes()).await.map(drop).map_err(Into::into)
         } else {
@@ -145,7 +145,12 @@ impl StoreBench {
             let key = format!("read-{size}");
             if !self.store.exists(key.as_bytes()).await? {
                 self.store
-                    .put_from(key.as_bytes(), &meta(size), &self.src, 0, size, Retention::Pinned)
+                    .put_from(
+                        key.as_bytes(),
+                        &meta(size),
+                        &self.src.slice(0, size)?,
+                        Retention::Pinned,
+                    )
                     .await?;
             }
             self.store.get_into(key.as_bytes(), &self.dst, 0).await.map(drop).map_err(Into::into)

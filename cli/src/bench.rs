@@ -38,15 +38,10 @@ fn err(e: impl std::fmt::Display) -> String {
 }
 
 fn progress(l: &Line) {
+    let (what, op, size) = (&l.backend, &l.op, fmt_size(l.size));
+    let (tw, base, base_gbps, r) = (l.gbps, &l.baseline, l.baseline_gbps, l.ratio);
     eprintln!(
-        "  {:<15} {:>15} {:>7}: {:>7.3} GB/s vs {} {:>7.3} GB/s, ratio {:.3}",
-        l.backend,
-        l.op,
-        fmt_size(l.size),
-        l.gbps,
-        l.baseline,
-        l.baseline_gbps,
-        l.ratio
+        "  {what:<15} {op:>15} {size:>7}: {tw:>7.3} GB/s vs {base} {base_gbps:>7.3} GB/s, ratio {r:.3}"
     );
 }
 

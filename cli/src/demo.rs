@@ -264,6 +264,16 @@ async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     Ok(())
 }
 
+/// The demo's store node: an engine on loopback with a 512 MiB shared pool served over the RPC.
+pub(crate) async fn store_node() -> Result<(Engine, Arc<EmbeddedStore>, StoreNode), String> {
+    let engine = tcp_engine().await?;
+    let cfg = StoreConfig { capacity: 512 << 20, shared: true, ..StoreConfig::default() };
+    let store = EmbeddedStore::new(&engine, cfg).await.map_err(err)?;
+    let listen = "127.0.0.1:0".parse().map_err(|_| "address")?;
+    let node = StoreNode::serve(store.clone(), listen, None).await.map_err(err)?;
+    Ok((engine, store, node))
+}
+
 pub(crate) async fn tcp_engine() -> Result<Engine, String> {
     let tcp = TcpBackend::new(TcpConfig::default()).map_err(err)?;
     Engine::builder().backend(tcp).start().await.map_err(err)
@@ -291,15 +301,7 @@ async fn disaggregated(
     split: Split,
     scale: f64,
 ) -> Result<Summary, String> {
-    let node_engine = tcp_engine().await?;
-    let store = EmbeddedStore::new(
-        &node_engine,
-        StoreConfig { capacity: 512 << 20, shared: true, ..StoreConfig::default() },
-    )
-    .await
-    .map_err(err)?;
-    let listen = "127.0.0.1:0".parse().map_err(|_| "address")?;
-    let node = StoreNode::serve(store.clone(), listen, None).await.map_err(err)?;
+    let (node_engine, store, node) = store_node().await?;
     let mut conns = Vec::new();
     for mode in [Mode::Store, Mode::Auto, Mode::Auto] {
         let e = tcp_engine().await?;
@@ -356,13 +358,7 @@ async fn disaggregated(
     let start = Instant::now();
     let mut waits = Vec::new();
     for r in 0..n {
-        let s = Submit {
-            request: r,
-            priority: Priority::Batch,
-            deadline: None,
-            host: None,
-            labels: vec![],
-        };
+        let s = Submit::new(r, Priority::Batch);
         waits.push(orch.submit(s).await.map_err(err)?);
     }
     for w in waits {

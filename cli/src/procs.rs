@@ -24,9 +24,9 @@ use tensorwire_orchestrator::service::{
     Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
 use tensorwire_orchestrator::{HandlerError, Priority, Stage};
-use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
+use tensorwire_store::{RemoteStore, Store};
 
-use crate::demo::{DemoArgs, Split, embed_meta, fill, latent_meta, tcp_engine};
+use crate::demo::{DemoArgs, Split, embed_meta, fill, latent_meta, store_node, tcp_engine};
 use crate::profiles::Model;
 use crate::report::Summary;
 
@@ -183,16 +183,7 @@ pub(crate) async fn disaggregated(
     models: &[Model],
     split: Split,
 ) -> Result<Summary, String> {
-    let node_engine = tcp_engine().await?;
-    let store = EmbeddedStore::new(
-        &node_engine,
-        StoreConfig { capacity: 512 << 20, shared: true, ..StoreConfig::default() },
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().map_err(|_| "address")?, None)
-        .await
-        .map_err(|e| e.to_string())?;
+    let (node_engine, store, node) = store_node().await?;
     let cfg = ServiceConfig {
         sched: SchedConfig { heartbeat_timeout: Duration::from_secs(10), ..SchedConfig::default() },
         policy: Box::new(MaxFreeCredit),

@@ -48,6 +48,18 @@ fn ratio(a: f64, b: f64) -> String {
     if b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() }
 }
 
+/// A row with the `p`-th percentile of a latency of both runs and their ratio.
+fn pct_row(
+    label: &str,
+    d: &Summary,
+    c: &Summary,
+    of: impl Fn(&Summary) -> &[Duration],
+    p: f64,
+) -> (String, String, String, String) {
+    let (a, b) = (percentile(of(d), p), percentile(of(c), p));
+    (label.into(), ms(a), ms(b), ratio(a.as_secs_f64(), b.as_secs_f64()))
+}
+
 /// Prints the side-by-side table.
 pub(crate) fn print(d: &Summary, c: &Summary) {
     let thr = |s: &Summary| s.requests as f64 / s.elapsed.as_secs_f64().max(1e-9);
@@ -66,30 +78,10 @@ pub(crate) fn print(d: &Summary, c: &Summary) {
             format!("{:.2}", thr(c)),
             ratio(thr(d), thr(c)),
         ),
-        (
-            "TTFF p50".into(),
-            ms(percentile(&d.ttff, 50.0)),
-            ms(percentile(&c.ttff, 50.0)),
-            ratio(percentile(&d.ttff, 50.0).as_secs_f64(), percentile(&c.ttff, 50.0).as_secs_f64()),
-        ),
-        (
-            "TTFF p99".into(),
-            ms(percentile(&d.ttff, 99.0)),
-            ms(percentile(&c.ttff, 99.0)),
-            ratio(percentile(&d.ttff, 99.0).as_secs_f64(), percentile(&c.ttff, 99.0).as_secs_f64()),
-        ),
-        (
-            "end-to-end p50".into(),
-            ms(percentile(&d.e2e, 50.0)),
-            ms(percentile(&c.e2e, 50.0)),
-            ratio(percentile(&d.e2e, 50.0).as_secs_f64(), percentile(&c.e2e, 50.0).as_secs_f64()),
-        ),
-        (
-            "end-to-end p99".into(),
-            ms(percentile(&d.e2e, 99.0)),
-            ms(percentile(&c.e2e, 99.0)),
-            ratio(percentile(&d.e2e, 99.0).as_secs_f64(), percentile(&c.e2e, 99.0).as_secs_f64()),
-        ),
+        pct_row("TTFF p50", d, c, |s| &s.ttff, 50.0),
+        pct_row("TTFF p99", d, c, |s| &s.ttff, 99.0),
+        pct_row("end-to-end p50", d, c, |s| &s.e2e, 50.0),
+        pct_row("end-to-end p99", d, c, |s| &s.e2e, 99.0),
         (
             "utilisation enc/den/dec".into(),
             d.utilisation.map_or("-".into(), |u| {

@@ -135,13 +135,7 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
         match ev {
             None => {
                 arrived.insert(r, at);
-                let s = Submit {
-                    request: r,
-                    priority: Priority::Batch,
-                    deadline: None,
-                    host: None,
-                    labels: vec![],
-                };
+                let s = Submit::new(r, Priority::Batch);
                 let _ = d.submit(s, at, at);
             }
             Some((key, w)) => {

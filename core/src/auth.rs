@@ -24,6 +24,17 @@ pub enum Side {
     Client,
 }
 
+/// What a proof covers: the protocol's magic and both sides' nonces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transcript {
+    /// The framed protocol's magic.
+    pub magic: [u8; 2],
+    /// The client's nonce.
+    pub client: [u8; AUTH_LEN],
+    /// The server's nonce.
+    pub server: [u8; AUTH_LEN],
+}
+
 /// A secret shared by every member of a cluster. Its `Debug` output never shows the bytes.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ClusterSecret(Arc<[u8]>);
@@ -34,13 +45,7 @@ impl ClusterSecret {
         ClusterSecret(Arc::from(bytes.as_ref()))
     }
 
-    fn mac(
-        &self,
-        side: Side,
-        magic: [u8; 2],
-        client: &[u8; AUTH_LEN],
-        server: &[u8; AUTH_LEN],
-    ) -> Hmac<Sha256> {
+    fn mac(&self, side: Side, t: &Transcript) -> Hmac<Sha256> {
         // HMAC accepts keys of any length, so this cannot fail.
         let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
             .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
@@ -48,33 +53,20 @@ impl ClusterSecret {
             Side::Server => SERVER_LABEL,
             Side::Client => CLIENT_LABEL,
         });
-        m.update(&magic);
-        m.update(client);
-        m.update(server);
+        m.update(&t.magic);
+        m.update(&t.client);
+        m.update(&t.server);
         m
     }
 
-    /// `side`'s proof for a handshake of the protocol with `magic` and these nonces.
-    pub fn proof(
-        &self,
-        side: Side,
-        magic: [u8; 2],
-        client: &[u8; AUTH_LEN],
-        server: &[u8; AUTH_LEN],
-    ) -> [u8; AUTH_LEN] {
-        self.mac(side, magic, client, server).finalize().into_bytes().into()
+    /// `side`'s proof for a handshake with transcript `t`.
+    pub fn proof(&self, side: Side, t: &Transcript) -> [u8; AUTH_LEN] {
+        self.mac(side, t).finalize().into_bytes().into()
     }
 
     /// Checks `side`'s proof in constant time.
-    pub fn verify(
-        &self,
-        side: Side,
-        magic: [u8; 2],
-        client: &[u8; AUTH_LEN],
-        server: &[u8; AUTH_LEN],
-        proof: &[u8],
-    ) -> bool {
-        self.mac(side, magic, client, server).verify_slice(proof).is_ok()
+    pub fn verify(&self, side: Side, t: &Transcript, proof: &[u8]) -> bool {
+        self.mac(side, t).verify_slice(proof).is_ok()
     }
 }
 
@@ -96,14 +88,16 @@ mod tests {
     #[test]
     fn proofs_verify_only_with_the_same_secret_nonces_side_and_protocol() {
         let s = ClusterSecret::new(b"cluster secret");
-        let (c, v) = (nonce(), nonce());
-        let sp = s.proof(Side::Server, *b"TW", &c, &v);
-        assert!(s.verify(Side::Server, *b"TW", &c, &v, &sp));
-        assert!(!ClusterSecret::new(b"other").verify(Side::Server, *b"TW", &c, &v, &sp));
-        assert!(!s.verify(Side::Server, *b"TW", &v, &c, &sp), "swapped nonces");
-        assert!(!s.verify(Side::Client, *b"TW", &c, &v, &sp), "a server proof reflected");
-        assert!(!s.verify(Side::Server, *b"TR", &c, &v, &sp), "carried to another protocol");
-        assert!(!s.verify(Side::Server, *b"TW", &c, &v, &sp[..31]));
+        let t = Transcript { magic: *b"TW", client: nonce(), server: nonce() };
+        let sp = s.proof(Side::Server, &t);
+        assert!(s.verify(Side::Server, &t, &sp));
+        assert!(!ClusterSecret::new(b"other").verify(Side::Server, &t, &sp));
+        let swapped = Transcript { client: t.server, server: t.client, ..t };
+        assert!(!s.verify(Side::Server, &swapped, &sp), "swapped nonces");
+        assert!(!s.verify(Side::Client, &t, &sp), "a server proof reflected");
+        let other = Transcript { magic: *b"TR", ..t };
+        assert!(!s.verify(Side::Server, &other, &sp), "carried to another protocol");
+        assert!(!s.verify(Side::Server, &t, &sp[..31]));
         assert_eq!(format!("{s:?}"), "ClusterSecret(..)");
     }
 }

@@ -6,25 +6,31 @@
 //! handshake still runs (same messages, no proofs) and each side logs that its peer is
 //! unauthenticated; a secret on one side only is refused with a message saying which.
 //!
-//! [`client`] returns once the client's proof is on its way: the client then sends its first
-//! message at once (no extra round trip); a server that refuses the proof answers that message
-//! with a `Reject`, which [`expect`] turns into [`Error::AccessDenied`] with the server's reason.
+//! [`Handshake::client`] returns once the client's proof is on its way: the client then sends its
+//! first message at once (no extra round trip); a server that refuses the proof answers that
+//! message with a `Reject`, which [`expect`] turns into [`Error::AccessDenied`] with the server's
+//! reason.
 
 use std::net::SocketAddr;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use crate::auth::{AUTH_LEN, ClusterSecret, Side, nonce};
+use crate::auth::{ClusterSecret, Side, Transcript, nonce};
 use crate::error::{Error, Result};
 use crate::wire::frame::Framing;
 use crate::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof, REJECT};
 
+/// A byte stream a framed protocol runs on.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin {}
+impl<S: AsyncRead + AsyncWrite + Unpin + ?Sized> Stream for S {}
+
 /// Reads the next frame of `framing` and requires kind `want`; a `Reject` becomes
 /// [`Error::AccessDenied`] with the peer's reason, and an end of stream [`Error::PeerClosed`].
-pub async fn expect<R>(r: &mut R, framing: &Framing, want: u8) -> Result<Vec<u8>>
-where
-    R: AsyncRead + Unpin + ?Sized,
-{
+pub async fn expect(
+    r: &mut (impl AsyncRead + Unpin + ?Sized),
+    framing: &Framing,
+    want: u8,
+) -> Result<Vec<u8>> {
     match framing.read(r).await? {
         Some((k, payload)) if k == want => Ok(payload),
         Some((REJECT, reason)) => Err(Error::AccessDenied(format!(
@@ -40,97 +46,82 @@ where
 }
 
 /// Sends a `Reject` with `e`'s text (best effort) and returns `e`.
-pub async fn refuse<W, T>(w: &mut W, framing: &Framing, e: Error) -> Result<T>
-where
-    W: AsyncWrite + Unpin + ?Sized,
-{
+pub async fn refuse<T>(
+    w: &mut (impl AsyncWrite + Unpin + ?Sized),
+    framing: &Framing,
+    e: Error,
+) -> Result<T> {
     let _ = framing.write(w, REJECT, e.to_string().as_bytes()).await;
     Err(e)
 }
 
-/// The client side: sends `Open`, checks the server's `Challenge`, sends `Proof`. The caller
-/// bounds it with its handshake timeout.
-pub async fn client<S>(
-    s: &mut S,
-    framing: &Framing,
-    secret: Option<&ClusterSecret>,
-    peer: SocketAddr,
-) -> Result<()>
-where
-    S: AsyncRead + AsyncWrite + Unpin + ?Sized,
-{
-    let mine = nonce();
-    framing.write(s, OPEN, &Open { nonce: mine }.encode()).await?;
-    let ch = Challenge::decode(&expect(s, framing, CHALLENGE).await?)?;
-    let name = framing.name;
-    let proof = match (secret, ch.proof) {
-        (Some(k), Some(p)) if k.verify(Side::Server, framing.magic, &mine, &ch.nonce, &p) => {
-            Some(k.proof(Side::Client, framing.magic, &mine, &ch.nonce))
-        }
-        (Some(_), Some(_)) => {
-            let e = Error::AccessDenied(format!(
-                "{name} peer {peer} failed authentication: wrong cluster secret"
-            ));
-            return refuse(s, framing, e).await;
-        }
-        (Some(_), None) => {
-            let e = Error::AccessDenied(format!(
-                "{name} peer {peer} has no cluster secret; refusing an unauthenticated peer"
-            ));
-            return refuse(s, framing, e).await;
-        }
-        (None, Some(_)) => {
-            let e = Error::AccessDenied(format!(
-                "{name} peer {peer} requires a cluster secret, and none is configured here"
-            ));
-            return refuse(s, framing, e).await;
-        }
-        (None, None) => {
-            tracing::warn!(%peer, protocol = name, "unauthenticated peer: no cluster secret is configured");
-            None
-        }
-    };
-    framing.write(s, PROOF, &Proof { proof }.encode()).await
+/// One side's handshake: the protocol, the cluster secret (if any) and the peer's address.
+#[derive(Debug, Clone, Copy)]
+pub struct Handshake<'a> {
+    /// The protocol.
+    pub framing: &'a Framing,
+    /// The cluster secret; `None` runs the handshake unauthenticated (and warns).
+    pub secret: Option<&'a ClusterSecret>,
+    /// The peer, for messages.
+    pub peer: SocketAddr,
 }
 
-/// The server side: answers `Open` with a `Challenge` and checks the client's `Proof`; a client
-/// that fails gets a `Reject` and the error is returned. The caller bounds it with its handshake
-/// timeout.
-pub async fn server<S>(
-    s: &mut S,
-    framing: &Framing,
-    secret: Option<&ClusterSecret>,
-    peer: SocketAddr,
-) -> Result<()>
-where
-    S: AsyncRead + AsyncWrite + Unpin + ?Sized,
-{
-    let open = match Open::decode(&expect(s, framing, OPEN).await?) {
-        Ok(o) => o,
-        Err(e) => return refuse(s, framing, e).await,
-    };
-    let mine = nonce();
-    let proof = secret.map(|k| k.proof(Side::Server, framing.magic, &open.nonce, &mine));
-    framing.write(s, CHALLENGE, &Challenge { nonce: mine, proof }.encode()).await?;
-    let theirs = match Proof::decode(&expect(s, framing, PROOF).await?) {
-        Ok(p) => p.proof,
-        Err(e) => return refuse(s, framing, e).await,
-    };
-    let proven = |p: &[u8; AUTH_LEN], k: &ClusterSecret| {
-        k.verify(Side::Client, framing.magic, &open.nonce, &mine, p)
-    };
-    match (secret, theirs) {
-        (Some(k), Some(p)) if proven(&p, k) => Ok(()),
-        (Some(_), _) => {
-            let e = Error::AccessDenied(format!(
-                "{} peer {peer} did not prove the cluster secret",
-                framing.name
-            ));
-            refuse(s, framing, e).await
+impl Handshake<'_> {
+    /// The client side: sends `Open`, checks the server's `Challenge`, sends `Proof`. The caller
+    /// bounds it with its handshake timeout.
+    pub async fn client(&self, s: &mut (impl Stream + ?Sized)) -> Result<()> {
+        let (framing, name, peer) = (self.framing, self.framing.name, self.peer);
+        let mine = nonce();
+        framing.write(s, OPEN, &Open { nonce: mine }.encode()).await?;
+        let ch = Challenge::decode(&expect(s, framing, CHALLENGE).await?)?;
+        let t = Transcript { magic: framing.magic, client: mine, server: ch.nonce };
+        let refusal = match (self.secret, ch.proof) {
+            (Some(k), Some(p)) if k.verify(Side::Server, &t, &p) => None,
+            (Some(_), Some(_)) => Some("failed authentication: wrong cluster secret"),
+            (Some(_), None) => Some("has no cluster secret; refusing an unauthenticated peer"),
+            (None, Some(_)) => Some("requires a cluster secret, and none is configured here"),
+            (None, None) => {
+                tracing::warn!(%peer, protocol = name, "unauthenticated peer: no cluster secret is configured");
+                None
+            }
+        };
+        if let Some(why) = refusal {
+            return refuse(s, framing, Error::AccessDenied(format!("{name} peer {peer} {why}")))
+                .await;
         }
-        (None, _) => {
-            tracing::warn!(%peer, protocol = framing.name, "accepting an unauthenticated peer: no cluster secret is configured");
-            Ok(())
+        let proof = self.secret.map(|k| k.proof(Side::Client, &t));
+        framing.write(s, PROOF, &Proof { proof }.encode()).await
+    }
+
+    /// The server side: answers `Open` with a `Challenge` and checks the client's `Proof`; a
+    /// client that fails gets a `Reject` and the error is returned. The caller bounds it with
+    /// its handshake timeout.
+    pub async fn server(&self, s: &mut (impl Stream + ?Sized)) -> Result<()> {
+        let (framing, peer) = (self.framing, self.peer);
+        let open = match Open::decode(&expect(s, framing, OPEN).await?) {
+            Ok(o) => o,
+            Err(e) => return refuse(s, framing, e).await,
+        };
+        let t = Transcript { magic: framing.magic, client: open.nonce, server: nonce() };
+        let proof = self.secret.map(|k| k.proof(Side::Server, &t));
+        framing.write(s, CHALLENGE, &Challenge { nonce: t.server, proof }.encode()).await?;
+        let theirs = match Proof::decode(&expect(s, framing, PROOF).await?) {
+            Ok(p) => p.proof,
+            Err(e) => return refuse(s, framing, e).await,
+        };
+        match (self.secret, theirs) {
+            (Some(k), Some(p)) if k.verify(Side::Client, &t, &p) => Ok(()),
+            (Some(_), _) => {
+                let e = Error::AccessDenied(format!(
+                    "{} peer {peer} did not prove the cluster secret",
+                    framing.name
+                ));
+                refuse(s, framing, e).await
+            }
+            (None, _) => {
+                tracing::warn!(%peer, protocol = framing.name, "accepting an unauthenticated peer: no cluster secret is configured");
+                Ok(())
+            }
         }
     }
 }
@@ -143,15 +134,15 @@ mod tests {
     async fn run(a: Option<&[u8]>, b: Option<&[u8]>) -> (Result<()>, Result<()>) {
         let (mut c, mut s) = tokio::io::duplex(4096);
         let (ka, kb) = (a.map(ClusterSecret::new), b.map(ClusterSecret::new));
-        let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
         let client = async {
-            client(&mut c, &CONTROL, ka.as_ref(), addr).await?;
+            Handshake { framing: &CONTROL, secret: ka.as_ref(), peer }.client(&mut c).await?;
             // The protocol's first message, answered by the server if it accepted the proof.
             CONTROL.write(&mut c, 1, b"hello").await?;
             expect(&mut c, &CONTROL, 1).await.map(drop)
         };
         let server = async {
-            server(&mut s, &CONTROL, kb.as_ref(), addr).await?;
+            Handshake { framing: &CONTROL, secret: kb.as_ref(), peer }.server(&mut s).await?;
             expect(&mut s, &CONTROL, 1).await?;
             CONTROL.write(&mut s, 1, b"welcome").await
         };

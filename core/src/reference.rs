@@ -17,7 +17,6 @@ use crate::backend::{
 };
 use crate::error::{Error, Missing, Result};
 use crate::ids::RegionId;
-use crate::memory::MemoryKinds;
 
 const NAME: &str = "mem";
 
@@ -77,15 +76,7 @@ impl Backend for MemBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: MemoryKinds::HOST,
-            remote: MemoryKinds::HOST,
-            read: true,
-            write: true,
-            notify: true,
-            same_host_only: true,
-            max_request_bytes: 256 << 20,
-        }
+        Capabilities::host(true, 256 << 20)
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {

@@ -154,6 +154,10 @@ impl MemSlice {
         // `offset + len <= region len` was checked at construction, so this stays in the allocation.
         self.region.base().wrapping_add(self.offset as usize)
     }
+    /// The region, offset and length (for building a transfer of this slice).
+    pub(crate) fn parts(&self) -> (Arc<RegionInner>, u64, u64) {
+        (self.region.clone(), self.offset, self.len)
+    }
     /// This backend's public blob for the region (what its `register` returned).
     pub fn blob(&self, backend: &str) -> Option<&Bytes> {
         self.region.blobs.iter().find(|(n, _)| *n == backend).map(|(_, b)| b)

@@ -333,7 +333,9 @@ async fn store_put(store: Option<Arc<dyn Store>>, b: Buffer) -> Result<()> {
     let (key, retention, lease) = b
         .store
         .ok_or_else(|| ConnectorError::Internal("a p2p payload sent to the store".into()))?;
-    store.put_from(&key, &b.meta, &b.region, b.offset, b.plan.extent(), retention).await?;
+    let bytes = b.region.slice(b.offset, b.plan.extent())?;
+    store.put_from(&key, &b.meta, &bytes, retention).await?;
+    drop(bytes);
     drop(b.region);
     match lease {
         LeasePolicy::DeleteOnConsume { consumers } => {

@@ -6,7 +6,9 @@
 //! on what comes out ([`Driver::dispatch`], [`Driver::take_outcomes`]).
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
 
 use crate::Stage;
 
@@ -29,6 +31,34 @@ pub struct OrchestratorStats {
     pub slots: [u32; 3],
     /// Time since start.
     pub elapsed: Duration,
+}
+
+/// The clock of a driver loop: time since the loop started, and a tick so the scheduler's timers
+/// (heartbeats, aging) run when no event comes.
+#[derive(Debug)]
+pub(crate) struct Ticker {
+    start: Instant,
+    tick: tokio::time::Interval,
+}
+
+impl Ticker {
+    pub(crate) fn new(every: Duration) -> Ticker {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Ticker { start: Instant::now(), tick }
+    }
+
+    /// The next event (`None` on a tick) with the time, or `None` once every sender is gone.
+    pub(crate) async fn next<E>(
+        &mut self,
+        rx: &mut mpsc::Receiver<E>,
+    ) -> Option<(Duration, Option<E>)> {
+        let ev = tokio::select! {
+            e = rx.recv() => Some(e?),
+            _ = self.tick.tick() => None,
+        };
+        Some((self.start.elapsed(), ev))
+    }
 }
 
 /// A dispatch decision with what the worker needs to act on it.
@@ -229,7 +259,7 @@ mod tests {
     use crate::sched::MaxFreeCredit;
 
     fn submit(r: u64) -> Submit {
-        Submit { request: r, priority: Priority::Batch, deadline: None, host: None, labels: vec![] }
+        Submit::new(r, Priority::Batch)
     }
 
     #[test]

@@ -22,8 +22,7 @@
 //!     let run = |_w: Work| async { Ok::<(), HandlerError>(()) };
 //!     o.add_worker(stage, 1, "localhost", Arc::new(run)).await?;
 //! }
-//! let done = o.submit(Submit { request: 1, priority: Priority::Interactive, deadline: None,
-//!                              host: None, labels: vec![] }).await?;
+//! let done = o.submit(Submit::new(1, Priority::Interactive)).await?;
 //! assert_eq!(done.await.unwrap(), Outcome::Completed { request: 1 });
 //! # Ok::<(), tensorwire_orchestrator::OrchestratorError>(()) }).unwrap();
 //! ```

@@ -5,12 +5,12 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::Stage;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::driver::{Driver, OrchestratorStats};
+use crate::driver::{Driver, OrchestratorStats, Ticker};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
 
@@ -137,15 +137,8 @@ impl Orchestrator {
 type LibraryDriver = Driver<Arc<dyn StageHandler>, oneshot::Sender<Outcome>>;
 
 async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::WeakSender<Event>) {
-    let start = Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let ev = tokio::select! {
-            e = rx.recv() => match e { Some(e) => Some(e), None => return },
-            _ = tick.tick() => None,
-        };
-        let now = start.elapsed();
+    let mut clock = Ticker::new(Duration::from_millis(50));
+    while let Some((now, ev)) = clock.next(&mut rx).await {
         match ev {
             Some(Event::Join { stage, slots, host, handler, reply }) => {
                 let _ = reply.send(d.join(stage, slots, &host, Vec::new(), handler, now));
@@ -216,13 +209,7 @@ mod tests {
         o.add_worker(Stage::Decode, 2, "h", Arc::new(flaky)).await.unwrap();
         let mut rx = Vec::new();
         for r in 0..20 {
-            let s = Submit {
-                request: r,
-                priority: Priority::Batch,
-                deadline: None,
-                host: None,
-                labels: vec![],
-            };
+            let s = Submit::new(r, Priority::Batch);
             rx.push(o.submit(s).await.unwrap());
         }
         for (r, x) in rx.into_iter().enumerate() {

@@ -160,6 +160,13 @@ pub struct Submit {
     pub labels: Vec<String>,
 }
 
+impl Submit {
+    /// A request of `priority` with no deadline and no affinity hints.
+    pub fn new(request: u64, priority: Priority) -> Submit {
+        Submit { request, priority, deadline: None, host: None, labels: vec![] }
+    }
+}
+
 /// A decision: run `item` on `worker`.
 #[derive(Debug, Clone)]
 pub struct Dispatch {
@@ -603,10 +610,7 @@ mod tests {
     }
 
     fn submit(s: &mut Scheduler, r: u64, p: Priority, now: Duration) {
-        assert!(s.submit(
-            Submit { request: r, priority: p, deadline: None, host: None, labels: vec![] },
-            now
-        ));
+        assert!(s.submit(Submit::new(r, p), now));
     }
 
     #[test]

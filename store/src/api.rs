@@ -3,7 +3,7 @@
 use std::fmt::Debug;
 
 use async_trait::async_trait;
-use tensorwire_core::{MemoryKind, Region, TensorMeta};
+use tensorwire_core::{MemSlice, MemoryKind, Region, TensorMeta};
 
 use crate::error::{Result, StoreError};
 
@@ -62,14 +62,12 @@ pub struct StoreStats {
 pub trait Store: Send + Sync + Debug {
     /// Stores a copy of `bytes` under `key`; `meta` must fit in `bytes.len()`.
     async fn put(&self, key: &[u8], meta: &TensorMeta, bytes: &[u8], r: Retention) -> Result<()>;
-    /// Stores `len` bytes of a registered region (no intermediate buffer).
+    /// Stores the bytes of a slice of registered memory (no intermediate buffer).
     async fn put_from(
         &self,
         key: &[u8],
         meta: &TensorMeta,
-        src: &Region,
-        offset: u64,
-        len: u64,
+        src: &MemSlice,
         r: Retention,
     ) -> Result<()>;
     /// The object's metadata and a copy of its bytes.
@@ -101,8 +99,7 @@ pub trait Store: Send + Sync + Debug {
 
     /// `put_from` for many objects, concurrently; one result per item, in order.
     async fn put_from_batch(&self, items: &[PutFrom<'_>]) -> Vec<Result<()>> {
-        let futs =
-            items.iter().map(|p| self.put_from(p.key, p.meta, p.src, p.offset, p.len, p.retention));
+        let futs = items.iter().map(|p| self.put_from(p.key, p.meta, p.src, p.retention));
         futures::future::join_all(futs).await
     }
     /// `get_into` for many objects, concurrently; one result per item, in order.
@@ -127,12 +124,8 @@ pub struct PutFrom<'a> {
     pub key: &'a [u8],
     /// Metadata.
     pub meta: &'a TensorMeta,
-    /// Source region.
-    pub src: &'a Region,
-    /// Offset in it.
-    pub offset: u64,
-    /// Bytes.
-    pub len: u64,
+    /// The bytes.
+    pub src: &'a MemSlice,
     /// Retention.
     pub retention: Retention,
 }

@@ -327,6 +327,25 @@ impl EmbeddedStore {
         }
     }
 
+    /// A put of `len` bytes that `fill` writes into the reserved pool block.
+    fn put_with(
+        &self,
+        key: &[u8],
+        meta: &TensorMeta,
+        len: u64,
+        r: Retention,
+        fill: impl FnOnce(&MemSlice) -> tensorwire_core::Result<()>,
+    ) -> Result<()> {
+        let res = self.reserve(key, meta, len, r)?;
+        match self.pool.slice(res.off, len).and_then(|block| fill(&block)) {
+            Ok(()) => self.commit(res.ticket),
+            Err(e) => {
+                self.abort(res.ticket);
+                Err(e.into())
+            }
+        }
+    }
+
     /// A get into `dst`: open, copy, close.
     fn get_slice(
         &self,
@@ -353,36 +372,17 @@ impl Drop for EmbeddedStore {
 #[async_trait]
 impl Store for EmbeddedStore {
     async fn put(&self, key: &[u8], meta: &TensorMeta, bytes: &[u8], r: Retention) -> Result<()> {
-        let len = bytes.len() as u64;
-        let res = self.reserve(key, meta, len, r)?;
-        let copied = self.pool.slice(res.off, len).and_then(|b| b.write_at(0, bytes));
-        match copied {
-            Ok(()) => self.commit(res.ticket),
-            Err(e) => {
-                self.abort(res.ticket);
-                Err(e.into())
-            }
-        }
+        self.put_with(key, meta, bytes.len() as u64, r, |block| block.write_at(0, bytes))
     }
 
     async fn put_from(
         &self,
         key: &[u8],
         meta: &TensorMeta,
-        src: &Region,
-        offset: u64,
-        len: u64,
+        src: &MemSlice,
         r: Retention,
     ) -> Result<()> {
-        let from = src.slice(offset, len)?;
-        let res = self.reserve(key, meta, len, r)?;
-        match self.pool.slice(res.off, len).and_then(|b| b.copy_from(&from)) {
-            Ok(()) => self.commit(res.ticket),
-            Err(e) => {
-                self.abort(res.ticket);
-                Err(e.into())
-            }
-        }
+        self.put_with(key, meta, src.len(), r, |block| block.copy_from(src))
     }
 
     async fn get(&self, key: &[u8]) -> Result<(TensorMeta, Vec<u8>)> {

@@ -9,9 +9,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tensorwire_core::Error;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::backend::kit::TaskSet;
-use tensorwire_core::{Error, handshake};
+use tensorwire_core::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -110,7 +111,7 @@ async fn serve_conn(
 ) {
     let opened = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        handshake::server(&mut sock, &FRAMING, secret.as_ref(), peer),
+        Handshake { framing: &FRAMING, secret: secret.as_ref(), peer }.server(&mut sock),
     )
     .await;
     match opened {

@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
+use tensorwire_core::handshake::Handshake;
 use tensorwire_core::{
-    Engine, Error, Permissions, Region, RemoteRegion, Session, TensorMeta, TransferOp, handshake,
+    Direction, Engine, Error, MemSlice, Permissions, Region, RemoteRegion, Session, TensorMeta,
+    TransferOp,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -60,7 +62,8 @@ impl Rpc {
                 .await
                 .map_err(|e| Error::PeerClosed(format!("store node {addr}: {e}")))?;
             sock.set_nodelay(true)?;
-            handshake::client(&mut sock, &FRAMING, cfg.cluster_secret.as_ref(), addr).await?;
+            let secret = cfg.cluster_secret.as_ref();
+            Handshake { framing: &FRAMING, secret, peer: addr }.client(&mut sock).await?;
             Ok::<_, Error>(sock)
         };
         let sock = tokio::time::timeout(hs, opened)
@@ -240,27 +243,22 @@ impl Store for RemoteStore {
         let len = bytes.len() as u64;
         let staging = self.engine.alloc(len.max(1), Permissions::NONE).await?;
         staging.write_bytes(0, bytes)?;
-        self.put_from(key, meta, &staging, 0, len, r).await
+        self.put_from(key, meta, &staging.slice(0, len)?, r).await
     }
 
     async fn put_from(
         &self,
         key: &[u8],
         meta: &TensorMeta,
-        src: &Region,
-        offset: u64,
-        len: u64,
+        src: &MemSlice,
         r: Retention,
     ) -> Result<()> {
-        drop(src.slice(offset, len)?); // a bad range fails before anything is reserved
-        let (ticket, at) = self.reserve(key, meta, len, r).await?;
-        let moved = if len == 0 {
+        let (ticket, at) = self.reserve(key, meta, src.len(), r).await?;
+        let moved = if src.is_empty() {
             Ok(())
         } else {
-            self.session
-                .transfer(TransferOp::write(src, offset, &self.pool, at, len))
-                .await
-                .map(drop)
+            let op = TransferOp::from_slice(Direction::Write, src, &self.pool, at);
+            self.session.transfer(op).await.map(drop)
         };
         match moved {
             Ok(()) => self.done(Request::Commit { ticket }).await,

@@ -35,7 +35,7 @@ use tensorwire_core::backend::kit::TaskSet;
 use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
-use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
+use tensorwire_core::{Error, RegionId, Result};
 
 use client::{ClientShared, ShmConnection};
 use server::ServerConn;
@@ -195,15 +195,7 @@ impl Backend for ShmBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: MemoryKinds::HOST,
-            remote: MemoryKinds::HOST,
-            read: true,
-            write: true,
-            notify: true,
-            same_host_only: true,
-            max_request_bytes: 1 << 40,
-        }
+        Capabilities::host(true, 1 << 40)
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {

@@ -43,7 +43,7 @@ use tensorwire_core::backend::kit::{Reader, TaskSet, Writer};
 use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
-use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
+use tensorwire_core::{Error, RegionId, Result};
 use tokio::net::TcpStream;
 
 use client::{ClientCfg, ConnShared, TcpConnection};
@@ -222,15 +222,7 @@ impl Backend for TcpBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: MemoryKinds::HOST,
-            remote: MemoryKinds::HOST,
-            read: true,
-            write: true,
-            notify: true,
-            same_host_only: false,
-            max_request_bytes: 1 << 40,
-        }
+        Capabilities::host(false, 1 << 40)
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {

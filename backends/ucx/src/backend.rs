@@ -13,7 +13,7 @@ use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
     RegionInfo,
 };
-use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
+use tensorwire_core::{Error, RegionId, Result};
 use tokio::sync::oneshot;
 
 use crate::gate::OpGate;
@@ -95,15 +95,7 @@ impl Backend for UcxBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: MemoryKinds::HOST,
-            remote: MemoryKinds::HOST,
-            read: true,
-            write: true,
-            notify: true,
-            same_host_only: false,
-            max_request_bytes: 1 << 40,
-        }
+        Capabilities::host(false, 1 << 40)
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {

@@ -56,6 +56,22 @@ pub struct Capabilities {
     pub max_request_bytes: u64,
 }
 
+impl Capabilities {
+    /// A backend that moves host memory both ways and carries notifications (`same_host_only`:
+    /// it needs both engines on one host), in ops of at most `max_request_bytes`.
+    pub const fn host(same_host_only: bool, max_request_bytes: u64) -> Capabilities {
+        Capabilities {
+            local: MemoryKinds::HOST,
+            remote: MemoryKinds::HOST,
+            read: true,
+            write: true,
+            notify: true,
+            same_host_only,
+            max_request_bytes,
+        }
+    }
+}
+
 /// Direction of an op, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {

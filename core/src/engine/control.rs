@@ -11,7 +11,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::{EngineShared, lock};
 use crate::error::{Error, Result};
-use crate::handshake::{self, expect};
+use crate::handshake::{self, Handshake, expect};
 use crate::wire::descriptor::EngineDescriptor;
 use crate::wire::frame::CONTROL;
 
@@ -43,7 +43,7 @@ async fn answer(mut sock: TcpStream, addr: SocketAddr, engine: Weak<EngineShared
         let e = engine.upgrade().ok_or_else(|| Error::PeerClosed("engine dropped".into()))?;
         e.config.cluster_secret.clone()
     };
-    handshake::server(&mut sock, &CONTROL, secret.as_ref(), addr).await?;
+    Handshake { framing: &CONTROL, secret: secret.as_ref(), peer: addr }.server(&mut sock).await?;
     let theirs = match EngineDescriptor::decode(&expect(&mut sock, &CONTROL, HELLO).await?) {
         Ok(d) => d,
         Err(e) => return handshake::refuse(&mut sock, &CONTROL, e).await,
@@ -59,7 +59,8 @@ async fn dial(addr: SocketAddr, engine: &Arc<EngineShared>) -> Result<EngineDesc
         .await
         .map_err(|e| Error::PeerClosed(format!("cannot reach control endpoint {addr}: {e}")))?;
     sock.set_nodelay(true)?;
-    handshake::client(&mut sock, &CONTROL, engine.config.cluster_secret.as_ref(), addr).await?;
+    let secret = engine.config.cluster_secret.as_ref();
+    Handshake { framing: &CONTROL, secret, peer: addr }.client(&mut sock).await?;
     CONTROL.write(&mut sock, HELLO, &engine.descriptor().encode()).await?;
     EngineDescriptor::decode(&expect(&mut sock, &CONTROL, HELLO).await?)
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::EngineShared;
 use crate::backend::{Completion, Direction};
 use crate::error::{Error, Result};
-use crate::region::{Region, RegionInner, RemoteRegion};
+use crate::region::{MemSlice, Region, RegionInner, RemoteRegion};
 
 /// One READ or WRITE between a local region and a peer's region.
 #[derive(Debug, Clone)]
@@ -63,6 +63,17 @@ impl TransferOp {
             remote_offset,
             len,
         }
+    }
+
+    /// The op `dir` between `local` (its whole length) and `remote[remote_offset..]`.
+    pub fn from_slice(
+        dir: Direction,
+        local: &MemSlice,
+        remote: &RemoteRegion,
+        remote_offset: u64,
+    ) -> Self {
+        let (region, local_offset, len) = local.parts();
+        TransferOp { dir, local: region, local_offset, remote: remote.clone(), remote_offset, len }
     }
 
     /// Direction.

@@ -21,26 +21,6 @@ impl Writer {
         self.buf.push(v);
         self
     }
-    /// Appends a u16.
-    pub fn u16(&mut self, v: u16) -> &mut Self {
-        self.buf.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    /// Appends a u32.
-    pub fn u32(&mut self, v: u32) -> &mut Self {
-        self.buf.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    /// Appends a u64.
-    pub fn u64(&mut self, v: u64) -> &mut Self {
-        self.buf.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    /// Appends a u128.
-    pub fn u128(&mut self, v: u128) -> &mut Self {
-        self.buf.extend_from_slice(&v.to_le_bytes());
-        self
-    }
     /// Appends a u32 length then the bytes.
     pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
         // Callers bound their fields far below 4 GiB; saturate rather than wrap if one does not.
@@ -84,6 +64,31 @@ impl Writer {
     }
 }
 
+/// `Writer::$t` appends a little-endian `$t`; `Reader::$t` reads one.
+macro_rules! little_endian {
+    ($($t:ident),*) => {
+        impl Writer {
+            $(
+                #[doc = concat!("Appends a little-endian `", stringify!($t), "`.")]
+                pub fn $t(&mut self, v: $t) -> &mut Self {
+                    self.buf.extend_from_slice(&v.to_le_bytes());
+                    self
+                }
+            )*
+        }
+        impl Reader<'_> {
+            $(
+                #[doc = concat!("Reads a little-endian `", stringify!($t), "`.")]
+                pub fn $t(&mut self) -> Result<$t> {
+                    Ok($t::from_le_bytes(self.array()?))
+                }
+            )*
+        }
+    };
+}
+
+little_endian!(u16, u32, u64, u128);
+
 /// Reads fields from a byte slice; every method returns [`Error::Protocol`] on short or bad input.
 #[derive(Debug)]
 pub struct Reader<'a> {
@@ -120,22 +125,6 @@ impl<'a> Reader<'a> {
     /// Reads one byte.
     pub fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
-    }
-    /// Reads a u16.
-    pub fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
-    /// Reads a u32.
-    pub fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-    /// Reads a u64.
-    pub fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.array()?))
-    }
-    /// Reads a u128.
-    pub fn u128(&mut self) -> Result<u128> {
-        Ok(u128::from_le_bytes(self.array()?))
     }
     /// Reads a length-prefixed byte string of at most `max` bytes.
     pub fn bytes(&mut self, max: usize, field: &str) -> Result<&'a [u8]> {

@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use crate::{Priority, Stage};
 use parking_lot::Mutex;
+use tensorwire_core::Error;
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::{Error, handshake};
+use tensorwire_core::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
 
 use super::wire::{FRAMING, MAX_DATA, Msg, Role, read_msg};
 use crate::error::{OrchestratorError, Result};
@@ -32,7 +34,7 @@ async fn open(
             .await
             .map_err(|e| Error::PeerClosed(format!("orchestrator at {addr}: {e}")))?;
         sock.set_nodelay(true)?;
-        handshake::client(&mut sock, &FRAMING, secret, addr).await?;
+        Handshake { framing: &FRAMING, secret, peer: addr }.client(&mut sock).await?;
         sock.write_all(&Msg::Hello { role }.encode()?).await?;
         match read_msg(&mut sock).await? {
             Some(Msg::Welcome { worker }) => {
@@ -80,13 +82,8 @@ pub struct Assignment {
 pub struct WorkerClient {
     id: u64,
     out: mpsc::Sender<Msg>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for WorkerClient {
-    fn drop(&mut self) {
-        self.tasks.iter().for_each(tokio::task::JoinHandle::abort);
-    }
+    /// Writer, reader and heartbeat tasks (aborted when the client drops).
+    _tasks: JoinSet<()>,
 }
 
 impl WorkerClient {
@@ -104,8 +101,9 @@ impl WorkerClient {
         let (mut rd, wr, id) = open(addr, secret, role).await?;
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
         let (tx, rx) = mpsc::channel(1024);
-        let writer = tokio::spawn(write_all(wr, out_rx));
-        let reader = tokio::spawn(async move {
+        let mut tasks = JoinSet::new();
+        tasks.spawn(write_all(wr, out_rx));
+        tasks.spawn(async move {
             while let Ok(Some(Msg::Assign { request, stage, attempt, data })) =
                 read_msg(&mut rd).await
             {
@@ -115,7 +113,7 @@ impl WorkerClient {
             }
         });
         let beat = out.clone();
-        let beater = tokio::spawn(async move {
+        tasks.spawn(async move {
             let mut t = tokio::time::interval(heartbeat);
             loop {
                 t.tick().await;
@@ -124,7 +122,7 @@ impl WorkerClient {
                 }
             }
         });
-        Ok((WorkerClient { id, out, tasks: vec![writer, reader, beater] }, rx))
+        Ok((WorkerClient { id, out, _tasks: tasks }, rx))
     }
 
     /// The id the service gave this worker.
@@ -170,13 +168,8 @@ type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>>;
 pub struct SubmitClient {
     out: mpsc::Sender<Msg>,
     waiting: Waiters,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for SubmitClient {
-    fn drop(&mut self) {
-        self.tasks.iter().for_each(tokio::task::JoinHandle::abort);
-    }
+    /// Writer and reader tasks (aborted when the client drops).
+    _tasks: JoinSet<()>,
 }
 
 impl SubmitClient {
@@ -184,10 +177,11 @@ impl SubmitClient {
     pub async fn connect(addr: SocketAddr, secret: Option<&ClusterSecret>) -> Result<SubmitClient> {
         let (mut rd, wr, _) = open(addr, secret, Role::Submitter).await?;
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
-        let writer = tokio::spawn(write_all(wr, out_rx));
+        let mut tasks = JoinSet::new();
+        tasks.spawn(write_all(wr, out_rx));
         let waiting: Waiters = Arc::default();
         let w = waiting.clone();
-        let reader = tokio::spawn(async move {
+        tasks.spawn(async move {
             while let Ok(Some(Msg::Outcome { request, ok, reason })) = read_msg(&mut rd).await {
                 if let Some(tx) = w.lock().remove(&request) {
                     let r = if ok {
@@ -202,7 +196,7 @@ impl SubmitClient {
                 let _ = tx.send(Err(OrchestratorError::Stopped));
             }
         });
-        Ok(SubmitClient { out, waiting, tasks: vec![writer, reader] })
+        Ok(SubmitClient { out, waiting, _tasks: tasks })
     }
 
     /// Submits a request; the receiver yields its outcome.

@@ -5,16 +5,18 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use tensorwire_core::Error;
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::{Error, handshake};
+use tensorwire_core::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 
 use super::wire::{FRAMING, Msg, Role, read_msg};
-use crate::driver::Driver;
+use crate::driver::{Driver, Ticker};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
 
@@ -49,13 +51,8 @@ enum Event {
 #[derive(Debug)]
 pub struct OrchestratorService {
     addr: SocketAddr,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for OrchestratorService {
-    fn drop(&mut self) {
-        self.tasks.iter().for_each(tokio::task::JoinHandle::abort);
-    }
+    /// The driver and the acceptor (aborted when the service drops).
+    _tasks: JoinSet<()>,
 }
 
 impl OrchestratorService {
@@ -69,10 +66,11 @@ impl OrchestratorService {
             tracing::warn!("orchestrator service without a cluster secret: any client is accepted");
         }
         let (tx, rx) = mpsc::channel(4096);
-        let core = tokio::spawn(run(Driver::new(cfg.sched, cfg.policy), rx));
+        let mut tasks = JoinSet::new();
+        tasks.spawn(run(Driver::new(cfg.sched, cfg.policy), rx));
         let secret = cfg.secret.clone().map(Arc::new);
         let hs = cfg.handshake_timeout;
-        let acceptor = tokio::spawn(async move {
+        tasks.spawn(async move {
             loop {
                 let Ok((sock, peer)) = l.accept().await else { continue };
                 let _ = sock.set_nodelay(true);
@@ -84,7 +82,7 @@ impl OrchestratorService {
                 });
             }
         });
-        Ok(OrchestratorService { addr, tasks: vec![core, acceptor] })
+        Ok(OrchestratorService { addr, _tasks: tasks })
     }
 
     /// The address clients connect to.
@@ -101,7 +99,7 @@ async fn connection(
     hs: Duration,
 ) -> Result<()> {
     let role = tokio::time::timeout(hs, async {
-        handshake::server(&mut sock, &FRAMING, secret.as_deref(), peer).await?;
+        Handshake { framing: &FRAMING, secret: secret.as_deref(), peer }.server(&mut sock).await?;
         match read_msg(&mut sock).await? {
             Some(Msg::Hello { role }) => Ok(role),
             _ => Err(Error::protocol("orchestrator: expected Hello")),
@@ -161,14 +159,8 @@ async fn connection(
 type ServiceDriver = Driver<mpsc::Sender<Msg>, mpsc::Sender<Msg>>;
 
 async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
-    let start = Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
-        let ev = tokio::select! {
-            e = rx.recv() => match e { Some(e) => Some(e), None => return },
-            _ = tick.tick() => None,
-        };
-        let now = start.elapsed();
+    let mut clock = Ticker::new(Duration::from_millis(100));
+    while let Some((now, ev)) = clock.next(&mut rx).await {
         match ev {
             Some(Event::Join { role, tx, reply }) => {
                 let id = match role {
@@ -186,7 +178,7 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
                 d.result(WorkerId(worker), key, result, now);
             }
             Some(Event::Submit { request, priority, tx }) => {
-                let sub = Submit { request, priority, deadline: None, host: None, labels: vec![] };
+                let sub = Submit::new(request, priority);
                 if let Err((tx, o)) = d.submit(sub, tx, now) {
                     let _ = tx.try_send(outcome_msg(o));
                 }
