@@ -24,14 +24,13 @@ pub mod wire;
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tensorwire_core::backend::kit::TaskSet;
+use tensorwire_core::backend::kit::{Serving, WeakList};
 use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
@@ -70,29 +69,21 @@ impl Table {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
-    host: OnceLock<Arc<dyn BackendHost>>,
+    /// The Unix listener, the engine host, the accept loop and serving tasks.
+    serving: Serving<std::os::unix::net::UnixListener>,
     table: Arc<Table>,
-    closed: AtomicBool,
-    /// Accept loop and serving tasks, aborted at shutdown.
-    tasks: Arc<TaskSet>,
-    served: Mutex<Vec<Weak<ServerConn>>>,
-    clients: Mutex<Vec<Weak<ClientShared>>>,
+    served: WeakList<ServerConn>,
+    clients: WeakList<ClientShared>,
 }
 
 impl Inner {
-    fn track(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        self.tasks.spawn(fut);
-    }
-
     fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        self.tasks.abort_all();
-        self.served.lock().clear();
-        let clients: Vec<_> = self.clients.lock().drain(..).collect();
-        for c in clients.iter().filter_map(Weak::upgrade) {
-            c.kill(Error::PeerClosed("local shm backend shut down".into()));
+        self.serving.close();
+        self.served.take();
+        for c in self.clients.take() {
+            c.kill(self.serving.closed_error());
         }
         self.table.regions.lock().clear();
     }
@@ -117,7 +108,6 @@ impl Default for ShmConfig {
 pub struct ShmBackend {
     cfg: ShmConfig,
     name: String,
-    listener: Mutex<Option<std::os::unix::net::UnixListener>>,
     inner: Arc<Inner>,
 }
 
@@ -137,8 +127,12 @@ impl ShmBackend {
         Ok(Arc::new(ShmBackend {
             cfg,
             name,
-            listener: Mutex::new(Some(listener)),
-            inner: Arc::new(Inner::default()),
+            inner: Arc::new(Inner {
+                serving: Serving::new(NAME, listener),
+                table: Arc::default(),
+                served: WeakList::default(),
+                clients: WeakList::default(),
+            }),
         }))
     }
 }
@@ -162,7 +156,7 @@ async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
             }
         };
         let Some(inner) = inner.upgrade() else { return };
-        if inner.closed.load(Ordering::Acquire) {
+        if inner.serving.is_closed() {
             return;
         }
         match sock.peer_cred() {
@@ -172,19 +166,15 @@ async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
                 continue;
             }
         }
-        let Some(host) = inner.host.get().cloned() else { continue };
+        let Some(host) = inner.serving.host() else { continue };
         let sock = Arc::new(sock);
         let conn = Arc::new(ServerConn {
             writer: FrameWriter::new(sock.clone()),
             mapped: Mutex::new(Default::default()),
         });
-        {
-            let mut served = inner.served.lock();
-            served.retain(|w| w.strong_count() > 0);
-            served.push(Arc::downgrade(&conn));
-        }
+        inner.served.push(&conn);
         let reader = FrameReader::new(sock);
-        inner.track(server::serve(conn, reader, host, inner.table.clone()));
+        inner.serving.spawn(server::serve(conn, reader, host, inner.table.clone()));
     }
 }
 
@@ -199,19 +189,8 @@ impl Backend for ShmBackend {
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
-        if self.inner.host.set(host).is_err() {
-            return Err(Error::InvalidArgument("shm: backend started twice".into()));
-        }
-        let std_listener =
-            self.listener.lock().take().ok_or_else(|| {
-                Error::Internal("shm: the listener was taken before start".into())
-            })?;
-        let l =
-            tokio::net::UnixListener::from_std(std_listener).map_err(|e| Error::Unsupported {
-                backend: NAME,
-                what: format!("serving outside a tokio runtime: {e}"),
-            })?;
-        self.inner.track(accept_loop(l, Arc::downgrade(&self.inner)));
+        let listener = self.inner.serving.start(host, tokio::net::UnixListener::from_std)?;
+        self.inner.serving.spawn(accept_loop(listener, Arc::downgrade(&self.inner)));
         Ok(())
     }
 
@@ -235,8 +214,7 @@ impl Backend for ShmBackend {
 
     async fn deregister(&self, id: RegionId) -> Result<()> {
         self.inner.table.regions.lock().remove(&id);
-        let served: Vec<_> = self.inner.served.lock().iter().filter_map(Weak::upgrade).collect();
-        for conn in served {
+        for conn in self.inner.served.live() {
             conn.forget(id).await;
         }
         Ok(())
@@ -244,9 +222,7 @@ impl Backend for ShmBackend {
 
     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
         use std::os::linux::net::SocketAddrExt;
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(Error::PeerClosed("local shm backend shut down".into()));
-        }
+        self.inner.serving.ensure_open()?;
         if peer.endpoint.len() > 100 {
             return Err(Error::protocol("shm endpoint: name too long"));
         }
@@ -257,9 +233,7 @@ impl Backend for ShmBackend {
         sock.set_nonblocking(true)?;
         let sock = tokio::net::UnixStream::from_std(sock)?;
         let (conn, shared) = ShmConnection::new(sock, self.cfg.answer_timeout);
-        let mut clients = self.inner.clients.lock();
-        clients.retain(|w| w.strong_count() > 0);
-        clients.push(Arc::downgrade(&shared));
+        self.inner.clients.push(&shared);
         Ok(Arc::new(conn))
     }
 

@@ -32,14 +32,12 @@ mod server;
 pub mod wire;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use parking_lot::Mutex;
-use tensorwire_core::backend::kit::{Reader, TaskSet, Writer};
+use tensorwire_core::backend::kit::{Reader, Serving, WeakList, Writer};
 use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
@@ -98,27 +96,19 @@ fn keepalive(sock: &TcpStream) {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
-    host: OnceLock<Arc<dyn BackendHost>>,
-    closed: AtomicBool,
-    /// Accept loop and serving tasks, aborted at shutdown.
-    tasks: Arc<TaskSet>,
+    /// The data listener, the engine host, the accept loop and serving tasks.
+    serving: Serving<std::net::TcpListener>,
     /// Outbound connections, killed at shutdown.
-    conns: Mutex<Vec<Weak<ConnShared>>>,
+    conns: WeakList<ConnShared>,
 }
 
 impl Inner {
-    fn track(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        self.tasks.spawn(fut);
-    }
-
     fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        self.tasks.abort_all();
-        let conns: Vec<_> = self.conns.lock().drain(..).collect();
-        for c in conns.iter().filter_map(Weak::upgrade) {
-            c.kill(Error::PeerClosed("local tcp backend shut down".into()));
+        self.serving.close();
+        for c in self.conns.take() {
+            c.kill(self.serving.closed_error());
         }
     }
 }
@@ -128,7 +118,6 @@ impl Inner {
 pub struct TcpBackend {
     cfg: TcpConfig,
     local: SocketAddr,
-    listener: Mutex<Option<std::net::TcpListener>>,
     inner: Arc<Inner>,
 }
 
@@ -156,8 +145,10 @@ impl TcpBackend {
         Ok(Arc::new(TcpBackend {
             cfg,
             local,
-            listener: Mutex::new(Some(listener)),
-            inner: Arc::new(Inner::default()),
+            inner: Arc::new(Inner {
+                serving: Serving::new(NAME, listener),
+                conns: WeakList::default(),
+            }),
         }))
     }
 
@@ -192,13 +183,13 @@ async fn accept_loop(listener: tokio::net::TcpListener, inner: Weak<Inner>, stal
             }
         };
         let Some(inner) = inner.upgrade() else { return };
-        if inner.closed.load(Ordering::Acquire) {
+        if inner.serving.is_closed() {
             return;
         }
-        let Some(host) = inner.host.get().cloned() else { continue };
+        let Some(host) = inner.serving.host() else { continue };
         let _ = sock.set_nodelay(true);
         keepalive(&sock);
-        inner.track(server::serve(sock, host, stall));
+        inner.serving.spawn(server::serve(sock, host, stall));
     }
 }
 
@@ -226,19 +217,9 @@ impl Backend for TcpBackend {
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
-        if self.inner.host.set(host).is_err() {
-            return Err(Error::InvalidArgument("tcp: backend started twice".into()));
-        }
-        let std_listener = self.listener.lock().take().ok_or_else(|| {
-            Error::Internal("tcp: the data listener was taken before start".into())
-        })?;
-        let listener =
-            tokio::net::TcpListener::from_std(std_listener).map_err(|e| Error::Unsupported {
-                backend: NAME,
-                what: format!("serving outside a tokio runtime: {e}"),
-            })?;
+        let listener = self.inner.serving.start(host, tokio::net::TcpListener::from_std)?;
         let weak = Arc::downgrade(&self.inner);
-        self.inner.track(accept_loop(listener, weak, self.cfg.stall_timeout));
+        self.inner.serving.spawn(accept_loop(listener, weak, self.cfg.stall_timeout));
         Ok(())
     }
 
@@ -256,9 +237,7 @@ impl Backend for TcpBackend {
     }
 
     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
-        if self.inner.closed.load(Ordering::Acquire) {
-            return Err(Error::PeerClosed("local tcp backend shut down".into()));
-        }
+        self.inner.serving.ensure_open()?;
         let addr = decode_endpoint(&peer.endpoint)?;
         let (conn, shared) = TcpConnection::open(addr, self.cfg.streams, self.client_cfg())
             .await
@@ -268,9 +247,7 @@ impl Backend for TcpBackend {
             }
             e => e,
         })?;
-        let mut conns = self.inner.conns.lock();
-        conns.retain(|w| w.strong_count() > 0);
-        conns.push(Arc::downgrade(&shared));
+        self.inner.conns.push(&shared);
         Ok(Arc::new(conn))
     }
 

@@ -12,81 +12,82 @@ fn main() {
 
 #[cfg(feature = "ucx")]
 fn main() -> std::process::ExitCode {
-    tensorwire_conformance::harness::Harness::new()
-        .test("exit_right_after_dropping_backends_is_clean", || async {
-            tokio::task::spawn_blocking(exit_right_after_dropping_backends_is_clean).await.unwrap()
-        })
-        .child("exit", |args| async move { child(&args[0], &args[1]).await })
-        .run()
+    with_ucx::main()
 }
 
 #[cfg(feature = "ucx")]
-use std::io::Read;
-#[cfg(feature = "ucx")]
-use std::process::Stdio;
-#[cfg(feature = "ucx")]
-use std::time::{Duration, Instant};
-
-#[cfg(feature = "ucx")]
-use tensorwire_core::{Engine, Permissions, TransferOp};
-#[cfg(feature = "ucx")]
-use tensorwire_ucx::{UcxBackend, UcxConfig};
-
-#[cfg(feature = "ucx")]
-const CHILDREN: usize = 18;
-
-/// The child's body: two engines move bytes, then everything is dropped and the process exits at
-/// once: after a shutdown, after a plain drop, or with a large WRITE still moving.
-#[cfg(feature = "ucx")]
-async fn child(mode: &str, tls: &str) {
-    let mk = || UcxBackend::with_config(UcxConfig::transports(tls)).unwrap();
-    let a = Engine::builder().backend(mk()).start().await.unwrap();
-    let b = Engine::builder().backend(mk()).start().await.unwrap();
-    let len = 64 << 20;
-    let la = a.alloc(len, Permissions::NONE).await.unwrap();
-    let lb = b.alloc(len, Permissions::READ_WRITE).await.unwrap();
-    let s = a.connect(b.local_addr()).await.unwrap();
-    s.transfer(TransferOp::write(&la, 0, &lb.remote(), 0, 1 << 20)).await.unwrap();
-    s.transfer(TransferOp::read(&la, 0, &lb.remote(), 0, 1 << 20)).await.unwrap();
-    match mode {
-        "shutdown" => {
-            a.shutdown().await;
-            b.shutdown().await;
-        }
-        "busy" => {
-            let big = s.transfer(TransferOp::write(&la, 0, &lb.remote(), 0, len));
-            let _ = tokio::time::timeout(Duration::from_millis(3), big).await;
-        }
-        _ => {}
+mod with_ucx {
+    pub(super) fn main() -> std::process::ExitCode {
+        tensorwire_conformance::harness::Harness::new()
+            .test("exit_right_after_dropping_backends_is_clean", || async {
+                tokio::task::spawn_blocking(exit_right_after_dropping_backends_is_clean)
+                    .await
+                    .unwrap()
+            })
+            .child("exit", |args| async move { child(&args[0], &args[1]).await })
+            .run()
     }
-}
 
-#[cfg(feature = "ucx")]
-fn exit_right_after_dropping_backends_is_clean() {
-    for i in 0..CHILDREN {
-        let mode = ["drop", "shutdown", "busy"][i % 3];
-        let tls = ["tcp", "sm,self"][i / 3 % 2];
-        let mut kid = tensorwire_conformance::harness::child_command("exit")
-            .args([mode, tls])
-            .env("UCX_NET_DEVICES", "lo")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(status) = kid.try_wait().unwrap() {
-                break status;
+    use std::io::Read;
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    use tensorwire_core::{Engine, Permissions, TransferOp};
+    use tensorwire_ucx::{UcxBackend, UcxConfig};
+
+    const CHILDREN: usize = 18;
+
+    /// The child's body: two engines move bytes, then everything is dropped and the process exits at
+    /// once: after a shutdown, after a plain drop, or with a large WRITE still moving.
+    async fn child(mode: &str, tls: &str) {
+        let mk = || UcxBackend::with_config(UcxConfig::transports(tls)).unwrap();
+        let a = Engine::builder().backend(mk()).start().await.unwrap();
+        let b = Engine::builder().backend(mk()).start().await.unwrap();
+        let len = 64 << 20;
+        let la = a.alloc(len, Permissions::NONE).await.unwrap();
+        let lb = b.alloc(len, Permissions::READ_WRITE).await.unwrap();
+        let s = a.connect(b.local_addr()).await.unwrap();
+        s.transfer(TransferOp::write(&la, 0, &lb.remote(), 0, 1 << 20)).await.unwrap();
+        s.transfer(TransferOp::read(&la, 0, &lb.remote(), 0, 1 << 20)).await.unwrap();
+        match mode {
+            "shutdown" => {
+                a.shutdown().await;
+                b.shutdown().await;
             }
-            if Instant::now() >= deadline {
-                let _ = kid.kill();
-                let _ = kid.wait();
-                panic!("child {i} ({mode}, {tls}) did not exit within 60 s");
+            "busy" => {
+                let big = s.transfer(TransferOp::write(&la, 0, &lb.remote(), 0, len));
+                let _ = tokio::time::timeout(Duration::from_millis(3), big).await;
             }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let mut err = String::new();
-        let _ = kid.stderr.take().unwrap().read_to_string(&mut err);
-        assert!(status.success(), "child {i} ({mode}, {tls}) ended with {status}:\n{err}");
+            _ => {}
+        }
+    }
+
+    fn exit_right_after_dropping_backends_is_clean() {
+        for i in 0..CHILDREN {
+            let mode = ["drop", "shutdown", "busy"][i % 3];
+            let tls = ["tcp", "sm,self"][i / 3 % 2];
+            let mut kid = tensorwire_conformance::harness::child_command("exit")
+                .args([mode, tls])
+                .env("UCX_NET_DEVICES", "lo")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let status = loop {
+                if let Some(status) = kid.try_wait().unwrap() {
+                    break status;
+                }
+                if Instant::now() >= deadline {
+                    let _ = kid.kill();
+                    let _ = kid.wait();
+                    panic!("child {i} ({mode}, {tls}) did not exit within 60 s");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let mut err = String::new();
+            let _ = kid.stderr.take().unwrap().read_to_string(&mut err);
+            assert!(status.success(), "child {i} ({mode}, {tls}) ended with {status}:\n{err}");
+        }
     }
 }

@@ -4,7 +4,8 @@
 //!   drop), [`gated`] (a completion resolved from the backend's own I/O tasks), [`ready`];
 //! - [`CancelGate`]: "no byte lands after the completion's drop returns", for CPU copies;
 //! - [`gated_copy`]: the segmented CPU copy of memory-to-memory backends;
-//! - [`TaskSet`]: the background tasks a backend owns (accept loops, served connections);
+//! - [`Serving`]: a backend's own listener, engine host, tasks and shutdown flag, and
+//!   [`WeakList`] for the connections it fails at shutdown; [`TaskSet`] for other task sets;
 //! - [`ShareableMemory`] (on [`super::RegionInfo::shareable`]) and [`DetachedMemory`]
 //!   (from `MemSlice::detach`): memory as a same-host backend or a NIC keeps it;
 //! - wire helpers: the bounded [`Reader`] / [`Writer`] codec, the shared [`Framing`] checks for a
@@ -13,6 +14,7 @@
 //! - bounds: [`MAX_NOTIFY_WIRE`] (largest message `notify` carries), [`MAX_ERROR_BYTES`],
 //!   [`MAX_BLOB_BYTES`].
 
+pub use super::serving::{Serving, WeakList};
 pub use crate::cancel::CancelGate;
 pub use crate::completion::{CompletionSender, gated, ready, spawn_cancellable};
 pub use crate::copy::{Copied, SEGMENT, gated_copy};

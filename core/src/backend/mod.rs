@@ -22,6 +22,7 @@
 //!   fires).
 
 pub mod kit;
+mod serving;
 
 use std::fmt::Debug;
 use std::future::Future;

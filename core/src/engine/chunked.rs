@@ -239,9 +239,12 @@ pub struct ChunkSender {
     finished: bool,
 }
 
-impl ChunkSender {
-    pub(crate) fn new(
-        session: Session,
+impl Session {
+    /// Starts the producer side of a chunked transfer: chunks of `plan` are read from `local` (tensor
+    /// storage at `local_base`) and written into `remote` (storage at `remote_base`) under the
+    /// consumer's `transfer` id (from its [`crate::ChunkStream::transfer_id`]).
+    pub fn chunk_sender(
+        &self,
         transfer: u64,
         plan: ChunkPlan,
         local: &Region,
@@ -249,6 +252,7 @@ impl ChunkSender {
         remote: &RemoteRegion,
         remote_base: u64,
     ) -> Result<ChunkSender> {
+        let session = self.clone();
         check_fits(&format!("local region {}", local.id().0), local.len(), local_base, &plan)?;
         check_fits(&format!("remote region {}", remote.id.0), remote.len, remote_base, &plan)?;
         let ready = ReadySet::new(plan.len());
@@ -268,7 +272,9 @@ impl ChunkSender {
             finished: false,
         })
     }
+}
 
+impl ChunkSender {
     /// The plan.
     pub fn plan(&self) -> &ChunkPlan {
         &self.shared.plan

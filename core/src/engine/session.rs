@@ -7,18 +7,16 @@ use std::sync::{Arc, RwLock, Weak};
 
 use bytes::Bytes;
 
-use super::chunked::ChunkSender;
 use super::transfer::{TransferHandle, TransferOp, TransferReport};
 use super::{EngineShared, control, lock};
 use crate::backend::{
     Backend, Completion, Connection, Direction, Op, PeerBackendInfo, RemoteSlice,
 };
-use crate::chunk::ChunkPlan;
 use crate::error::{Error, Missing, Result};
 use crate::fence::OpFence;
 use crate::ids::EngineId;
 use crate::memory::MemoryKind;
-use crate::region::{MemSlice, Region, RemoteRegion};
+use crate::region::{MemSlice, RemoteRegion};
 use crate::sync::{read, write};
 use crate::wire::descriptor::EngineDescriptor;
 use crate::wire::envelope::{Envelope, Message};
@@ -359,20 +357,5 @@ impl Session {
     /// engine's preferred backend, so for them the order is total).
     pub async fn notify(&self, payload: Bytes) -> Result<()> {
         self.send(Message::User(payload)).await
-    }
-
-    /// Starts the producer side of a chunked transfer: chunks of `plan` are read from `local` (tensor
-    /// storage at `local_base`) and written into `remote` (storage at `remote_base`) under the
-    /// consumer's `transfer` id (from its [`crate::ChunkStream::transfer_id`]).
-    pub fn chunk_sender(
-        &self,
-        transfer: u64,
-        plan: ChunkPlan,
-        local: &Region,
-        local_base: u64,
-        remote: &RemoteRegion,
-        remote_base: u64,
-    ) -> Result<ChunkSender> {
-        ChunkSender::new(self.clone(), transfer, plan, local, local_base, remote, remote_base)
     }
 }

@@ -24,45 +24,29 @@ pub struct TransferOp {
     pub(crate) len: u64,
 }
 
-impl TransferOp {
-    /// WRITE `len` bytes from `local[local_offset..]` into `remote[remote_offset..]`.
-    pub fn write(
-        local: &Region,
-        local_offset: u64,
-        remote: &RemoteRegion,
-        remote_offset: u64,
-        len: u64,
-    ) -> Self {
-        Self::new(Direction::Write, local, local_offset, remote, remote_offset, len)
-    }
-
-    /// READ `len` bytes from `remote[remote_offset..]` into `local[local_offset..]`.
-    pub fn read(
-        local: &Region,
-        local_offset: u64,
-        remote: &RemoteRegion,
-        remote_offset: u64,
-        len: u64,
-    ) -> Self {
-        Self::new(Direction::Read, local, local_offset, remote, remote_offset, len)
-    }
-
-    fn new(
-        dir: Direction,
-        local: &Region,
-        local_offset: u64,
-        remote: &RemoteRegion,
-        remote_offset: u64,
-        len: u64,
-    ) -> Self {
-        TransferOp {
-            dir,
-            local: local.inner.clone(),
-            local_offset,
-            remote: remote.clone(),
-            remote_offset,
-            len,
+/// `TransferOp::write` and `TransferOp::read`, written once.
+macro_rules! constructors {
+    ($($(#[$doc:meta])* $name:ident => $dir:expr;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(
+            local: &Region,
+            local_offset: u64,
+            remote: &RemoteRegion,
+            remote_offset: u64,
+            len: u64,
+        ) -> Self {
+            let (dir, local) = ($dir, local.inner.clone());
+            TransferOp { dir, local, local_offset, remote: remote.clone(), remote_offset, len }
         }
+    )*};
+}
+
+impl TransferOp {
+    constructors! {
+        /// WRITE `len` bytes from `local[local_offset..]` into `remote[remote_offset..]`.
+        write => Direction::Write;
+        /// READ `len` bytes from `remote[remote_offset..]` into `local[local_offset..]`.
+        read => Direction::Read;
     }
 
     /// The op `dir` between `local` (its whole length) and `remote[remote_offset..]`.
