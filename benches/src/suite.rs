@@ -54,33 +54,28 @@ pub async fn transfers(
     let raw = tokio::sync::Mutex::new(raw);
     let copy = std::sync::Mutex::new(Memcpy::new(if backend == "tcp" { 0 } else { max }));
     let baseline = if backend == "tcp" { "tokio-socket" } else { "memcpy" };
-    let mut lines = Vec::new();
-    for &size in sizes {
-        for &write in ops {
-            let (tw, base) = interleaved(
-                plan.runs,
-                plan.budget,
-                size,
-                || pair.op(write, size, backend),
-                || async {
-                    match raw.lock().await.as_mut() {
-                        Some(r) => r.op(write, size).await,
-                        None => {
-                            copy.lock()
-                                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                                .copy(size);
-                            Ok(())
-                        }
+    let (pair_ref, raw, copy) = (&pair, &raw, &copy);
+    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+        let (tw, base) = interleaved(
+            plan.runs,
+            plan.budget,
+            size,
+            || pair_ref.op(write, size, backend),
+            || async {
+                match raw.lock().await.as_mut() {
+                    Some(r) => r.op(write, size).await,
+                    None => {
+                        copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).copy(size);
+                        Ok(())
                     }
-                },
-            )
-            .await?;
-            let op = if write { "write" } else { "read" };
-            let line = Line::from_samples(backend, op, size, streams, baseline, tw, base);
-            on_line(&line);
-            lines.push(line);
-        }
-    }
+                }
+            },
+        )
+        .await?;
+        let op = if write { "write" } else { "read" };
+        Ok(Line::from_samples(backend, op, size, streams, baseline, tw, base))
+    })
+    .await?;
     pair.a.shutdown().await;
     pair.b.shutdown().await;
     Ok(lines)
@@ -98,26 +93,23 @@ async fn ucx_transfers(
     let perf = Perftest::new()?;
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let pair = ChildPair::new("ucx", max).await?;
-    let mut lines = Vec::new();
-    for &size in sizes {
-        for &write in ops {
-            let (mut tw, mut base) = (Vec::new(), Vec::new());
-            for run in 0..plan.runs.max(1) {
-                let ours = || gbps(plan.budget, size, || pair.op(write, size, "ucx"));
-                if run % 2 == 0 {
-                    base.push(perf.sample(write, size, plan.budget).await?);
-                    tw.push(ours().await?);
-                } else {
-                    tw.push(ours().await?);
-                    base.push(perf.sample(write, size, plan.budget).await?);
-                }
+    let (pair_ref, perf) = (&pair, &perf);
+    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+        let (mut tw, mut base) = (Vec::new(), Vec::new());
+        for run in 0..plan.runs.max(1) {
+            let ours = || gbps(plan.budget, size, || pair_ref.op(write, size, "ucx"));
+            if run % 2 == 0 {
+                base.push(perf.sample(write, size, plan.budget).await?);
+                tw.push(ours().await?);
+            } else {
+                tw.push(ours().await?);
+                base.push(perf.sample(write, size, plan.budget).await?);
             }
-            let op = if write { "write" } else { "read" };
-            let line = Line::from_samples("ucx", op, size, 1, &perf.name(), tw, base);
-            on_line(&line);
-            lines.push(line);
         }
-    }
+        let op = if write { "write" } else { "read" };
+        Ok(Line::from_samples("ucx", op, size, 1, &perf.name(), tw, base))
+    })
+    .await?;
     // Idle: connected, nothing moving. The progress thread should sleep in poll(2).
     let idle = Duration::from_secs(1);
     let before = crate::thread_cpu::used("tensorwire-ucx");
@@ -142,32 +134,21 @@ pub async fn store(
 ) -> Result<Vec<Line>> {
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let bench = StoreBench::new(mode, max, plan.streams.max(1)).await?;
-    let mut lines = Vec::new();
-    for &size in sizes {
-        for &write in ops {
-            let (tw, base) = interleaved(
-                plan.runs,
-                plan.budget,
-                size,
-                || bench.store_op(write, size),
-                || bench.baseline_op(write, size),
-            )
-            .await?;
-            let op = if write { "put_from" } else { "get_into" };
-            let line = Line::from_samples(
-                bench.name(),
-                op,
-                size,
-                bench.streams(),
-                bench.baseline(),
-                tw,
-                base,
-            );
-            on_line(&line);
-            lines.push(line);
-        }
-    }
-    Ok(lines)
+    let bench = &bench;
+    sweep(sizes, ops, on_line, move |size, write| async move {
+        let (tw, base) = interleaved(
+            plan.runs,
+            plan.budget,
+            size,
+            || bench.store_op(write, size),
+            || bench.baseline_op(write, size),
+        )
+        .await?;
+        let op = if write { "put_from" } else { "get_into" };
+        let (name, streams, baseline) = (bench.name(), bench.streams(), bench.baseline());
+        Ok(Line::from_samples(name, op, size, streams, baseline, tw, base))
+    })
+    .await
 }
 
 /// Connector publish + consume against a raw engine READ, then the overlap figure per size.
@@ -178,31 +159,44 @@ pub async fn connector(
 ) -> Result<(Vec<Line>, Vec<Overlap>)> {
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let bench = ConnectorBench::new(max, plan.streams.max(1)).await?;
-    let mut lines = Vec::new();
-    for &size in sizes {
+    let bench_ref = &bench;
+    let lines = sweep(sizes, &[false], on_line, move |size, _| async move {
         let (tw, base) = interleaved(
             plan.runs,
             plan.budget,
             size,
-            || bench.handoff(size),
-            || bench.raw_read(size),
+            || bench_ref.handoff(size),
+            || bench_ref.raw_read(size),
         )
         .await?;
-        let line = Line::from_samples(
-            "connector-p2p",
-            "publish+consume",
-            size,
-            bench.streams(),
-            "engine-tcp",
-            tw,
-            base,
-        );
-        on_line(&line);
-        lines.push(line);
-    }
+        let (op, streams) = ("publish+consume", bench_ref.streams());
+        Ok(Line::from_samples("connector-p2p", op, size, streams, "engine-tcp", tw, base))
+    })
+    .await?;
     let mut overlaps = Vec::new();
     for &size in sizes {
         overlaps.push(bench.overlap(size, plan.chunks, plan.runs).await?);
     }
     Ok((lines, overlaps))
+}
+
+/// One line per (size, op), in that order, each passed to `on_line` as soon as it is measured.
+async fn sweep<F>(
+    sizes: &[u64],
+    ops: &[bool],
+    on_line: &(dyn Fn(&Line) + Sync),
+    measure: impl Fn(u64, bool) -> F,
+) -> Result<Vec<Line>>
+where
+    F: Future<Output = Result<Line>>,
+{
+    let mut lines = Vec::new();
+    for &size in sizes {
+        for &write in ops {
+            let line = measure(size, write).await?;
+            on_line(&line);
+            lines.push(line);
+        }
+    }
+    Ok(lines)
 }

@@ -9,6 +9,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use tensorwire_benches::rng::Rng;
 use tensorwire_orchestrator::sched::{
     AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Submit, WorkerId,
 };
@@ -73,20 +74,6 @@ struct SimResult {
     wall: Duration,
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next_f64(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn exp(&mut self, rate: f64) -> f64 {
-        -(1.0 - self.next_f64()).ln() / rate
-    }
-}
-
 fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
     Ok(match name {
         "max-free" => Box::new(MaxFreeCredit),
@@ -118,7 +105,7 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
     };
     let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
     let chunks = f64::from(m.chunks().map_or(1, |(_, n)| n));
-    let mut rng = Rng(a.seed.max(1));
+    let mut rng = Rng::new(a.seed);
     // (time, seq, event): event = arrival (None) or completion of (key, worker)
     let mut events: BinaryHeap<Reverse<SimEvent>> = BinaryHeap::new();
     let mut t = 0.0;
@@ -186,7 +173,7 @@ fn colocated(m: &Model, gpus: u32, a: &SimArgs, rate: f64) -> SimResult {
     let chunks = f64::from(m.chunks().map_or(1, |(_, n)| n));
     let first =
         Duration::from_secs_f64((m.encode_ms + m.denoise_ms() + m.decode_ms / chunks) / 1e3);
-    let mut rng = Rng(a.seed.max(1));
+    let mut rng = Rng::new(a.seed);
     let mut free: BinaryHeap<Reverse<Duration>> =
         (0..gpus).map(|_| Reverse(Duration::ZERO)).collect();
     let (mut ttff, mut e2e) = (Vec::new(), Vec::new());

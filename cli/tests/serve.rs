@@ -96,25 +96,20 @@ impl Stdout for Child {
     }
 }
 
+/// Runs the CLI with `args`, expecting it to fail with one line on stderr that names `addr`.
+fn fails_naming(args: &[&str], addr: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire")).args(args).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(addr), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
 #[test]
 fn port_in_use_is_one_line() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
-        .args(["serve", "--listen", &addr, "--for-secs", "1"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains(&addr), "{err}");
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    fails_naming(&["serve", "--listen", &addr, "--for-secs", "1"], &addr);
     drop(taken); // now nothing listens there: the worker cannot reach it
-    let out = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
-        .args(["worker", "--role", "decode", "--connect", &addr])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains(&addr), "{err}");
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    fails_naming(&["worker", "--role", "decode", "--connect", &addr], &addr);
 }

@@ -86,7 +86,7 @@ pub use auth::ClusterSecret;
 #[cfg(not(loom))]
 pub use backend::{
     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
-    RegionInfo, RemoteSlice,
+    RegionInfo, RemoteRange, RemoteSlice,
 };
 #[cfg(not(loom))]
 pub use engine::{

@@ -144,8 +144,7 @@ async fn run_op(
 ) -> Result<()> {
     let host = both_alive(&local, &peer)?;
     let len = op.local().len();
-    let r = op.remote();
-    let remote = host.resolve(r.region, r.key, r.offset, len, op.dir().remote_access())?;
+    let remote = host.resolve(op.range(), op.dir().remote_access())?;
     drop(host);
     // Addresses, not pointers, so the future stays `Send` across the yields below.
     let (src, dst) = match op.dir() {

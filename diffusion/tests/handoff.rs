@@ -128,12 +128,8 @@ async fn pipeline(mode: Mode) {
     while let Some(v) = consumption.next().await.unwrap() {
         assert_eq!((v.end - v.start), 3, "21 frames in 7 chunks");
         for r in &v.ranges {
-            let got = dst.to_vec(r.offset, r.len).unwrap();
-            assert!(
-                got[..] == data[r.offset as usize..(r.offset + r.len) as usize],
-                "chunk {} bytes",
-                v.index
-            );
+            let (at, n) = (r.offset as usize, r.len as usize);
+            assert!(dst.to_vec(r.offset, r.len).unwrap() == data[at..at + n], "chunk {}", v.index);
         }
         seen.push(v.index);
     }

@@ -34,18 +34,22 @@ fn io_err(what: String) -> impl FnOnce(std::io::Error) -> StoreError {
     move |e| StoreError::Io { what, source: std::sync::Arc::new(e) }
 }
 
+/// Creates (or truncates) `path` for writing with O_DIRECT.
+fn create_direct(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+}
+
 impl Spill {
     /// Uses (and creates) `dir`; probes O_DIRECT there.
     pub(crate) fn new(dir: &Path) -> Result<Spill> {
         std::fs::create_dir_all(dir).map_err(io_err(format!("create {}", dir.display())))?;
         let probe = dir.join(".twspill-probe");
-        let direct = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&probe)
-            .is_ok();
+        let direct = create_direct(&probe).is_ok();
         let _ = std::fs::remove_file(&probe);
         Ok(Spill { dir: dir.to_path_buf(), direct, io: FileIo::new() })
     }
@@ -98,13 +102,7 @@ impl Spill {
         let what = format!("write {}", path.display());
         let aligned = block.ptr() as u64 % ALIGN == 0 && block.len() % ALIGN == 0;
         if self.direct && aligned {
-            let f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&path)
-                .map_err(io_err(what.clone()))?;
+            let f = create_direct(&path).map_err(io_err(what.clone()))?;
             // The header goes through an aligned bounce page (O_DIRECT needs aligned memory).
             let page = AlignedPage::new(&head)?;
             self.io.write_all_at(&f, page.bytes(), 0).map_err(io_err(what.clone()))?;

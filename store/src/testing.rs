@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tensorwire_conformance::{bounded, pattern};
-use tensorwire_core::{DType, Engine, Error, Permissions, TensorMeta};
+use tensorwire_core::{DType, Engine, Error, Permissions, Region, TensorMeta};
 
 use crate::{Retention, Store, StoreConfig, StoreError};
 
@@ -51,6 +51,17 @@ fn cfg(capacity: u64) -> StoreConfig {
     StoreConfig { capacity, ..StoreConfig::default() }
 }
 
+/// `put_from` of `len` bytes of `src` at `offset`, under `key`, with [`meta`].
+async fn put_region(
+    store: &dyn Store,
+    key: &str,
+    src: &Region,
+    offset: u64,
+    len: u64,
+) -> crate::Result<()> {
+    store.put_from(key.as_bytes(), &meta(len), &src.slice(offset, len)?, Retention::Normal).await
+}
+
 /// put / get and put_from / get_into move exact bytes, at offsets, for several sizes.
 pub async fn exact_bytes(f: &dyn StoreFactory) {
     let t = f.make(cfg(64 << 20)).await;
@@ -67,17 +78,8 @@ pub async fn exact_bytes(f: &dyn StoreFactory) {
         let src = t.client.alloc(len + 100, Permissions::NONE).await.unwrap();
         src.write_bytes(100, &data).unwrap();
         let key = format!("region-{len}");
-        bounded(
-            "put_from",
-            t.store.put_from(
-                key.as_bytes(),
-                &meta(len),
-                &src.slice(100, len).unwrap(),
-                Retention::Normal,
-            ),
-        )
-        .await
-        .unwrap();
+        let put = put_region(&*t.store, &key, &src, 100, len);
+        bounded("put_from", put).await.unwrap();
         let dst = t.client.alloc(len + 50, Permissions::NONE).await.unwrap();
         let (m, n) = bounded("get_into", t.store.get_into(key.as_bytes(), &dst, 50)).await.unwrap();
         assert_eq!((m, n), (meta(len), len));
@@ -208,15 +210,7 @@ pub async fn concurrent_readers_and_writers(f: &dyn StoreFactory) {
                 let key = format!("w{w}-{i}");
                 let src = client.alloc(len, Permissions::NONE).await.unwrap();
                 src.write_bytes(0, &data).unwrap();
-                store
-                    .put_from(
-                        key.as_bytes(),
-                        &meta(len),
-                        &src.slice(0, len).unwrap(),
-                        Retention::Normal,
-                    )
-                    .await
-                    .unwrap();
+                put_region(&*store, &key, &src, 0, len).await.unwrap();
                 for _ in 0..2 {
                     let dst = client.alloc(len, Permissions::NONE).await.unwrap();
                     store.get_into(key.as_bytes(), &dst, 0).await.unwrap();

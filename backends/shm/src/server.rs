@@ -82,7 +82,7 @@ async fn serve_inner(
         match h.kind {
             Kind::Begin => {
                 let access = if h.flags & ACCESS_WRITE != 0 { Access::Write } else { Access::Read };
-                let slice = match host.resolve(h.region, h.key, h.offset, h.len, access) {
+                let slice = match host.resolve(h.range(), access) {
                     Ok(s) => s,
                     Err(e) => {
                         reply(conn, Kind::Granted, h.req, Err(e)).await?;

@@ -10,7 +10,7 @@
 //! encoded error; nothing otherwise (a Granted ok's `len` is the region length).
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
-use tensorwire_core::{AccessKey, Error, RegionId, Result};
+use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
 
 /// Header length.
 pub const HEADER_LEN: usize = 56;
@@ -103,6 +103,11 @@ impl Header {
             offset: 0,
             len: 0,
         }
+    }
+
+    /// The remote bytes a request names.
+    pub fn range(&self) -> RemoteRange {
+        RemoteRange { region: self.region, key: self.key, offset: self.offset, len: self.len }
     }
 
     /// Body bytes following the header.

@@ -106,7 +106,7 @@ async fn serve_write(
     h: &DataHeader,
     dog: &mut Watchdog,
 ) -> Result<()> {
-    let result = match host.resolve(h.region, h.key, h.offset, h.len, Access::Write) {
+    let result = match host.resolve(h.range(), Access::Write) {
         Ok(slice) => {
             // SAFETY: `slice` is a resolved, bounds-checked window of `h.len` bytes of registered
             // memory, held (and so kept mapped and registered) until this block ends.
@@ -128,7 +128,7 @@ async fn serve_read(
     h: &DataHeader,
     dog: &mut Watchdog,
 ) -> Result<()> {
-    let slice = match host.resolve(h.region, h.key, h.offset, h.len, Access::Read) {
+    let slice = match host.resolve(h.range(), Access::Read) {
         Ok(s) => s,
         Err(e) => return respond(sock, Kind::ReadResp, h.id, Err(e), dog).await,
     };

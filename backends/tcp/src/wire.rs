@@ -12,7 +12,7 @@
 //! otherwise.
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
-use tensorwire_core::{AccessKey, Error, RegionId, Result};
+use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
 
 /// Header length.
 pub const HEADER_LEN: usize = 64;
@@ -106,6 +106,11 @@ impl DataHeader {
         len: u64,
     ) -> Self {
         DataHeader { kind, ok: true, flags: 0, id, region, key, offset, len, crc: 0 }
+    }
+
+    /// The remote bytes a request names.
+    pub fn range(&self) -> RemoteRange {
+        RemoteRange { region: self.region, key: self.key, offset: self.offset, len: self.len }
     }
 
     /// A response header (`len` = payload length).

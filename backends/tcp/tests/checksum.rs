@@ -95,18 +95,20 @@ async fn run(flip: Flip, checksum: bool) -> (Result<(), Error>, bool) {
     (r.map(|_| ()), landed == data)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn corrupted_write_is_reported() {
-    let (r, _) = run(Flip::ToServer, true).await;
+/// With checksums a flipped byte is an error; without, it lands silently.
+async fn flip_is_caught(flip: Flip) {
+    let (r, _) = run(flip, true).await;
     assert!(matches!(r, Err(Error::Checksum { .. })), "{r:?}");
-    let (r, intact) = run(Flip::ToServer, false).await;
+    let (r, intact) = run(flip, false).await;
     assert!(r.is_ok() && !intact, "without checksums the flip lands silently: {r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_write_is_reported() {
+    flip_is_caught(Flip::ToServer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupted_read_is_reported() {
-    let (r, _) = run(Flip::ToClient, true).await;
-    assert!(matches!(r, Err(Error::Checksum { .. })), "{r:?}");
-    let (r, intact) = run(Flip::ToClient, false).await;
-    assert!(r.is_ok() && !intact, "without checksums the flip lands silently: {r:?}");
+    flip_is_caught(Flip::ToClient).await;
 }

@@ -79,7 +79,7 @@ impl Progress {
         let host =
             self.host.as_ref().ok_or_else(|| Error::PeerClosed("ucx: not attached".into()))?;
         let access = if msg.flags & WRITE != 0 { Access::Write } else { Access::Read };
-        host.resolve(msg.region, msg.key, msg.offset, msg.len, access)
+        host.resolve(msg.range(), access)
     }
 
     pub(crate) fn begin(&mut self, msg: &Msg<'_>) {

@@ -11,7 +11,7 @@
 //! (Granted, HelloAck or NotifyAck without the OK flag).
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
-use tensorwire_core::{AccessKey, Error, RegionId, Result};
+use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
 
 /// Header length.
 pub const HEADER_LEN: usize = 64;
@@ -113,6 +113,11 @@ pub struct Msg<'a> {
 }
 
 impl<'a> Msg<'a> {
+    /// The remote bytes a request names.
+    pub fn range(&self) -> RemoteRange {
+        RemoteRange { region: self.region, key: self.key, offset: self.offset, len: self.len }
+    }
+
     /// A message with no region fields and no body.
     pub fn new(kind: Kind, conn: u64, req: u64) -> Msg<'static> {
         Msg {

@@ -6,30 +6,19 @@
 //!
 //! `cargo run --release -p tensorwire-benches --bin frag`
 
+use tensorwire_benches::rng::Rng;
 use tensorwire_store::alloc::Allocator;
-
-/// xorshift64*, seeded: the same workload every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
 
 fn main() {
     let capacity = 1u64 << 30;
     let mut a = Allocator::new(capacity);
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     let mut live: Vec<(u64, u64)> = Vec::new();
     let (mut puts, mut removals) = (0u64, 0u64);
     let mut worst_ratio = 1.0f64;
     for _ in 0..100_000 {
         // log-uniform between 2^12 and 2^26 bytes
-        let exp = 12.0 + (rng.next() % 14_000) as f64 / 1000.0;
+        let exp = 12.0 + (rng.next_u64() % 14_000) as f64 / 1000.0;
         let len = 2f64.powf(exp) as u64;
         loop {
             if let Some(b) = a.alloc(len) {
@@ -37,7 +26,7 @@ fn main() {
                 puts += 1;
                 break;
             }
-            let i = (rng.next() % live.len() as u64) as usize;
+            let i = (rng.next_u64() % live.len() as u64) as usize;
             let (o, l) = live.swap_remove(i);
             a.free(o, l);
             removals += 1;

@@ -105,6 +105,20 @@ pub struct RemoteSlice {
     pub blob: Bytes,
 }
 
+/// The bytes an op names in its remote region, as the initiator sends them and the target's
+/// backend hands them to [`BackendHost::resolve`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRange {
+    /// Region id on the target.
+    pub region: RegionId,
+    /// Access key the target checks.
+    pub key: AccessKey,
+    /// Offset in the region.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// One READ or WRITE between a local slice and a remote slice of the same length. Made by the
 /// engine; keep it until the op has ended and drop it then (see the module contract): it carries
 /// the engine's notification fence, which is why its parts are reached through accessors and
@@ -129,6 +143,11 @@ impl Op {
     /// Remote memory.
     pub fn remote(&self) -> &RemoteSlice {
         &self.remote
+    }
+    /// The remote bytes the op touches (its remote slice, the length of its local one).
+    pub fn range(&self) -> RemoteRange {
+        let r = &self.remote;
+        RemoteRange { region: r.region, key: r.key, offset: r.offset, len: self.local.len() }
     }
     /// Ends the op and keeps only its local memory (e.g. to [`MemSlice::detach`] it when the
     /// transport may still touch it after giving up).
@@ -188,14 +207,7 @@ pub struct PeerBackendInfo {
 /// notification sink.
 pub trait BackendHost: Send + Sync + Debug + 'static {
     /// Resolves an inbound access, checking region existence, key, permission and bounds in that order.
-    fn resolve(
-        &self,
-        region: RegionId,
-        key: AccessKey,
-        offset: u64,
-        len: u64,
-        access: Access,
-    ) -> Result<MemSlice>;
+    fn resolve(&self, range: RemoteRange, access: Access) -> Result<MemSlice>;
     /// Delivers an inbound notification; an error (queue full) goes back to the sender.
     fn deliver(&self, msg: Bytes) -> Result<()>;
 }

@@ -8,9 +8,8 @@ use tokio::sync::mpsc::error::TrySendError;
 
 use super::chunked::ChunkSignal;
 use super::{EngineShared, Notification, lock};
-use crate::backend::BackendHost;
+use crate::backend::{BackendHost, RemoteRange};
 use crate::error::{Error, Missing, Result};
-use crate::ids::{AccessKey, RegionId};
 use crate::region::{Access, MemSlice};
 use crate::wire::envelope::{Envelope, Message};
 
@@ -32,15 +31,8 @@ impl HostAdapter {
 }
 
 impl BackendHost for HostAdapter {
-    fn resolve(
-        &self,
-        region: RegionId,
-        key: AccessKey,
-        offset: u64,
-        len: u64,
-        access: Access,
-    ) -> Result<MemSlice> {
-        self.engine()?.regions.resolve(region, key, offset, len, access)
+    fn resolve(&self, range: RemoteRange, access: Access) -> Result<MemSlice> {
+        self.engine()?.regions.resolve(range, access)
     }
 
     fn deliver(&self, msg: Bytes) -> Result<()> {

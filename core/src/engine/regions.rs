@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
+use crate::backend::RemoteRange;
 use crate::error::{Error, Missing, Result};
-use crate::ids::{AccessKey, RegionId};
+use crate::ids::RegionId;
 use crate::region::{Access, MemSlice, RegionInner, RemoteRegion};
 
 #[derive(Debug)]
@@ -58,14 +59,8 @@ impl RegionTable {
     }
 
     /// Checks an inbound access and returns the guarded slice to copy through.
-    pub(crate) fn resolve(
-        &self,
-        id: RegionId,
-        key: AccessKey,
-        offset: u64,
-        len: u64,
-        access: Access,
-    ) -> Result<MemSlice> {
+    pub(crate) fn resolve(&self, range: RemoteRange, access: Access) -> Result<MemSlice> {
+        let RemoteRange { region: id, key, offset, len } = range;
         let region = self.read().get(&id).cloned();
         let Some(region) = region else {
             let issued = id.0 >= 1 && id.0 < self.next.load(Ordering::Relaxed);
