@@ -91,6 +91,24 @@ impl TensorMeta {
             .ok_or_else(|| invalid("byte span overflows u64".into()))
     }
 
+    /// One past the tensor's last byte, counted from the start of its region: `byte_offset` plus
+    /// [`TensorMeta::span_bytes`]; an error when that overflows u64.
+    pub fn end_bytes(&self) -> Result<u64> {
+        self.byte_offset
+            .checked_add(self.span_bytes()?)
+            .ok_or_else(|| invalid("byte_offset + span overflows u64".into()))
+    }
+
+    /// Checks the tensor is well formed: at most `MAX_RANK` dimensions, one stride per dimension,
+    /// and its end ([`TensorMeta::end_bytes`]) and compact size ([`TensorMeta::nbytes`]) fit in
+    /// u64. No memory could hold or receive any other tensor, so decoders, DLPack import and
+    /// chunk plans refuse the rest. (With aliasing strides, e.g. a broadcast view, the compact size
+    /// exceeds the span.)
+    pub fn check(&self) -> Result<()> {
+        self.end_bytes()?;
+        self.nbytes().map(drop)
+    }
+
     /// Bytes the tensor's elements occupy when compact.
     pub fn nbytes(&self) -> Result<u64> {
         self.numel()
@@ -120,16 +138,13 @@ impl TensorMeta {
                 self.device
             )));
         }
-        let span = self.span_bytes()?;
-        let end = self
-            .byte_offset
-            .checked_add(span)
-            .ok_or_else(|| invalid("byte_offset + span overflows u64".into()))?;
+        self.check()?;
+        let end = self.end_bytes()?;
         if end > region_len {
             return Err(Error::OutOfBounds {
                 what: "tensor in region".into(),
                 offset: self.byte_offset,
-                len: span,
+                len: end - self.byte_offset,
                 limit: region_len,
             });
         }
@@ -180,8 +195,7 @@ impl TensorMeta {
             None => row_major_strides(&shape),
         };
         let meta = TensorMeta { dtype, shape, strides, byte_offset: dl.byte_offset, device };
-        meta.check_shape()?;
-        meta.span_bytes()?;
+        meta.check()?;
         Ok(meta)
     }
 
@@ -212,7 +226,7 @@ impl TensorMeta {
             strides.push(r.u64()?);
         }
         let meta = TensorMeta { dtype, shape, strides, byte_offset, device };
-        meta.span_bytes()?;
+        meta.check()?;
         Ok(meta)
     }
 }

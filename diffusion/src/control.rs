@@ -10,7 +10,7 @@ use tensorwire_core::{Error, Result};
 use crate::error::{ConnectorError, LeaseEnd};
 
 /// The messages' magic ("TC") and version.
-const FRAMING: Framing =
+pub const FRAMING: Framing =
     Framing { name: "connector control", magic: *b"TC", version: 2, max_payload: 64 };
 
 /// Why a producer cannot serve a payload.
@@ -29,7 +29,8 @@ pub enum Gone {
 }
 
 impl Gone {
-    const ALL: [Gone; 5] =
+    /// Every reason, in wire-tag order.
+    pub const ALL: [Gone; 5] =
         [Gone::NotPublished, Gone::Consumed, Gone::Expired, Gone::Retired, Gone::Abandoned];
 
     /// The error a consumer of `payload` sees.

@@ -1,22 +1,22 @@
 #![no_main]
-//! Chunk plans from arbitrary tensors, dimensions and counts never panic, and stay inside the tensor.
+//! Chunk plans from arbitrary tensors, dimensions and counts never panic, stay inside the tensor
+//! (every range between its byte offset and the plan's extent) and cover it once.
 use libfuzzer_sys::fuzz_target;
 use tensorwire_core::wire::codec::Reader;
 use tensorwire_core::{ChunkPlan, TensorMeta};
 
 fuzz_target!(|data: &[u8]| {
-    if data.len() < 5 {
-        return;
-    }
-    let dim = data[0] as usize % 8;
-    let count = u32::from_le_bytes([data[1], data[2], data[3], data[4]]) % 64;
-    if let Ok(t) = TensorMeta::decode(&mut Reader::new(&data[5..], "fuzz")) {
-        if let Ok(p) = ChunkPlan::new(&t, dim, count) {
-            for c in p.chunks() {
-                for r in &c.ranges {
-                    assert!(r.end() <= p.extent());
-                }
-            }
+    let [dim, a, b, c, d, rest @ ..] = data else { return };
+    let dim = usize::from(*dim % 8);
+    let count = u32::from_le_bytes([*a, *b, *c, *d]) % 64;
+    let Ok(t) = TensorMeta::decode(&mut Reader::new(rest, "fuzz")) else { return };
+    let Ok(p) = ChunkPlan::new(&t, dim, count) else { return };
+    let mut covered = 0u64;
+    for c in p.chunks() {
+        for r in &c.ranges {
+            assert!(r.offset >= t.byte_offset && r.end() <= p.extent());
+            covered += r.len;
         }
     }
+    assert_eq!(covered, t.nbytes().expect("a planned tensor has a size"));
 });

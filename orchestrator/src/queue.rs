@@ -12,7 +12,7 @@ use tensorwire_diffusion::PayloadRef;
 use crate::stage::Stage;
 
 /// The message's magic ("TQ") and version (a message is one buffer, bounded by its counts).
-const FRAMING: Framing =
+pub const FRAMING: Framing =
     Framing { name: "queue message", magic: *b"TQ", version: 1, max_payload: 1 << 20 };
 /// Most payload refs in one message.
 pub const MAX_REFS: usize = 16;

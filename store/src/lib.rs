@@ -23,7 +23,7 @@ mod embedded;
 mod error;
 mod node;
 mod remote;
-mod rpc;
+pub mod rpc;
 mod spill;
 mod state;
 #[cfg(feature = "testing")]

@@ -18,8 +18,8 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::api::Store;
 use crate::embedded::EmbeddedStore;
-use crate::error::{self, Result, StoreError};
-use crate::rpc::{self, ERR, FRAMING, OK, Request, Response};
+use crate::error::{Result, StoreError};
+use crate::rpc::{self, FRAMING, Request, Response};
 
 /// Bound on a client's handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -134,11 +134,7 @@ async fn serve_conn(
             Ok(q) => handle(&store, q, &mut held).await,
             Err(e) => Err(StoreError::Engine(e)),
         };
-        let out = match r {
-            Ok(resp) => rpc::frame(OK, req, &resp.encode()),
-            Err(e) => rpc::frame(ERR, req, &error::encode(&e)),
-        };
-        let Ok(out) = out else { break };
+        let Ok(out) = rpc::reply(req, &r) else { break };
         if sock.write_all(&out).await.is_err() {
             break;
         }

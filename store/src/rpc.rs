@@ -1,6 +1,7 @@
 //! The store node's RPC, on the common framing ([`FRAMING`], magic "TR"): after the authenticated
 //! handshake every frame's payload is a request id (u64) and a request or response body built
-//! with the core codec, at most [`MAX_PAYLOAD`] bytes. Bytes of objects never cross it: they move
+//! with the core codec, at most [`MAX_PAYLOAD`] bytes. Public for other clients of a node and for
+//! the fuzz targets; [`crate::RemoteStore`] is the client to use. Bytes of objects never cross it: they move
 //! by engine READ/WRITE straight between client regions and the node's pool. Every decoder is
 //! total (proptest below, a cargo-fuzz target).
 
@@ -12,14 +13,15 @@ use crate::api::{MAX_KEY, Retention, StoreStats};
 use crate::error::{self, MAX_STORE_ERROR_BYTES, StoreError};
 
 /// Largest payload.
-pub(crate) const MAX_PAYLOAD: u32 = 64 << 10;
+pub const MAX_PAYLOAD: u32 = 64 << 10;
 /// The store RPC's framing.
-pub(crate) const FRAMING: Framing =
+pub const FRAMING: Framing =
     Framing { name: "store rpc", magic: *b"TR", version: 2, max_payload: MAX_PAYLOAD };
 
-/// A request.
+/// A request (field names say what the variant documentation describes).
+#[allow(missing_docs)]
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Request {
+pub enum Request {
     /// Which region is the pool?
     Hello,
     /// Proof of the pool's access key (learned through the engine handshake).
@@ -48,9 +50,11 @@ pub(crate) enum Request {
     Consumed { key: Vec<u8> },
 }
 
-/// A successful response (its shape follows the request).
+/// A successful response (its shape follows the request; field names say what the variant
+/// documentation describes).
+#[allow(missing_docs)]
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Response {
+pub enum Response {
     /// Done.
     Done,
     /// The pool region.
@@ -65,26 +69,35 @@ pub(crate) enum Response {
     Stats(StoreStats),
 }
 
-/// Response kinds.
-pub(crate) const OK: u8 = 0x80;
-pub(crate) const ERR: u8 = 0x81;
+/// Frame kind of a successful response.
+pub const OK: u8 = 0x80;
+/// Frame kind of a refusal (the body is an encoded [`StoreError`]).
+pub const ERR: u8 = 0x81;
 
 /// A whole frame: `kind`, request id `req`, body.
-pub(crate) fn frame(kind: u8, req: u64, body: &[u8]) -> Result<Vec<u8>> {
+pub fn frame(kind: u8, req: u64, body: &[u8]) -> Result<Vec<u8>> {
     let mut w = Writer::new();
     w.u64(req).raw(body);
     FRAMING.encode(kind, &w.finish())
 }
 
+/// The whole frame answering request `req` with `r`.
+pub fn reply(req: u64, r: &std::result::Result<Response, StoreError>) -> Result<Vec<u8>> {
+    match r {
+        Ok(resp) => frame(OK, req, &resp.encode()),
+        Err(e) => frame(ERR, req, &error::encode(e)),
+    }
+}
+
 /// Splits a frame's payload into its request id and body.
-pub(crate) fn split(payload: &[u8]) -> Result<(u64, &[u8])> {
+pub fn split(payload: &[u8]) -> Result<(u64, &[u8])> {
     let mut r = Reader::new(payload, "store rpc frame");
     Ok((r.u64()?, r.rest()))
 }
 
 impl Request {
-    /// (kind, payload)
-    pub(crate) fn encode(&self) -> (u8, Vec<u8>) {
+    /// The frame kind and body.
+    pub fn encode(&self) -> (u8, Vec<u8>) {
         let mut w = Writer::new();
         let kind = match self {
             Request::Hello => 1,
@@ -140,7 +153,7 @@ impl Request {
     }
 
     /// Decodes a request; never panics.
-    pub(crate) fn decode(kind: u8, payload: &[u8]) -> Result<Request> {
+    pub fn decode(kind: u8, payload: &[u8]) -> Result<Request> {
         let mut r = Reader::new(payload, "store request");
         let key = |r: &mut Reader<'_>| r.bytes(MAX_KEY, "key").map(<[u8]>::to_vec);
         let req = match kind {
@@ -170,7 +183,8 @@ impl Request {
 }
 
 impl Response {
-    pub(crate) fn encode(&self) -> Vec<u8> {
+    /// The body of an [`OK`] frame.
+    pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         match self {
             Response::Done => {
@@ -203,10 +217,7 @@ impl Response {
     }
 
     /// Decodes a response body of kind [`OK`] or [`ERR`]; never panics.
-    pub(crate) fn decode(
-        kind: u8,
-        payload: &[u8],
-    ) -> Result<std::result::Result<Response, StoreError>> {
+    pub fn decode(kind: u8, payload: &[u8]) -> Result<std::result::Result<Response, StoreError>> {
         if kind == ERR {
             if payload.len() > MAX_STORE_ERROR_BYTES {
                 return Err(Error::protocol("store rpc: oversized error"));

@@ -71,7 +71,10 @@ impl ChunkPlan {
     /// dimensions from `dim` inwards must be dense row-major (size-1 dimensions excepted) so that a
     /// chunk is one contiguous run per leading index.
     pub fn new(meta: &TensorMeta, dim: usize, count: u32) -> Result<ChunkPlan> {
-        let span = meta.span_bytes()?;
+        // A well-formed tensor's end and compact size fit in u64: every offset below lies in
+        // [byte_offset, extent] and the chunks' bytes add up to at most the compact size.
+        meta.check()?;
+        let extent = meta.end_bytes()?;
         let rank = meta.shape.len();
         if dim >= rank {
             return Err(Error::InvalidArgument(format!(
@@ -151,7 +154,7 @@ impl ChunkPlan {
             chunks.push(Chunk { index, start, end, ranges });
             start = end;
         }
-        Ok(ChunkPlan { dim, chunks, extent: meta.byte_offset + span })
+        Ok(ChunkPlan { dim, chunks, extent })
     }
 
     /// The chunk dimension.
@@ -250,6 +253,40 @@ mod tests {
             vec![ByteRange { offset: 16, len: 4 }, ByteRange { offset: 28, len: 4 }]
         );
         assert_eq!(p.extent(), 16 + (6 + 4) * 2);
+    }
+
+    #[test]
+    fn a_tensor_ending_past_u64_is_refused() {
+        // Found by the chunk_plan fuzz target: byte_offset + span wrapped, so the plan's extent
+        // ended before its ranges did.
+        let t = TensorMeta {
+            dtype: DType::Bool,
+            shape: vec![3026418949606408258],
+            strides: vec![1],
+            byte_offset: 18373393454000618752,
+            device: crate::MemoryKind::Host,
+        };
+        assert!(matches!(ChunkPlan::new(&t, 0, 63), Err(Error::InvalidTensor(_))));
+        let mut w = crate::wire::codec::Writer::new();
+        t.encode(&mut w);
+        let bytes = w.finish();
+        let decoded = TensorMeta::decode(&mut crate::wire::codec::Reader::new(&bytes, "test"));
+        assert!(matches!(decoded, Err(Error::InvalidTensor(_))), "{decoded:?}");
+    }
+
+    #[test]
+    fn a_tensor_whose_compact_size_overflows_is_refused() {
+        // Found by the chunk_plan fuzz target: aliasing leading strides keep the span small while
+        // the element count overflows, so the chunks' byte total did.
+        let t = TensorMeta {
+            dtype: DType::F16,
+            shape: vec![2, 3, 0x4c00_0000_0000_0001],
+            strides: vec![12, 4, 1],
+            byte_offset: 0,
+            device: crate::MemoryKind::Host,
+        };
+        assert!(t.end_bytes().is_ok());
+        assert!(matches!(ChunkPlan::new(&t, 2, 2), Err(Error::InvalidTensor(_))));
     }
 
     #[test]

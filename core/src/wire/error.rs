@@ -92,8 +92,22 @@ impl std::fmt::Display for RemoteFailure {
 
 impl std::error::Error for RemoteFailure {}
 
-/// Decodes an error sent by a peer. Backend names become "remote" (the peer's name is kept in the
-/// text), since the variant holds a `&'static str`.
+/// Backend names an error keeps across the wire (the variants hold a `&'static str`).
+const KNOWN_BACKENDS: [&str; 9] =
+    ["mem", "tcp", "shm", "ucx", "rdma", "cuda", "nccl", "engine", "remote"];
+
+/// The backend name and text of a relayed backend error: a known name is kept as is; any other
+/// becomes "remote" with the peer's name moved into the text. Relaying the result again changes
+/// nothing.
+fn relayed(backend: String, text: String) -> (&'static str, String) {
+    match KNOWN_BACKENDS.iter().find(|k| **k == backend) {
+        Some(k) => (k, text),
+        None => ("remote", format!("{backend}: {text}")),
+    }
+}
+
+/// Decodes an error sent by a peer: the same variant and numbers; a backend name outside the
+/// known ones becomes "remote", with the name kept in the text.
 pub fn decode_error(buf: &[u8]) -> Result<Error> {
     if buf.len() > MAX_ERROR_BYTES {
         return Err(Error::protocol(format!(
@@ -113,9 +127,8 @@ pub fn decode_error(buf: &[u8]) -> Result<Error> {
             t => return Err(Error::protocol(format!("error body: unknown missing kind {t}"))),
         }),
         2 => {
-            let backend = text(&mut r, "backend")?;
-            let what = text(&mut r, "what")?;
-            Error::Unsupported { backend: "remote", what: format!("{backend}: {what}") }
+            let (backend, what) = relayed(text(&mut r, "backend")?, text(&mut r, "what")?);
+            Error::Unsupported { backend, what }
         }
         3 => Error::OutOfBounds {
             what: text(&mut r, "what")?,
@@ -134,12 +147,8 @@ pub fn decode_error(buf: &[u8]) -> Result<Error> {
         9 => Error::Protocol(text(&mut r, "reason")?),
         10 => Error::InvalidArgument(text(&mut r, "reason")?),
         11 => {
-            let backend = text(&mut r, "backend")?;
-            let msg = text(&mut r, "message")?;
-            Error::Backend {
-                backend: "remote",
-                source: Arc::new(RemoteFailure(format!("{backend}: {msg}"))),
-            }
+            let (backend, msg) = relayed(text(&mut r, "backend")?, text(&mut r, "message")?);
+            Error::Backend { backend, source: Arc::new(RemoteFailure(msg)) }
         }
         12 => Error::Checksum { what: text(&mut r, "what")?, expected: r.u32()?, actual: r.u32()? },
         13 => Error::Internal(text(&mut r, "reason")?),
@@ -173,7 +182,11 @@ mod tests {
         let e = round(Error::AccessDenied("wrong key".into()));
         assert_eq!(e.to_string(), "access denied: wrong key");
         let e = round(Error::Unsupported { backend: "tcp", what: "gpu".into() });
-        assert!(e.to_string().contains("tcp: gpu"));
+        assert_eq!(e.to_string(), "tcp: unsupported: gpu");
+        let e = round(Error::Unsupported { backend: "thirdparty", what: "gpu".into() });
+        assert_eq!(e.to_string(), "remote: unsupported: thirdparty: gpu");
+        // Found by the store_rpc fuzz target: relaying twice used to prefix the name twice.
+        assert_eq!(round(e).to_string(), "remote: unsupported: thirdparty: gpu");
         let e = round(Error::Checksum { what: "w".into(), expected: 1, actual: 2 });
         assert!(matches!(e, Error::Checksum { expected: 1, actual: 2, .. }));
         let e = round(Error::Internal("op lost".into()));
@@ -188,6 +201,18 @@ mod tests {
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = decode_error(&bytes);
+        }
+
+        #[test]
+        fn relaying_a_decoded_error_changes_nothing(
+            tag in 1u8..14,
+            body in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut bytes = vec![tag];
+            bytes.extend(body);
+            if let Ok(e) = decode_error(&bytes) {
+                prop_assert_eq!(round(e.clone()).to_string(), e.to_string());
+            }
         }
     }
 }

@@ -1,0 +1,318 @@
+//! Every variant of every message, built directly: the recorded sessions reach the common ones,
+//! these make sure the rare ones (errors, refusals, teardown) are seeds too.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorwire_core::error::Missing;
+use tensorwire_core::wire::codec::Writer;
+use tensorwire_core::wire::envelope::{Envelope, Message};
+use tensorwire_core::wire::error::encode_error;
+use tensorwire_core::wire::handshake::{Challenge, Open, Proof};
+use tensorwire_core::{AccessKey, DType, EngineId, Error, MemoryKind, RegionId, TensorMeta};
+use tensorwire_diffusion::PayloadRef;
+use tensorwire_diffusion::control::{Control, Gone};
+use tensorwire_orchestrator::service::wire::{Msg, Role};
+use tensorwire_orchestrator::{Affinity, Priority, QueueMessage, Stage};
+use tensorwire_shm::wire as shm;
+use tensorwire_store::rpc::{self, Request, Response};
+use tensorwire_store::{Retention, StoreError, StoreStats};
+use tensorwire_ucx::wire as ucx;
+
+use crate::Corpus;
+
+/// Adds every variant of every message that does not need a running system.
+pub fn add_all(c: &mut Corpus, refs: &[PayloadRef]) {
+    errors(c);
+    tensors(c);
+    handshake(c);
+    envelopes(c);
+    shm_headers(c);
+    ucx_msgs(c);
+    control(c);
+    store_rpc(c);
+    orchestrator(c);
+    queue_messages(c, refs);
+}
+
+fn errors(c: &mut Corpus) {
+    for e in core_errors() {
+        c.add("error_body", encode_error(&e));
+    }
+}
+
+/// One of every core error.
+fn core_errors() -> Vec<Error> {
+    vec![
+        Error::NotFound(Missing::Region(RegionId(7))),
+        Error::NotFound(Missing::Deregistered(RegionId(8))),
+        Error::NotFound(Missing::Peer("engine 3".into())),
+        Error::NotFound(Missing::Transfer(9)),
+        Error::NotFound(Missing::Other("thing".into())),
+        Error::Unsupported { backend: "tcp", what: "device memory".into() },
+        Error::OutOfBounds {
+            what: "remote region 7".into(),
+            offset: 4096,
+            len: 1 << 20,
+            limit: 8192,
+        },
+        Error::AccessDenied("region 7: wrong access key".into()),
+        Error::PeerClosed("connection reset".into()),
+        Error::Timeout { what: "chunk 3".into(), after: Duration::from_millis(1500) },
+        Error::Capacity { what: "notification queue".into(), requested: 1025, limit: 1024 },
+        Error::InvalidTensor("2 dimensions but 1 stride".into()),
+        Error::Checksum { what: "tcp READ".into(), expected: 0xdead_beef, actual: 0x0bad_f00d },
+        Error::Protocol("bad magic".into()),
+        Error::Internal("broken invariant".into()),
+        Error::InvalidArgument("zero chunks".into()),
+        Error::Backend {
+            backend: "ucx",
+            source: Arc::new(std::io::Error::other("UCS_ERR_IO_ERROR")),
+        },
+    ]
+}
+
+/// Tensors of every dtype and device, strided and offset ones, and the shapes of real payloads.
+fn tensors(c: &mut Corpus) {
+    let mut metas: Vec<TensorMeta> =
+        DType::all().iter().map(|&d| TensorMeta::contiguous(d, &[2, 3, 4])).collect();
+    for shape in [&[1, 226, 4096][..], &[16, 21, 60, 104], &[1, 16, 128, 128], &[], &[3, 0, 5]] {
+        metas.push(TensorMeta::contiguous(DType::BF16, shape));
+    }
+    let mut strided = TensorMeta::contiguous(DType::F16, &[2, 4]);
+    strided.strides = vec![6, 1];
+    strided.byte_offset = 16;
+    metas.push(strided);
+    for device in [MemoryKind::HostPinned, MemoryKind::Device { ordinal: 1 }] {
+        let mut m = TensorMeta::contiguous(DType::F32, &[8, 8]);
+        m.device = device;
+        metas.push(m);
+    }
+    for m in &metas {
+        let mut w = Writer::new();
+        m.encode(&mut w);
+        let bytes = w.finish();
+        c.add("tensor_meta", bytes.clone());
+        let rank = m.shape.len() as u8;
+        for dim in 0..rank.max(1) {
+            for count in [1u32, 2, 7] {
+                let mut input = vec![dim];
+                input.extend(count.to_le_bytes());
+                input.extend(&bytes);
+                c.add("chunk_plan", input);
+            }
+        }
+    }
+}
+
+fn handshake(c: &mut Corpus) {
+    let (nonce, proof) = ([0x11; 32], [0x22; 32]);
+    c.add("handshake", Open { nonce }.encode());
+    c.add("handshake", Challenge { nonce, proof: Some(proof) }.encode());
+    c.add("handshake", Challenge { nonce, proof: None }.encode());
+    c.add("handshake", Proof { proof: Some(proof) }.encode());
+    c.add("handshake", Proof { proof: None }.encode());
+}
+
+fn envelopes(c: &mut Corpus) {
+    let from = EngineId(0x1234_5678_9abc_def0);
+    for msg in [
+        Message::User(bytes::Bytes::from_static(b"hello")),
+        Message::ChunkLanded { transfer: 3, index: 6 },
+        Message::ChunkAbort { transfer: 3, reason: "producer gave up".into() },
+    ] {
+        c.add_result("envelope", Envelope { from, msg }.encode().map(|b| b.to_vec()));
+    }
+}
+
+fn shm_headers(c: &mut Corpus) {
+    use shm::Kind::*;
+    for kind in [Begin, Granted, End, Notify, NotifyAck, Forget] {
+        let mut h = shm::Header::new(kind, 42);
+        h.region = RegionId(3);
+        h.key = AccessKey::from_bits(0xfeed_f00d);
+        h.offset = 4096;
+        h.len = if kind == Notify { 64 } else { 1 << 20 };
+        h.flags = match kind {
+            Begin => shm::WANT_FD | shm::ACCESS_WRITE,
+            Granted => shm::HAS_FD | shm::WRITABLE,
+            _ => 0,
+        };
+        c.add("shm_header", h.encode().to_vec());
+        if matches!(kind, Granted | NotifyAck) {
+            let mut refused = shm::Header::new(kind, 43);
+            refused.ok = false;
+            refused.len = 40;
+            c.add("shm_header", refused.encode().to_vec());
+        }
+    }
+}
+
+fn ucx_msgs(c: &mut Corpus) {
+    use ucx::Kind::*;
+    let error = encode_error(&Error::AccessDenied("region 3 does not grant remote write".into()));
+    let envelope =
+        Envelope { from: EngineId(1), msg: Message::User(bytes::Bytes::from_static(b"n")) };
+    let notify = envelope.encode().map(|b| b.to_vec()).unwrap_or_default();
+    for kind in [Hello, HelloAck, Begin, Granted, End, Notify, NotifyAck, Bye] {
+        let mut m = ucx::Msg::new(kind, 5, 6);
+        m.region = RegionId(3);
+        m.key = AccessKey::from_bits(0xabcd);
+        m.offset = 128;
+        m.len = 4096;
+        match kind {
+            Hello => m.body = b"ucx worker address bytes",
+            Notify => m.body = &notify,
+            HelloAck | Granted | NotifyAck => m.flags = ucx::OK,
+            Begin => m.flags = ucx::WRITE,
+            Bye => m.flags = ucx::TARGET,
+            End => {}
+        }
+        c.add("ucx_msg", m.encode());
+        if matches!(kind, HelloAck | Granted | NotifyAck) {
+            m.flags = 0;
+            m.body = &error;
+            c.add("ucx_msg", m.encode());
+        }
+    }
+}
+
+fn control(c: &mut Corpus) {
+    let mut all = vec![
+        Control::Subscribe { payload: 9 },
+        Control::Ready { payload: 9, index: 2, crc: Some(0x1234_5678) },
+        Control::Ready { payload: 9, index: 3, crc: None },
+        Control::Consumed { payload: 9 },
+    ];
+    all.extend(Gone::ALL.map(|why| Control::Gone { payload: 9, why }));
+    for m in all {
+        c.add("connector_control", m.encode());
+    }
+}
+
+fn store_rpc(c: &mut Corpus) {
+    let meta = TensorMeta::contiguous(DType::BF16, &[1, 226, 4096]);
+    let key = b"tw/1/2".to_vec();
+    let requests = [
+        Request::Hello,
+        Request::Auth { region: RegionId(1), key: AccessKey::from_bits(0x77) },
+        Request::Reserve {
+            key: key.clone(),
+            meta: meta.clone(),
+            len: 1 << 20,
+            retention: Retention::Pinned,
+        },
+        Request::Commit { ticket: 1 },
+        Request::Abort { ticket: 2 },
+        Request::Open { key: key.clone() },
+        Request::Close { ticket: 3 },
+        Request::Exists { key: key.clone() },
+        Request::Remove { key: key.clone() },
+        Request::Pin { key: key.clone(), up: true },
+        Request::Stats,
+        Request::Lease { key: key.clone(), consumers: 2, ttl_ms: 30_000 },
+        Request::Consumed { key: key.clone() },
+    ];
+    for (id, r) in requests.iter().enumerate() {
+        let (kind, body) = r.encode();
+        c.add_result("store_rpc", rpc::frame(kind, id as u64, &body));
+    }
+    let stats =
+        StoreStats { capacity: 1 << 30, used: 1 << 20, objects: 3, ..StoreStats::default() };
+    let responses = [
+        Response::Done,
+        Response::Pool(RegionId(1)),
+        Response::Reserved { ticket: 1, offset: 4096 },
+        Response::Opened { ticket: 2, offset: 8192, len: 1 << 20, meta },
+        Response::Flag(true),
+        Response::Stats(stats),
+    ];
+    for (id, r) in responses.into_iter().enumerate() {
+        c.add_result("store_rpc", rpc::reply(id as u64, &Ok(r)));
+    }
+    let refusals = [
+        StoreError::not_found(&key),
+        StoreError::Exists { key: tensorwire_store::StoreKey(key.clone()) },
+        StoreError::InvalidArgument("unpin of an unpinned key".into()),
+        StoreError::InvalidTensor("meta does not fit".into()),
+        StoreError::Capacity { what: "pool".into(), requested: 1 << 31, limit: 1 << 30 },
+        StoreError::Corrupt("bad header crc".into()),
+        StoreError::Io {
+            what: "write spill".into(),
+            source: Arc::new(std::io::Error::other("ENOSPC")),
+        },
+        StoreError::Internal("broken invariant".into()),
+    ];
+    let engine = core_errors().into_iter().map(StoreError::Engine);
+    for (id, e) in refusals.into_iter().chain(engine).enumerate() {
+        c.add_result("store_rpc", rpc::reply(id as u64, &Err(e)));
+    }
+}
+
+fn orchestrator(c: &mut Corpus) {
+    let worker = Role::Worker {
+        stage: Stage::Denoise,
+        slots: 4,
+        host: "gpu-node-3".into(),
+        labels: vec!["rail0".into(), "numa1".into()],
+    };
+    let msgs = [
+        Msg::Hello { role: worker },
+        Msg::Hello { role: Role::Submitter },
+        Msg::Welcome { worker: 7 },
+        Msg::Heartbeat,
+        Msg::Credit { slots: 3 },
+        Msg::Assign { request: 1, stage: Stage::Decode, attempt: 2, data: b"refs".to_vec() },
+        Msg::Result {
+            request: 1,
+            stage: Stage::Encode,
+            ok: true,
+            reason: String::new(),
+            data: b"refs".to_vec(),
+        },
+        Msg::Result {
+            request: 1,
+            stage: Stage::Decode,
+            ok: false,
+            reason: "oom".into(),
+            data: Vec::new(),
+        },
+        Msg::Submit { request: 2, priority: Priority::Batch, deadline_ms: 60_000 },
+        Msg::Outcome { request: 2, ok: false, reason: "too many attempts".into() },
+    ];
+    for m in msgs {
+        let (kind, mut body) = m.encode_body();
+        body.insert(0, kind);
+        c.add("orchestrator_msg", body);
+    }
+}
+
+/// Queue messages carrying the recorded refs, for every stage and priority.
+fn queue_messages(c: &mut Corpus, refs: &[PayloadRef]) {
+    for stage in Stage::ALL {
+        for priority in [Priority::Interactive, Priority::Batch] {
+            let m = QueueMessage {
+                request: 17,
+                stage,
+                payloads: refs.to_vec(),
+                priority,
+                deadline_ms: 120_000,
+                affinity: Affinity {
+                    host: Some("gpu-node-3".into()),
+                    labels: vec!["rail0".into()],
+                },
+                attempt: 1,
+            };
+            c.add_result("queue_message", m.encode());
+            let bare = QueueMessage {
+                payloads: refs.iter().take(1).cloned().collect(),
+                affinity: Affinity::default(),
+                ..m
+            };
+            c.add_result("queue_message", bare.encode());
+        }
+    }
+    for r in refs {
+        c.add("payload_ref", r.to_bytes());
+    }
+}
