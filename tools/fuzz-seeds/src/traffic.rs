@@ -13,7 +13,7 @@ use tensorwire_core::wire::envelope::{Envelope, Message};
 use tensorwire_core::wire::frame::{CONTROL, Framing, RESERVED_KINDS};
 use tensorwire_core::wire::handshake::{CHALLENGE, OPEN, PROOF};
 use tensorwire_core::{
-    AccessKey, ChunkPlan, DType, Engine, EngineConfig, Permissions, TensorMeta, TransferOp,
+    AccessKey, ChunkPlan, DType, Engine, EngineConfig, Permissions, Region, TensorMeta, TransferOp,
 };
 use tensorwire_diffusion::control::Control;
 use tensorwire_diffusion::{
@@ -186,36 +186,17 @@ async fn pipeline(c: &mut Corpus, secret: &ClusterSecret) -> Result<Vec<PayloadR
 
     let emb_meta = TensorMeta::contiguous(DType::BF16, &[1, 16, 64]);
     let emb = Arc::new(encode.engine().alloc(emb_meta.nbytes()?, Permissions::READ).await?);
-    let emb_pub = encode.publish(
-        StagePayload {
-            request: 1,
-            kind: PayloadKind::ConditionEmbedding,
-            region: emb,
-            offset: 0,
-            meta: emb_meta.clone(),
-            chunking: None,
-            lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
-        },
-        None, // consumer unknown: through the store
-    )?;
+    let emb = output(PayloadKind::ConditionEmbedding, emb, &emb_meta, None);
+    let emb_pub = encode.publish(emb, None)?; // consumer unknown: through the store
     let emb_dst = Arc::new(denoise.engine().alloc(emb_meta.nbytes()?, Permissions::NONE).await?);
     let got = denoise.consume(&emb_pub.reference, emb_dst, 0, Some(&emb_meta))?;
     tokio::time::timeout(WAIT, got.all()).await??;
 
     let lat_meta = TensorMeta::contiguous(DType::BF16, &[4, 3, 8, 8]);
     let lat = Arc::new(denoise.engine().alloc(lat_meta.nbytes()?, Permissions::READ).await?);
-    let mut lat_pub = denoise.publish(
-        StagePayload {
-            request: 1,
-            kind: PayloadKind::Latent,
-            region: lat,
-            offset: 0,
-            meta: lat_meta.clone(),
-            chunking: Some(Chunking { dim: 1, count: 3 }),
-            lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
-        },
-        Some(ConsumerHint { credit: 1 }), // a decode worker has a free slot: p2p
-    )?;
+    let lat = output(PayloadKind::Latent, lat, &lat_meta, Some(Chunking { dim: 1, count: 3 }));
+    // A decode worker has a free slot: p2p.
+    let mut lat_pub = denoise.publish(lat, Some(ConsumerHint { credit: 1 }))?;
     let lat_dst = Arc::new(decode.engine().alloc(lat_meta.nbytes()?, Permissions::NONE).await?);
     let mut got = decode.consume(&lat_pub.reference, lat_dst, 0, Some(&lat_meta))?;
     for i in 0..3 {
@@ -231,6 +212,17 @@ async fn pipeline(c: &mut Corpus, secret: &ClusterSecret) -> Result<Vec<PayloadR
         data_channel(c, &rec.conversations());
     }
     Ok(vec![emb_pub.reference.clone(), lat_pub.reference.clone()])
+}
+
+/// Request 1's output of `kind` in `region`, for one consumer.
+fn output(
+    kind: PayloadKind,
+    region: Arc<Region>,
+    meta: &TensorMeta,
+    c: Option<Chunking>,
+) -> StagePayload {
+    let lease = LeasePolicy::DeleteOnConsume { consumers: 1 };
+    StagePayload { request: 1, kind, region, offset: 0, meta: meta.clone(), chunking: c, lease }
 }
 
 /// The orchestrator service: a worker per stage (decode fails its first try of request 2) and a
