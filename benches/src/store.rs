@@ -71,7 +71,7 @@ impl StoreBench {
                     let backing =
                         EmbeddedStore::new(&node_engine, StoreConfig { shared: true, ..cfg })
                             .await?;
-                    let node = StoreNode::serve(backing, "127.0.0.1:0".parse()?, None).await?;
+                    let node = StoreNode::serve(backing, "127.0.0.1:0".parse()?).await?;
                     let r = Arc::new(
                         RemoteStore::connect(&client, node_engine.local_addr(), node.addr())
                             .await?,

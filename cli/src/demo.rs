@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parking_lot::Mutex;
-use tensorwire_core::{DType, Engine, Permissions, TensorMeta};
+use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::{DType, Engine, EngineConfig, Permissions, TensorMeta};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
     PayloadRef, StagePayload,
@@ -266,17 +267,19 @@ async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
 
 /// The demo's store node: an engine on loopback with a 512 MiB shared pool served over the RPC.
 pub(crate) async fn store_node() -> Result<(Engine, Arc<EmbeddedStore>, StoreNode), String> {
-    let engine = tcp_engine().await?;
+    let engine = tcp_engine(None).await?;
     let cfg = StoreConfig { capacity: 512 << 20, shared: true, ..StoreConfig::default() };
     let store = EmbeddedStore::new(&engine, cfg).await.map_err(err)?;
     let listen = "127.0.0.1:0".parse().map_err(|_| "address")?;
-    let node = StoreNode::serve(store.clone(), listen, None).await.map_err(err)?;
+    let node = StoreNode::serve(store.clone(), listen).await.map_err(err)?;
     Ok((engine, store, node))
 }
 
-pub(crate) async fn tcp_engine() -> Result<Engine, String> {
+/// An engine on loopback over tcp, with `secret` as its cluster secret.
+pub(crate) async fn tcp_engine(cluster_secret: Option<ClusterSecret>) -> Result<Engine, String> {
     let tcp = TcpBackend::new(TcpConfig::default()).map_err(err)?;
-    Engine::builder().backend(tcp).start().await.map_err(err)
+    let config = EngineConfig { cluster_secret, ..EngineConfig::default() };
+    Engine::builder().backend(tcp).config(config).start().await.map_err(err)
 }
 
 fn bars(n: u64, label: &str) -> (MultiProgress, [ProgressBar; 3]) {
@@ -304,7 +307,7 @@ async fn disaggregated(
     let (node_engine, store, node) = store_node().await?;
     let mut conns = Vec::new();
     for mode in [Mode::Store, Mode::Auto, Mode::Auto] {
-        let e = tcp_engine().await?;
+        let e = tcp_engine(None).await?;
         let s: Arc<dyn Store> = Arc::new(
             RemoteStore::connect(&e, node_engine.local_addr(), node.addr()).await.map_err(err)?,
         );

@@ -8,6 +8,9 @@
 //!   report directory with tables and PNG plots.
 //! - `tensorwire serve` / `tensorwire worker`: an engine with a store node and the orchestrator
 //!   service, and stage workers in other processes or hosts.
+//! - `tensorwire secret new FILE`: a cluster secret for `--secret-file`.
+//!
+//! Library warnings and errors go to stderr (`RUST_LOG` sets the level; default info).
 
 mod bench;
 mod demo;
@@ -15,6 +18,7 @@ mod plot;
 mod procs;
 mod profiles;
 mod report;
+mod secret;
 mod serve;
 mod simulate;
 
@@ -42,10 +46,21 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Run a stage worker that joins an orchestrator service.
     Worker(serve::WorkerArgs),
+    /// Make a cluster secret.
+    #[command(subcommand)]
+    Secret(secret::SecretCmd),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .init();
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -67,6 +82,7 @@ fn main() -> ExitCode {
         Cmd::Worker(a) => rt.block_on(async {
             tokio::spawn(serve::worker(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),
+        Cmd::Secret(c) => secret::run(c),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -14,12 +14,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tensorwire_core::Permissions;
+use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
     PayloadRef, StagePayload,
 };
-use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
     Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
@@ -129,13 +130,13 @@ async fn run_item(
 pub(crate) async fn payload_worker(
     stage: Stage,
     orch: SocketAddr,
-    store_engine: SocketAddr,
-    store_rpc: SocketAddr,
+    (store_engine, store_rpc): (SocketAddr, SocketAddr),
+    secret: Option<ClusterSecret>,
     models: Vec<Model>,
     scale: f64,
     slots: u32,
 ) -> Result<(), String> {
-    let engine = tcp_engine().await?;
+    let engine = tcp_engine(secret.clone()).await?;
     let store: Arc<dyn Store> = Arc::new(
         RemoteStore::connect(&engine, store_engine, store_rpc).await.map_err(|e| e.to_string())?,
     );
@@ -147,7 +148,7 @@ pub(crate) async fn payload_worker(
     let conn = Arc::new(DiffusionConnector::new(engine, Some(store), cfg));
     let (w, mut rx) = WorkerClient::connect(
         orch,
-        None,
+        secret.as_ref(),
         stage,
         slots.max(1),
         "localhost",
@@ -186,9 +187,7 @@ pub(crate) async fn disaggregated(
     let (node_engine, store, node) = store_node().await?;
     let cfg = ServiceConfig {
         sched: SchedConfig { heartbeat_timeout: Duration::from_secs(10), ..SchedConfig::default() },
-        policy: Box::new(MaxFreeCredit),
-        secret: None,
-        handshake_timeout: Duration::from_secs(10),
+        ..ServiceConfig::default()
     };
     let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
         .await

@@ -9,21 +9,20 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::auth::is_exposed;
 use tensorwire_core::{Engine, EngineConfig};
 use tensorwire_orchestrator::Stage;
-use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig};
 use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, WorkerClient};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
-use crate::profiles;
+use crate::{profiles, secret};
 
 /// `serve` options.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ServeArgs {
     /// TOML file with any of: listen, data_listen, store_listen, store_mib, spill_dir,
-    /// orchestrator_listen, secret_file.
+    /// orchestrator_listen, secret_file, insecure.
     #[arg(long)]
     pub(crate) config: Option<PathBuf>,
     /// Engine control endpoint.
@@ -44,9 +43,14 @@ pub(crate) struct ServeArgs {
     /// Also serve the orchestrator here.
     #[arg(long)]
     pub(crate) orchestrator_listen: Option<SocketAddr>,
-    /// File holding the cluster secret (every process of the cluster uses the same).
+    /// File holding the cluster secret (every process of the cluster uses the same; make one
+    /// with `tensorwire secret new FILE`). Needed to listen on an address other hosts can reach.
     #[arg(long)]
     pub(crate) secret_file: Option<PathBuf>,
+    /// Listen on reachable addresses without a cluster secret: anyone who reaches them can read
+    /// and overwrite every payload. Warned at start and for every peer from another host.
+    #[arg(long)]
+    pub(crate) insecure: bool,
     /// Stop after this many seconds (default: run until interrupted).
     #[arg(long)]
     pub(crate) for_secs: Option<u64>,
@@ -62,21 +66,7 @@ struct ServeFile {
     spill_dir: Option<PathBuf>,
     orchestrator_listen: Option<SocketAddr>,
     secret_file: Option<PathBuf>,
-}
-
-fn read_secret(p: &Option<PathBuf>) -> Result<Option<ClusterSecret>, String> {
-    match p {
-        None => Ok(None),
-        Some(p) => {
-            let s = std::fs::read(p)
-                .map_err(|e| format!("{}: cannot read the secret: {e}", p.display()))?;
-            let s = s.trim_ascii().to_vec();
-            if s.len() < 16 {
-                return Err(format!("{}: a cluster secret needs at least 16 bytes", p.display()));
-            }
-            Ok(Some(ClusterSecret::new(s)))
-        }
-    }
+    insecure: Option<bool>,
 }
 
 fn load<T: for<'de> Deserialize<'de> + Default>(p: &Option<PathBuf>) -> Result<T, String> {
@@ -97,10 +87,12 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     let data = a.data_listen.or(f.data_listen).unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));
     let store_listen =
         a.store_listen.or(f.store_listen).unwrap_or_else(|| SocketAddr::new(listen.ip(), 7100));
-    let secret = read_secret(&a.secret_file.or(f.secret_file))?;
+    let secret = secret::read(a.secret_file.or(f.secret_file).as_deref())?;
+    let insecure = a.insecure || f.insecure.unwrap_or(false);
     let tcp = TcpBackend::new(TcpConfig { listen: data, ..TcpConfig::default() })
         .map_err(|e| e.to_string())?;
-    let cfg = EngineConfig { listen, cluster_secret: secret.clone(), ..EngineConfig::default() };
+    let cluster_secret = secret.clone();
+    let cfg = EngineConfig { listen, cluster_secret, insecure, ..EngineConfig::default() };
     let engine = Engine::builder()
         .backend(tcp)
         .config(cfg)
@@ -114,9 +106,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         ..StoreConfig::default()
     };
     let store = EmbeddedStore::new(&engine, store_cfg).await.map_err(|e| e.to_string())?;
-    let node = StoreNode::serve(store.clone(), store_listen, secret.clone())
-        .await
-        .map_err(|e| e.to_string())?;
+    let node = StoreNode::serve(store.clone(), store_listen).await.map_err(|e| e.to_string())?;
     println!("engine {} control {}", engine.id(), engine.local_addr());
     println!(
         "store node {} (pool {} MiB{})",
@@ -126,12 +116,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     );
     let _orch = match a.orchestrator_listen.or(f.orchestrator_listen) {
         Some(at) => {
-            let cfg = ServiceConfig {
-                sched: SchedConfig::default(),
-                policy: Box::new(MaxFreeCredit),
-                secret,
-                handshake_timeout: Duration::from_secs(10),
-            };
+            let cfg = ServiceConfig { secret, insecure, ..ServiceConfig::default() };
             let o = OrchestratorService::serve(at, cfg).await.map_err(|e| e.to_string())?;
             println!("orchestrator {}", o.addr());
             Some(o)
@@ -167,9 +152,12 @@ pub(crate) struct WorkerArgs {
     /// Concurrent items.
     #[arg(long, default_value_t = 1)]
     pub(crate) slots: u32,
-    /// File holding the cluster secret.
+    /// File holding the cluster secret (the one the orchestrator uses).
     #[arg(long)]
     pub(crate) secret_file: Option<PathBuf>,
+    /// Join an orchestrator on another host without a cluster secret.
+    #[arg(long)]
+    pub(crate) insecure: bool,
     /// Move real payloads: the store node's engine (control address)...
     #[arg(long, requires = "store")]
     pub(crate) store_engine: Option<SocketAddr>,
@@ -187,13 +175,30 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         .into_iter()
         .find(|s| s.name() == a.role)
         .ok_or_else(|| format!("--role {:?}: expected encode, denoise or decode", a.role))?;
+    let secret = secret::read(a.secret_file.as_deref())?;
+    if secret.is_none() && is_exposed(a.connect) && !a.insecure {
+        return Err(format!(
+            "joining the orchestrator at {} without a cluster secret: pass --secret-file FILE (the \
+             orchestrator's; `tensorwire secret new FILE` makes one) or --insecure",
+            a.connect
+        ));
+    }
     let all = profiles::load(a.profiles.as_deref())?;
     if let (Some(se), Some(st)) = (a.store_engine, a.store) {
         let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
         let mix: Vec<crate::profiles::Model> =
             profiles::pick(&all, &names)?.into_iter().cloned().collect();
-        return crate::procs::payload_worker(stage, a.connect, se, st, mix, a.time_scale, a.slots)
-            .await;
+        let store = (se, st);
+        return crate::procs::payload_worker(
+            stage,
+            a.connect,
+            store,
+            secret,
+            mix,
+            a.time_scale,
+            a.slots,
+        )
+        .await;
     }
     let m = profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone();
     let ms = match stage {
@@ -201,7 +206,6 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         Stage::Denoise => m.denoise_ms(),
         Stage::Decode => m.decode_ms,
     };
-    let secret = read_secret(&a.secret_file)?;
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
     let (w, mut rx) = WorkerClient::connect(
         a.connect,

@@ -1,5 +1,7 @@
 //! `tensorwire serve` with the orchestrator service and three `tensorwire worker` processes:
 //! requests submitted to the service complete. A port already in use is one clear error line.
+//! Secure by default: a reachable listener needs a secret or `--insecure` (which warns), secret
+//! files are made private by `tensorwire secret new` and bad ones are refused with their reason.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -23,8 +25,10 @@ async fn serve_and_three_workers_complete_requests() {
     let dir = std::env::temp_dir().join(format!("tw-serve-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let secret_file = dir.join("secret");
-    std::fs::write(&secret_file, "a cluster secret of enough bytes").unwrap();
+    let _ = std::fs::remove_file(&secret_file);
     let exe = env!("CARGO_BIN_EXE_tensorwire");
+    let made = Command::new(exe).arg("secret").arg("new").arg(&secret_file).output().unwrap();
+    assert!(made.status.success(), "{made:?}");
     let mut serve = Command::new(exe)
         .args([
             "serve",
@@ -72,7 +76,7 @@ async fn serve_and_three_workers_complete_requests() {
             .unwrap();
         workers.push(Kill(c));
     }
-    let secret = ClusterSecret::new("a cluster secret of enough bytes");
+    let secret = ClusterSecret::from_file(&secret_file).unwrap();
     let sub = SubmitClient::connect(orch.parse().unwrap(), Some(&secret)).await.unwrap();
     let mut outs = Vec::new();
     for r in 0..6 {
@@ -112,4 +116,62 @@ fn port_in_use_is_one_line() {
     fails_naming(&["serve", "--listen", &addr, "--for-secs", "1"], &addr);
     drop(taken); // now nothing listens there: the worker cannot reach it
     fails_naming(&["worker", "--role", "decode", "--connect", &addr], &addr);
+}
+
+fn tensorwire(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tensorwire")).args(args).output().unwrap()
+}
+
+#[test]
+fn a_reachable_listener_needs_a_secret_or_insecure() {
+    let open = ["serve", "--listen", "0.0.0.0:0", "--store-listen", "0.0.0.0:0", "--for-secs", "1"];
+    let out = tensorwire(&open);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tensorwire secret new") && err.contains("--insecure"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+
+    let out = tensorwire(&[&open[..], &["--insecure"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("WARN") && err.contains("insecure"), "no warning: {err}");
+
+    // A worker does not join an orchestrator on another host unauthenticated by accident.
+    let out = tensorwire(&["worker", "--role", "decode", "--connect", "10.255.255.1:7200"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--insecure"), "{err}");
+}
+
+#[test]
+fn secret_files_are_private_and_bad_ones_are_refused_with_their_reason() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("tw-secret-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("secret");
+    let _ = std::fs::remove_file(&f);
+    let path = f.to_str().unwrap();
+    assert!(tensorwire(&["secret", "new", path]).status.success());
+    assert_eq!(std::fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
+    let again = tensorwire(&["secret", "new", path]);
+    assert!(!again.status.success(), "overwrote an existing secret");
+
+    let serve = |file: &str| {
+        let local = ["--listen", "127.0.0.1:0", "--store-listen", "127.0.0.1:0", "--for-secs", "0"];
+        tensorwire(&[&["serve", "--secret-file", file][..], &local].concat())
+    };
+    assert!(serve(path).status.success());
+    let cases = [
+        ("00112233445566778899aabbccddeeff", 0o644, "readable by group or others"),
+        ("0011223344556677", 0o600, "needs at least 16"),
+        ("correct horse battery staple", 0o600, "hex"),
+    ];
+    for (text, mode, why) in cases {
+        std::fs::write(&f, text).unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(mode)).unwrap();
+        let out = serve(path);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(why), "{text:?} {mode:o}: {err}");
+        assert!(!err.contains(text), "the error shows the secret: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -19,6 +19,7 @@ use async_trait::async_trait;
 use tensorwire_core::{Backend, Capabilities, Engine, EngineConfig, Session};
 
 pub mod harness;
+pub mod intruder;
 pub mod multiprocess;
 pub mod tests;
 

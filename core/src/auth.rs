@@ -2,12 +2,19 @@
 //! over both sides' nonces and the protocol's magic, with a different label per direction, so each
 //! side proves it knows the secret without revealing it, and a recorded answer cannot be replayed
 //! (fresh nonces), reflected (labels) or carried to another protocol (magic).
+//!
+//! Also here: secret files ([`ClusterSecret::from_file`], [`ClusterSecret::create_file`]) and the
+//! rule every listener applies at start ([`check_listener`]: one other hosts can reach needs a
+//! secret or an explicit `insecure` opt-out).
 
 use std::fmt;
 use std::sync::Arc;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+
+pub use crate::exposure::{check_listener, is_exposed};
+pub use crate::secret_file::MIN_SECRET_BYTES;
 
 /// Length of handshake nonces and MACs.
 pub const AUTH_LEN: usize = 32;
@@ -40,7 +47,8 @@ pub struct Transcript {
 pub struct ClusterSecret(Arc<[u8]>);
 
 impl ClusterSecret {
-    /// A secret from bytes (use at least 32 random bytes).
+    /// A secret from bytes (use at least 32 random bytes; [`ClusterSecret::from_file`] refuses
+    /// fewer than [`MIN_SECRET_BYTES`]).
     pub fn new(bytes: impl AsRef<[u8]>) -> Self {
         ClusterSecret(Arc::from(bytes.as_ref()))
     }

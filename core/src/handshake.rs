@@ -4,7 +4,8 @@
 //! the server proves itself in its `Challenge`, and the client checks that proof before it sends
 //! its own proof and, after it, its first protocol message. Without a secret on both sides the
 //! handshake still runs (same messages, no proofs) and each side logs that its peer is
-//! unauthenticated; a secret on one side only is refused with a message saying which.
+//! unauthenticated (a warning for a peer on another host); a secret on one side only is refused
+//! with a message saying which.
 //!
 //! [`Handshake::client`] returns once the client's proof is on its way: the client then sends its
 //! first message at once (no extra round trip); a server that refuses the proof answers that
@@ -81,7 +82,7 @@ impl Handshake<'_> {
             (Some(_), None) => Some("has no cluster secret; refusing an unauthenticated peer"),
             (None, Some(_)) => Some("requires a cluster secret, and none is configured here"),
             (None, None) => {
-                tracing::warn!(%peer, protocol = name, "unauthenticated peer: no cluster secret is configured");
+                unauthenticated(peer, name, "talking to");
                 None
             }
         };
@@ -119,10 +120,20 @@ impl Handshake<'_> {
                 refuse(s, framing, e).await
             }
             (None, _) => {
-                tracing::warn!(%peer, protocol = framing.name, "accepting an unauthenticated peer: no cluster secret is configured");
+                unauthenticated(peer, framing.name, "accepted");
                 Ok(())
             }
         }
+    }
+}
+
+/// Logs an unauthenticated peer: a warning when it is on another host (only an explicitly
+/// insecure endpoint gets there, see [`crate::auth::check_listener`]), a debug line on loopback.
+fn unauthenticated(peer: SocketAddr, protocol: &str, what: &str) {
+    if crate::auth::is_exposed(peer) {
+        tracing::warn!(%peer, protocol, "{what} an unauthenticated peer: no cluster secret");
+    } else {
+        tracing::debug!(%peer, protocol, "{what} an unauthenticated local peer");
     }
 }
 

@@ -64,6 +64,8 @@ mod completion;
 mod copy;
 #[cfg(not(loom))]
 mod engine;
+#[cfg(not(loom))]
+mod exposure;
 mod fence;
 #[cfg(not(loom))]
 pub mod handshake;
@@ -71,6 +73,8 @@ pub mod handshake;
 pub mod reference;
 #[cfg(not(loom))]
 pub mod region;
+#[cfg(not(loom))]
+mod secret_file;
 #[cfg(not(loom))]
 mod tasks;
 

@@ -41,8 +41,7 @@ async fn cluster(mode: Mode, wait: Duration) -> Cluster {
         EmbeddedStore::new(&node_engine, StoreConfig { shared: true, ..StoreConfig::default() })
             .await
             .unwrap();
-    let node =
-        StoreNode::serve(node_store.clone(), "127.0.0.1:0".parse().unwrap(), None).await.unwrap();
+    let node = StoreNode::serve(node_store.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let mut conns = Vec::new();
     for _stage in 0..3 {
         let e = engine().await;

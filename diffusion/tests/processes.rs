@@ -248,7 +248,7 @@ async fn run(mode: &str) {
         EmbeddedStore::new(&node_engine, StoreConfig { shared: true, ..StoreConfig::default() })
             .await
             .unwrap();
-    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().unwrap(), None).await.unwrap();
+    let node = StoreNode::serve(store.clone(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let (ne, nr) = (node_engine.local_addr().to_string(), node.addr().to_string());
     let mut enc = Worker::spawn("encode", mode, &ne, &nr);
     let mut den = Worker::spawn("denoise", mode, &ne, &nr);

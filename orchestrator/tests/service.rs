@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tensorwire_conformance::harness::{Harness, child_command};
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig};
+use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
     OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
@@ -102,9 +102,9 @@ async fn service() -> OrchestratorService {
             max_attempts: 3,
             ..SchedConfig::default()
         },
-        policy: Box::new(MaxFreeCredit),
         secret: Some(secret()),
         handshake_timeout: Duration::from_secs(5),
+        ..ServiceConfig::default()
     };
     OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap()
 }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::{Condvar, Mutex, MutexGuard};
+use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::{Engine, MemSlice, Permissions, Region, RemoteRegion, TensorMeta};
 
 use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
@@ -79,6 +80,9 @@ pub struct EmbeddedStore {
     io_done: Condvar,
     spill: Option<Spill>,
     cfg: StoreConfig,
+    /// The engine's cluster secret and opt-out, which a store node serving this store applies.
+    pub(crate) secret: Option<ClusterSecret>,
+    pub(crate) insecure: bool,
 }
 
 impl EmbeddedStore {
@@ -106,6 +110,8 @@ impl EmbeddedStore {
             io_done: Condvar::new(),
             spill,
             cfg,
+            secret: engine.config().cluster_secret.clone(),
+            insecure: engine.config().insecure,
         }))
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::Error;
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::auth::{ClusterSecret, check_listener};
 use tensorwire_core::backend::kit::TaskSet;
 use tensorwire_core::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
@@ -38,13 +38,13 @@ impl Drop for StoreNode {
 }
 
 impl StoreNode {
-    /// Serves `store` on `listen`. With `secret`, only clients that prove the same cluster secret
-    /// are served (give it the engine's `cluster_secret`).
-    pub async fn serve(
-        store: Arc<EmbeddedStore>,
-        listen: SocketAddr,
-        secret: Option<ClusterSecret>,
-    ) -> Result<StoreNode> {
+    /// Serves `store` on `listen`, authenticating clients with the cluster secret of the engine
+    /// the store was made on (clients prove it, then the pool's access key). Like the engine's
+    /// control endpoint, an address other hosts can reach needs a secret or the engine's
+    /// `insecure` opt-out.
+    pub async fn serve(store: Arc<EmbeddedStore>, listen: SocketAddr) -> Result<StoreNode> {
+        let secret = store.secret.clone();
+        check_listener("store node", listen, secret.as_ref(), store.insecure)?;
         let l = TcpListener::bind(listen).await.map_err(|e| {
             Error::InvalidArgument(format!("store node: cannot listen on {listen}: {e}"))
         })?;

@@ -54,7 +54,7 @@ impl StoreFactory for Remote {
         let backing =
             EmbeddedStore::new(&node_engine, StoreConfig { shared: true, ..cfg }).await.unwrap();
         let listen = "127.0.0.1:0".parse().unwrap();
-        let node = StoreNode::serve(backing.clone(), listen, Some(secret())).await.unwrap();
+        let node = StoreNode::serve(backing.clone(), listen).await.unwrap();
         let client = tcp_engine().await;
         let remote =
             RemoteStore::connect(&client, node_engine.local_addr(), node.addr()).await.unwrap();

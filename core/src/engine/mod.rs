@@ -50,9 +50,13 @@ pub struct EngineConfig {
     /// Capacity of the inbound user-notification queue (a full queue refuses the sender).
     pub notification_queue: usize,
     /// Shared cluster secret. With one, the engine only talks to peers that prove they hold the same
-    /// secret (HMAC challenge in the handshake, both directions); without one it accepts any peer and
-    /// logs a warning for each.
+    /// secret (HMAC challenge in the handshake, both directions). Without one it accepts any peer,
+    /// so `start` refuses a `listen` address other hosts can reach unless `insecure` is set.
     pub cluster_secret: Option<crate::auth::ClusterSecret>,
+    /// Opts out of the rule above: listen on a reachable address without a secret (warned at
+    /// start and for every peer from another host). Anyone who reaches the control endpoint then
+    /// learns the keys of the regions this engine shows to peers.
+    pub insecure: bool,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +70,7 @@ impl Default for EngineConfig {
             chunk_timeout: Duration::from_secs(30),
             notification_queue: 1024,
             cluster_secret: None,
+            insecure: false,
         }
     }
 }
@@ -303,6 +308,9 @@ impl EngineBuilder {
         if self.backends.is_empty() {
             return Err(Error::InvalidArgument("an engine needs at least one backend".into()));
         }
+        let cfg = &self.config;
+        let secret = cfg.cluster_secret.as_ref();
+        crate::auth::check_listener("engine control endpoint", cfg.listen, secret, cfg.insecure)?;
         let listener = tokio::net::TcpListener::bind(self.config.listen).await.map_err(|e| {
             Error::InvalidArgument(format!(
                 "control endpoint: cannot listen on {}: {e}",

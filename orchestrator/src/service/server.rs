@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::Error;
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::auth::{ClusterSecret, check_listener};
 use tensorwire_core::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -26,10 +26,27 @@ pub struct ServiceConfig {
     pub sched: SchedConfig,
     /// Routing policy.
     pub policy: Box<dyn RoutingPolicy>,
-    /// Shared secret; without one any client is accepted (and a warning is logged).
+    /// Shared secret. Without one any client is accepted, so `serve` refuses an address other
+    /// hosts can reach unless `insecure` is set.
     pub secret: Option<ClusterSecret>,
+    /// Opts out of the rule above (warned at start and for every client from another host).
+    pub insecure: bool,
     /// Bound on a client's handshake.
     pub handshake_timeout: Duration,
+}
+
+impl Default for ServiceConfig {
+    /// Default scheduler settings, max-free-credit routing, no secret (loopback only), a 10 s
+    /// handshake bound.
+    fn default() -> Self {
+        ServiceConfig {
+            sched: SchedConfig::default(),
+            policy: Box::new(crate::sched::MaxFreeCredit),
+            secret: None,
+            insecure: false,
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -58,13 +75,11 @@ pub struct OrchestratorService {
 impl OrchestratorService {
     /// Listens on `listen` and serves.
     pub async fn serve(listen: SocketAddr, cfg: ServiceConfig) -> Result<OrchestratorService> {
+        check_listener("orchestrator service", listen, cfg.secret.as_ref(), cfg.insecure)?;
         let l = TcpListener::bind(listen).await.map_err(|e| {
             Error::InvalidArgument(format!("orchestrator: cannot listen on {listen}: {e}"))
         })?;
         let addr = l.local_addr().map_err(Error::from)?;
-        if cfg.secret.is_none() {
-            tracing::warn!("orchestrator service without a cluster secret: any client is accepted");
-        }
         let (tx, rx) = mpsc::channel(4096);
         let mut tasks = JoinSet::new();
         tasks.spawn(run(Driver::new(cfg.sched, cfg.policy), rx));

@@ -20,7 +20,6 @@ use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
     PayloadRef, StagePayload,
 };
-use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig};
 use tensorwire_orchestrator::service::wire as service;
 use tensorwire_orchestrator::service::{
     OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
@@ -168,7 +167,7 @@ async fn pipeline(c: &mut Corpus, secret: &ClusterSecret) -> Result<Vec<PayloadR
     let (node_engine, node_data) = engine(Some(secret.clone()), false).await?;
     let cfg = StoreConfig { shared: true, ..StoreConfig::default() };
     let store = EmbeddedStore::new(&node_engine, cfg).await?;
-    let node = StoreNode::serve(store, "127.0.0.1:0".parse()?, Some(secret.clone())).await?;
+    let node = StoreNode::serve(store, "127.0.0.1:0".parse()?).await?;
     let mut rpc = Recorder::bind().await?;
     rpc.forward_to(node.addr());
 
@@ -229,10 +228,9 @@ fn output(
 /// submitter of two requests.
 async fn orchestrator(c: &mut Corpus, secret: &ClusterSecret, refs: &[PayloadRef]) -> Result<()> {
     let cfg = ServiceConfig {
-        sched: SchedConfig::default(),
-        policy: Box::new(MaxFreeCredit),
         secret: Some(secret.clone()),
         handshake_timeout: WAIT,
+        ..ServiceConfig::default()
     };
     let service = OrchestratorService::serve("127.0.0.1:0".parse()?, cfg).await?;
     let mut rec = Recorder::bind().await?;
