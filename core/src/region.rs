@@ -58,6 +58,30 @@ pub(crate) enum Storage {
     Owned(Arc<HostMapping>),
     /// Caller memory at this address (see `Engine::register_raw`'s contract).
     Raw(usize),
+    /// Caller memory at this address, kept valid by `owner` (see `Engine::register_owned`): the
+    /// owner drops with the last holder of the region, after every transfer that used it.
+    Kept {
+        addr: usize,
+        _owner: Owner,
+    },
+}
+
+/// What keeps caller memory alive (a framework tensor, a buffer); opaque to the engine.
+pub(crate) struct Owner {
+    /// Never read: held to be dropped with the region.
+    _keep: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl Owner {
+    pub(crate) fn new(owner: impl std::any::Any + Send + Sync) -> Owner {
+        Owner { _keep: Box::new(owner) }
+    }
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Owner(..)")
+    }
 }
 
 /// The memory and registration state of a region; shared by the handle and every in-flight op.
@@ -82,7 +106,7 @@ impl RegionInner {
     pub(crate) fn base(&self) -> *mut u8 {
         match &self.storage {
             Storage::Owned(m) => m.ptr(),
-            Storage::Raw(addr) => *addr as *mut u8,
+            Storage::Raw(addr) | Storage::Kept { addr, .. } => *addr as *mut u8,
         }
     }
 
@@ -271,12 +295,15 @@ impl MemSlice {
     /// Stops holding up deregistration while keeping engine-allocated memory mapped until the
     /// returned value drops. For a backend that gives up on an op its transport may still touch
     /// (requests left queued after a forced close): the region can be deregistered, its memory is
-    /// not freed under the transport. Memory the caller registered with `register_raw` cannot be
-    /// kept alive by the engine: the slice is handed back (`Err`) and deregistration keeps waiting
-    /// for it (bounded by the engine's `deregister_timeout`).
+    /// not freed under the transport (engine memory, and caller memory registered with an owner).
+    /// Memory the caller registered with `register_raw` cannot be kept alive by the engine: the
+    /// slice is handed back (`Err`) and deregistration keeps waiting for it (bounded by the
+    /// engine's `deregister_timeout`).
     pub fn detach(self) -> std::result::Result<DetachedMemory, MemSlice> {
         match self.region.storage {
-            Storage::Owned(_) => Ok(DetachedMemory { _region: self.region.clone() }),
+            Storage::Owned(_) | Storage::Kept { .. } => {
+                Ok(DetachedMemory { _region: self.region.clone() })
+            }
             Storage::Raw(_) => Err(self),
         }
     }

@@ -167,3 +167,33 @@ async fn a_backend_that_cannot_start_fails_the_engine_start() {
     let err = e.unwrap_err();
     assert!(err.to_string().contains("no device on this host"), "{err}");
 }
+
+/// Drops flag it; the owner of registered caller memory.
+struct Buffer {
+    bytes: Vec<u8>,
+    dropped: Arc<AtomicUsize>,
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        self.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test]
+async fn an_owner_keeps_caller_memory_until_the_region_and_its_slices_are_gone() {
+    let e = engine().await;
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let mut buf = Buffer { bytes: vec![7u8; 4096], dropped: dropped.clone() };
+    let ptr = buf.bytes.as_mut_ptr();
+    // SAFETY: the Vec's heap block does not move when `buf` moves into the engine, and it lives
+    // as long as `buf` does.
+    let region = unsafe { e.register_owned(buf, ptr, 4096, MemoryKind::Host, Permissions::NONE) }
+        .await
+        .unwrap();
+    let slice = region.slice(0, 4096).unwrap();
+    drop(region);
+    assert_eq!(dropped.load(Ordering::SeqCst), 0, "a slice in use keeps the owner");
+    drop(slice);
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "dropped with the last holder");
+}

@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tensorwire_core::{
-    ByteRange, ChunkPlan, Engine, EngineId, Region, RegionId, RemoteRegion, Session, TensorMeta,
-    TransferHandle, TransferOp,
+    ByteRange, ChunkPlan, Engine, EngineId, Region, Session, TensorMeta, TransferHandle, TransferOp,
 };
 use tensorwire_store::{Retention, Store};
 use tokio::sync::mpsc;
@@ -212,9 +211,8 @@ impl DiffusionConnector {
             false => None,
         };
         let source = if p2p {
-            let (region, key) = (p.region.id(), p.region.remote().key);
-            let addr = inner.engine.local_addr();
-            Source::P2p { engine, addr, payload: id, region, key, offset: p.offset }
+            let (region, addr) = (p.region.remote(), inner.engine.local_addr());
+            Source::P2p { addr, payload: id, region, offset: p.offset }
         } else {
             Source::Store { key: store_key(engine, id) }
         };
@@ -542,12 +540,24 @@ async fn session_to(inner: &Inner, addr: SocketAddr) -> Result<Session> {
     Ok(x)
 }
 
-async fn remote_region(s: &Session, id: RegionId) -> Result<RemoteRegion> {
-    if let Ok(r) = s.remote_region(id) {
-        return Ok(r);
+/// Why a read of a p2p payload failed. A buffer that is no longer registered means the payload
+/// ended: the producer says why in answer to the subscription (sent before any read completes).
+async fn read_failed(
+    e: tensorwire_core::Error,
+    payload: u64,
+    rx: &mut mpsc::Receiver<Control>,
+    wait: Duration,
+) -> ConnectorError {
+    if !matches!(e, tensorwire_core::Error::NotFound(_)) {
+        return ConnectorError::from_producer(e);
     }
-    s.refresh().await.map_err(ConnectorError::from_producer)?;
-    Ok(s.remote_region(id)?)
+    let deadline = tokio::time::Instant::now() + wait;
+    while let Ok(Some(c)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+        if let Control::Gone { why, .. } = c {
+            return why.error(payload);
+        }
+    }
+    ConnectorError::ProducerGone(format!("payload {payload}: its buffer is gone ({e})"))
 }
 
 /// Removes the waiter entry however the consume ends.
@@ -565,16 +575,16 @@ async fn consume_p2p(
     dst: Destination<'_>,
     out: &mpsc::Sender<Result<ChunkView>>,
 ) -> Result<()> {
-    let Source::P2p { engine, addr, payload, region, offset: src_base, .. } = r.source else {
+    let Source::P2p { addr, payload, region: ref remote, offset: src_base } = r.source else {
         return Err(ConnectorError::Internal("not a p2p payload".into()));
     };
+    let engine = remote.engine;
     let s = session_to(inner, addr).await?;
     if s.peer() != engine {
         return Err(ConnectorError::ProducerGone(format!(
             "{engine} at {addr}: another engine answers there"
         )));
     }
-    let remote = remote_region(&s, region).await?;
     let (tx, mut rx) = mpsc::channel(dst.plan.len() as usize + 4);
     inner.waiters.lock().insert((engine, payload), tx);
     let _w = Waiter(inner, (engine, payload));
@@ -597,7 +607,7 @@ async fn consume_p2p(
                             TransferOp::read(
                                 dst.region,
                                 dst.offset + b.offset,
-                                &remote,
+                                remote,
                                 src_base + b.offset,
                                 b.len,
                             )
@@ -634,7 +644,9 @@ async fn consume_p2p(
                     Some(c) => fetch.on_message(&c),
                     None => {
                         for h in reads.remove(&index).unwrap_or_default() {
-                            h.await.map_err(ConnectorError::from_producer)?;
+                            if let Err(e) = h.await {
+                                return Err(read_failed(e, payload, &mut rx, wait).await);
+                            }
                         }
                         let crc = if fetch.wants_crc(index) { Some(dst.crc(index)?) } else { None };
                         fetch.on_landed(index, crc)

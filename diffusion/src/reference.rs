@@ -4,12 +4,12 @@
 use std::net::SocketAddr;
 
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::{AccessKey, EngineId, Error, RegionId, Result, TensorMeta};
+use tensorwire_core::{Error, RemoteRegion, Result, TensorMeta};
 use tensorwire_store::MAX_KEY;
 
 use crate::payload::{Chunking, LeasePolicy, PayloadKind};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// Where the bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,16 +21,13 @@ pub enum Source {
     },
     /// In the producer's registered buffer.
     P2p {
-        /// Producer engine.
-        engine: EngineId,
-        /// Its control endpoint.
+        /// The producer engine's control endpoint.
         addr: SocketAddr,
         /// The producer connector's payload id.
         payload: u64,
-        /// Region holding the buffer.
-        region: RegionId,
-        /// Its access key.
-        key: AccessKey,
+        /// The region holding the buffer, as the consumer reaches it (engine, id, access key,
+        /// backends' blobs): a consumer needs no descriptor refresh for a freshly registered buffer.
+        region: RemoteRegion,
         /// Offset of the tensor's buffer in the region.
         offset: u64,
     },
@@ -65,14 +62,10 @@ impl PayloadRef {
             Source::Store { key } => {
                 w.u8(0).bytes(key);
             }
-            Source::P2p { engine, addr, payload, region, key, offset } => {
-                w.u8(1)
-                    .u128(engine.0)
-                    .str(&addr.to_string())
-                    .u64(*payload)
-                    .u64(region.0)
-                    .u128(key.to_bits())
-                    .u64(*offset);
+            Source::P2p { addr, payload, region, offset } => {
+                w.u8(1).str(&addr.to_string()).u64(*payload);
+                region.encode(w);
+                w.u64(*offset);
             }
         }
         self.meta.encode(w);
@@ -98,19 +91,13 @@ impl PayloadRef {
         let source = match r.u8()? {
             0 => Source::Store { key: r.bytes(MAX_KEY, "store key")?.to_vec() },
             1 => {
-                let engine = EngineId(r.u128()?);
                 let a = r.str(64, "address")?;
                 let addr = a
                     .parse()
                     .map_err(|_| Error::protocol(format!("payload ref: bad address {a:?}")))?;
-                Source::P2p {
-                    engine,
-                    addr,
-                    payload: r.u64()?,
-                    region: RegionId(r.u64()?),
-                    key: AccessKey::from_bits(r.u128()?),
-                    offset: r.u64()?,
-                }
+                let payload = r.u64()?;
+                let region = RemoteRegion::decode(r)?;
+                Source::P2p { addr, payload, region, offset: r.u64()? }
             }
             t => return Err(Error::protocol(format!("payload ref: unknown source {t}"))),
         };

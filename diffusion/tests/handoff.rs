@@ -211,6 +211,18 @@ async fn errors_are_distinct_and_bounded() {
         matches!(e, ConnectorError::LeaseEnded { end: LeaseEnd::Expired, .. }),
         "expired lease: {e}"
     );
+    // An expired lease whose buffer only the publication held: deregistered by now, so a
+    // consumer that connects afterwards never sees it, and still learns why.
+    let own = Arc::new(c.denoise.engine().alloc(len, Permissions::READ).await.unwrap());
+    let lease = LeasePolicy::Ttl(Duration::from_millis(50));
+    let gone = c.denoise.publish(StagePayload { region: own, ..payload(lease) }, None).unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await; // idle sweeps run every 500 ms
+    let late = Arc::new(c.encode.engine().alloc(len, Permissions::NONE).await.unwrap());
+    let e = c.encode.consume(&gone.reference, late, 0, None).unwrap().all().await;
+    assert!(
+        matches!(e, Err(ConnectorError::LeaseEnded { end: LeaseEnd::Expired, .. })),
+        "expired, buffer released: {e:?}"
+    );
     // A destination too small.
     let small = Arc::new(c.decode.engine().alloc(len / 2, Permissions::NONE).await.unwrap());
     let e = c.decode.consume(&p.reference, small, 0, None).unwrap_err();

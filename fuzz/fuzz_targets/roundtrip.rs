@@ -12,7 +12,9 @@ use libfuzzer_sys::fuzz_target;
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::wire::envelope::{Envelope, Message};
 use tensorwire_core::wire::handshake::{Challenge, Open, Proof};
-use tensorwire_core::{AccessKey, DType, EngineId, MemoryKind, RegionId, TensorMeta};
+use tensorwire_core::{
+    AccessKey, DType, EngineId, MemoryKind, Permissions, RegionId, RemoteRegion, TensorMeta,
+};
 use tensorwire_diffusion::control::{Control, Gone};
 use tensorwire_diffusion::{Chunking, LeasePolicy, PayloadKind, PayloadRef, Source};
 use tensorwire_orchestrator::service::wire::{FRAMING, Msg, Role};
@@ -109,12 +111,19 @@ fn make_ref(u: &mut Unstructured<'_>) -> Result<PayloadRef> {
         Source::Store { key: u.bytes(len)?.to_vec() }
     } else {
         let ip: [u8; 4] = u.arbitrary()?;
+        let blob_len = u.int_in_range(0..=16usize)?;
         Source::P2p {
-            engine: EngineId(u.arbitrary()?),
             addr: SocketAddr::from((ip, u.arbitrary::<u16>()?)),
             payload: u.arbitrary()?,
-            region: RegionId(u.arbitrary()?),
-            key: AccessKey::from_bits(u.arbitrary()?),
+            region: RemoteRegion {
+                engine: EngineId(u.arbitrary()?),
+                id: RegionId(u.arbitrary()?),
+                key: AccessKey::from_bits(u.arbitrary()?),
+                len: u.arbitrary()?,
+                kind: MemoryKind::Host,
+                perms: Permissions { read: u.arbitrary()?, write: u.arbitrary()? },
+                blobs: vec![("tcp".into(), u.bytes(blob_len)?.to_vec().into())],
+            },
             offset: u.arbitrary()?,
         }
     };

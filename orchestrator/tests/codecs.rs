@@ -3,9 +3,12 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use proptest::prelude::*;
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::{AccessKey, DType, EngineId, Error, RegionId, TensorMeta};
+use tensorwire_core::{
+    AccessKey, DType, EngineId, Error, MemoryKind, Permissions, RegionId, RemoteRegion, TensorMeta,
+};
 use tensorwire_diffusion::{Chunking, LeasePolicy, PayloadKind, PayloadRef, Source};
 use tensorwire_orchestrator::queue::MAX_REFS;
 use tensorwire_orchestrator::{Affinity, Priority, QueueMessage, Stage};
@@ -15,11 +18,20 @@ fn sample() -> QueueMessage {
         request: 7,
         kind: PayloadKind::Latent,
         source: Source::P2p {
-            engine: EngineId(99),
             addr: "10.0.0.3:7000".parse().unwrap(),
             payload: 3,
-            region: RegionId(12),
-            key: AccessKey::from_bits(0xabc),
+            region: RemoteRegion {
+                engine: EngineId(99),
+                id: RegionId(12),
+                key: AccessKey::from_bits(0xabc),
+                len: 1 << 30,
+                kind: MemoryKind::Host,
+                perms: Permissions::READ,
+                blobs: vec![
+                    ("tcp".into(), Bytes::new()),
+                    ("shm".into(), Bytes::from_static(b"fd")),
+                ],
+            },
             offset: 4096,
         },
         meta: TensorMeta::contiguous(DType::BF16, &[16, 21, 60, 104]),

@@ -156,7 +156,7 @@ impl EngineShared {
         let id = self.regions.next_id();
         let (addr, shareable) = match &storage {
             Storage::Owned(m) => (m.ptr() as usize, ShareableMemory::of(m)),
-            Storage::Raw(a) => (*a, None),
+            Storage::Raw(a) | Storage::Kept { addr: a, .. } => (*a, None),
         };
         let info = RegionInfo { id, kind, addr, len, perms, shareable };
         let mut blobs = Vec::with_capacity(self.backends.len());
@@ -429,13 +429,44 @@ impl Engine {
         kind: MemoryKind,
         perms: Permissions,
     ) -> impl std::future::Future<Output = Result<Region>> + Send + '_ {
-        let addr = ptr as usize;
-        async move {
-            if addr == 0 && len > 0 {
-                return Err(Error::InvalidArgument("register_raw: null pointer".into()));
-            }
-            self.shared.register(Storage::Raw(addr), len, kind, perms).await
+        self.register_caller(Storage::Raw(ptr as usize), len, kind, perms)
+    }
+
+    /// Registers caller memory that `owner` keeps valid (the framework tensor or buffer it belongs
+    /// to): the engine holds `owner` until the region is deregistered and no transfer uses the
+    /// memory any more, then drops it. Unlike [`Engine::register_raw`], the caller need not
+    /// outlive the region: dropping every handle is enough.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be memory of `kind` that stays valid (not freed, unmapped or moved) for
+    /// as long as `owner` is alive. Peers granted `perms` may read or write it at any time while
+    /// registered.
+    pub unsafe fn register_owned<O: std::any::Any + Send + Sync>(
+        &self,
+        owner: O,
+        ptr: *mut u8,
+        len: u64,
+        kind: MemoryKind,
+        perms: Permissions,
+    ) -> impl std::future::Future<Output = Result<Region>> + Send + '_ {
+        let storage =
+            Storage::Kept { addr: ptr as usize, _owner: crate::region::Owner::new(owner) };
+        self.register_caller(storage, len, kind, perms)
+    }
+
+    /// Registers caller memory (`Storage::Raw` or `Storage::Kept`), refusing a null pointer.
+    async fn register_caller(
+        &self,
+        storage: Storage,
+        len: u64,
+        kind: MemoryKind,
+        perms: Permissions,
+    ) -> Result<Region> {
+        let null = matches!(storage, Storage::Raw(0) | Storage::Kept { addr: 0, .. });
+        if null && len > 0 {
+            return Err(Error::InvalidArgument("registering caller memory: null pointer".into()));
         }
+        self.shared.register(storage, len, kind, perms).await
     }
 
     /// Connects to the engine whose control endpoint is `addr` (handshake: both sides exchange

@@ -1,0 +1,258 @@
+//! The orchestrator from Python: serve it, join a stage pool as a worker, submit requests and
+//! wait for their outcomes.
+
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tensorwire_orchestrator::service::{
+    self, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
+};
+use tensorwire_orchestrator::{OrchestratorError, Priority, Stage};
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+use crate::engine::{addr, secret};
+use crate::errors::{Failure, Raise, Res};
+use crate::runtime::{runtime, seconds, wait};
+
+fn stage(s: &str) -> Res<Stage> {
+    Stage::ALL
+        .into_iter()
+        .find(|st| st.name() == s)
+        .ok_or_else(|| Failure::invalid(format!("stage {s:?}: expected encode, denoise or decode")))
+}
+
+fn priority(s: &str) -> Res<Priority> {
+    match s {
+        "interactive" => Ok(Priority::Interactive),
+        "batch" => Ok(Priority::Batch),
+        _ => Err(Failure::invalid(format!("priority {s:?}: expected interactive or batch"))),
+    }
+}
+
+/// The orchestrator service (scheduler, work queues, re-queue on worker loss).
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct Service {
+    inner: OrchestratorService,
+}
+
+#[pymethods]
+impl Service {
+    /// Serves on `listen`; on an address other hosts can reach it needs `secret_file` or
+    /// `insecure=True`.
+    #[new]
+    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, heartbeat_timeout = 10.0, max_attempts = 3, timeout = 30.0))]
+    fn new(
+        py: Python<'_>,
+        listen: &str,
+        secret_file: Option<std::path::PathBuf>,
+        insecure: bool,
+        heartbeat_timeout: f64,
+        max_attempts: u32,
+        timeout: f64,
+    ) -> PyResult<Service> {
+        let listen = addr(listen).raise(py)?;
+        let mut cfg = ServiceConfig {
+            secret: secret(secret_file).raise(py)?,
+            insecure,
+            ..ServiceConfig::default()
+        };
+        cfg.sched.heartbeat_timeout = seconds(heartbeat_timeout).raise(py)?;
+        cfg.sched.max_attempts = max_attempts;
+        let inner =
+            wait(py, seconds(timeout).raise(py)?, "starting the orchestrator", async move {
+                Ok(OrchestratorService::serve(listen, cfg).await?)
+            })?;
+        Ok(Service { inner })
+    }
+
+    /// The address workers and submitters connect to.
+    #[getter]
+    fn address(&self) -> String {
+        self.inner.addr().to_string()
+    }
+}
+
+/// An item assigned to this worker.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct Assignment {
+    inner: service::Assignment,
+}
+
+#[pymethods]
+impl Assignment {
+    /// The request.
+    #[getter]
+    fn request(&self) -> u64 {
+        self.inner.request
+    }
+    /// The stage ("encode", "denoise", "decode").
+    #[getter]
+    fn stage(&self) -> &'static str {
+        self.inner.stage.name()
+    }
+    /// Try number (1 the first time; more after a worker was lost or an attempt failed).
+    #[getter]
+    fn attempt(&self) -> u32 {
+        self.inner.attempt
+    }
+    /// What the previous stage reported (its outputs, e.g. payload handles); empty for encode.
+    #[getter]
+    fn inputs<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.inputs)
+    }
+}
+
+/// A stage worker joined to the orchestrator; heartbeats go out in the background.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct Worker {
+    client: WorkerClient,
+    rx: Mutex<mpsc::Receiver<service::Assignment>>,
+}
+
+#[pymethods]
+impl Worker {
+    /// Joins the pool of `stage` at the orchestrator `address` with `slots` concurrent items.
+    #[new]
+    #[pyo3(signature = (address, stage, *, slots = 1, secret_file = None, host = "localhost", heartbeat = 1.0, timeout = 30.0))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        stage: &str,
+        slots: u32,
+        secret_file: Option<std::path::PathBuf>,
+        host: &str,
+        heartbeat: f64,
+        timeout: f64,
+    ) -> PyResult<Worker> {
+        let (a, st) = (addr(address).raise(py)?, self::stage(stage).raise(py)?);
+        let k = secret(secret_file).raise(py)?;
+        let beat = seconds(heartbeat).raise(py)?;
+        let host = host.to_string();
+        let (client, rx) =
+            wait(py, seconds(timeout).raise(py)?, "joining the orchestrator", async move {
+                Ok(WorkerClient::connect(a, k.as_ref(), st, slots.max(1), &host, beat).await?)
+            })?;
+        Ok(Worker { client, rx: Mutex::new(rx) })
+    }
+
+    /// The id the orchestrator gave this worker.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.client.id()
+    }
+
+    /// The next assignment, or None when none came within `timeout` seconds. Raises
+    /// `StoppedError` once the orchestrator is gone.
+    #[pyo3(signature = (*, timeout = 30.0))]
+    fn next(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Assignment>> {
+        let t = seconds(timeout).raise(py)?;
+        let got = wait(py, t + Duration::from_secs(1), "an assignment", async {
+            let mut rx = self.rx.lock().await;
+            match tokio::time::timeout(t, rx.recv()).await {
+                Ok(Some(a)) => Ok(Some(a)),
+                Ok(None) => Err(OrchestratorError::Stopped.into()),
+                Err(_) => Ok(None),
+            }
+        })?;
+        Ok(got.map(|inner| Assignment { inner }))
+    }
+
+    /// Reports the end of `assignment`: its `outputs` go to the next stage, or `error` (a reason)
+    /// re-queues it.
+    #[pyo3(signature = (assignment, outputs = None, *, error = None, timeout = 30.0))]
+    fn report(
+        &self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        outputs: Option<Vec<u8>>,
+        error: Option<String>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let r = match error {
+            Some(e) => Err(e),
+            None => Ok(outputs.unwrap_or_default()),
+        };
+        let a = assignment.inner.clone();
+        wait(py, seconds(timeout).raise(py)?, "a report", async {
+            Ok(self.client.report_with(&a, r).await?)
+        })
+    }
+}
+
+/// Submits requests to the orchestrator.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct Submitter {
+    inner: SubmitClient,
+}
+
+#[pymethods]
+impl Submitter {
+    /// Connects to the orchestrator at `address`.
+    #[new]
+    #[pyo3(signature = (address, *, secret_file = None, timeout = 30.0))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        secret_file: Option<std::path::PathBuf>,
+        timeout: f64,
+    ) -> PyResult<Submitter> {
+        let a = addr(address).raise(py)?;
+        let k = secret(secret_file).raise(py)?;
+        let inner =
+            wait(py, seconds(timeout).raise(py)?, "connecting to the orchestrator", async move {
+                Ok(SubmitClient::connect(a, k.as_ref()).await?)
+            })?;
+        Ok(Submitter { inner })
+    }
+
+    /// Submits `request` ("interactive" or "batch"); the returned `Outcome` waits for its end.
+    #[pyo3(signature = (request, priority = "interactive", *, timeout = 30.0))]
+    fn submit(
+        slf: &Bound<'_, Self>,
+        request: u64,
+        priority: &str,
+        timeout: f64,
+    ) -> PyResult<Outcome> {
+        let py = slf.py();
+        let p = self::priority(priority).raise(py)?;
+        let this = slf.get();
+        let rx = wait(py, seconds(timeout).raise(py)?, "a submission", async {
+            Ok(this.inner.submit(request, p).await?)
+        })?;
+        Ok(Outcome { request, rx: Mutex::new(Some(rx)), _client: slf.clone().unbind() })
+    }
+}
+
+/// The end of a submitted request.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct Outcome {
+    request: u64,
+    rx: Mutex<Option<oneshot::Receiver<tensorwire_orchestrator::Result<()>>>>,
+    /// The outcome arrives on the submitter's connection: keep it open.
+    _client: Py<Submitter>,
+}
+
+#[pymethods]
+impl Outcome {
+    /// The request.
+    #[getter]
+    fn request(&self) -> u64 {
+        self.request
+    }
+
+    /// Waits for the request to complete; raises `RequestFailedError` (or another error) if it
+    /// did not, `TimeoutError` if it did not end within `timeout`.
+    #[pyo3(signature = (*, timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = seconds(timeout).raise(py)?;
+        let _ = runtime().raise(py)?;
+        wait(py, t, "the request's outcome", async {
+            let mut g = self.rx.lock().await;
+            let rx = g.as_mut().ok_or_else(|| Failure::invalid("the outcome was already taken"))?;
+            let r = rx.await.map_err(|_| Failure::from(OrchestratorError::Stopped))?;
+            *g = None;
+            Ok(r?)
+        })
+    }
+}

@@ -1,0 +1,57 @@
+"""tensorwire: tensor transport and orchestration for disaggregated diffusion serving.
+
+- ``tensorwire.diffusion``: the RFC's ``DiffusionConnector`` / ``StagePayload`` API.
+- ``tensorwire.mooncake``: ``TransferEngine`` and ``MooncakeDistributedStore`` with Mooncake's
+  method names (``TransferEngine`` is also importable from here).
+- ``tensorwire.omni``: ``TensorwireConnector``, shaped like vLLM-Omni's ``OmniConnectorBase``.
+- ``tensorwire.orchestrator``: the orchestrator service, stage workers, submitters.
+- The native classes (``Engine``, ``Region``, ``Session``, ``Store``, ``StoreNode``,
+  ``Connector``, ...) and every exception class (``tensorwire.errors``).
+
+Tensors move zero-copy through DLPack (host memory: numpy, torch CPU tensors, ...). Every call
+that waits takes ``timeout`` (seconds) and releases the GIL.
+"""
+
+from . import errors
+from ._native import (
+    Assignment,
+    Connector,
+    Consumption,
+    Engine,
+    Outcome,
+    Publication,
+    Region,
+    Service,
+    Session,
+    Store,
+    StoreNode,
+    Submitter,
+    Worker,
+    __version__,
+    describe_handle,
+)
+from .errors import *  # noqa: F401,F403  (the exception classes)
+from .mooncake import MooncakeDistributedStore, ReplicateConfig, TransferEngine, TransferNotify
+
+__all__ = [
+    "Assignment",
+    "Connector",
+    "Consumption",
+    "Engine",
+    "MooncakeDistributedStore",
+    "Outcome",
+    "Publication",
+    "Region",
+    "ReplicateConfig",
+    "Service",
+    "Session",
+    "Store",
+    "StoreNode",
+    "Submitter",
+    "TransferEngine",
+    "TransferNotify",
+    "Worker",
+    "describe_handle",
+    "errors",
+    "__version__",
+] + errors.__all__

@@ -1,0 +1,62 @@
+"""The orchestrator from Python: a service, a worker per stage (threads here), a submitter; a
+failing attempt is re-queued; requests that keep failing end with RequestFailedError."""
+
+import threading
+
+import pytest
+
+import tensorwire as tw
+from tensorwire.orchestrator import Service, Submitter, serve_stage
+
+
+def test_requests_flow_through_three_stages():
+    service = Service()
+    stop = threading.Event()
+    seen = {"encode": [], "denoise": [], "decode": []}
+    failed_once = set()
+
+    def handler(stage):
+        def run(a):
+            seen[stage].append((a.request, a.attempt, a.inputs))
+            if stage == "denoise" and a.request == 2 and a.request not in failed_once:
+                failed_once.add(a.request)
+                raise RuntimeError("transient")
+            return f"{stage}:{a.request}".encode()
+        return run
+
+    threads = [threading.Thread(target=serve_stage, args=(service.address, s, handler(s)),
+                                kwargs={"stop": stop, "poll": 0.1}, daemon=True) for s in seen]
+    for t in threads:
+        t.start()
+    sub = Submitter(service.address)
+    outcomes = [sub.submit(r, "interactive" if r % 2 else "batch") for r in range(1, 5)]
+    for o in outcomes:
+        o.wait(timeout=30)
+    stop.set()
+    assert sorted(r for r, _, _ in seen["decode"]) == [1, 2, 3, 4]
+    assert (2, 2, b"encode:2") in seen["denoise"]  # the re-queued attempt, with its inputs
+    assert all(inputs == f"denoise:{r}".encode() for r, _, inputs in seen["decode"])
+
+
+def test_a_request_that_keeps_failing_is_reported():
+    service = Service(max_attempts=2)
+    stop = threading.Event()
+
+    def fail(a):
+        raise RuntimeError("always")
+
+    t = threading.Thread(target=serve_stage, args=(service.address, "encode", fail),
+                         kwargs={"stop": stop, "poll": 0.1}, daemon=True)
+    t.start()
+    out = Submitter(service.address).submit(9)
+    with pytest.raises(tw.RequestFailedError, match="always"):
+        out.wait(timeout=30)
+    stop.set()
+
+
+def test_bad_arguments():
+    service = Service()
+    with pytest.raises(tw.InvalidArgumentError):
+        tw.Worker(service.address, "upscale")
+    with pytest.raises(tw.InvalidArgumentError):
+        Submitter(service.address).submit(1, "urgent")
