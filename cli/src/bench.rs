@@ -206,6 +206,8 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         time_scale: 0.02,
         prompts: 6,
         processes: false,
+        chaos: None,
+        seed: 1,
     };
     let (d, c) = crate::demo::compare(&demo).await?;
     let cdf = |v: &[Duration]| -> Vec<(f64, f64)> {

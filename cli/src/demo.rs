@@ -63,6 +63,14 @@ pub(crate) struct DemoArgs {
     /// no embedding cache).
     #[arg(long)]
     pub(crate) processes: bool,
+    /// With --processes: kill a random worker process (SIGKILL) about every SECS seconds
+    /// (uniformly 0.5-1.5x) once all have joined; the supervisor restarts it. The run then
+    /// reports requests completed, lost and duplicated, and store objects left.
+    #[arg(long, value_name = "SECS")]
+    pub(crate) chaos: Option<f64>,
+    /// Seed of the chaos kills.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
 }
 
 /// Workers per stage.
@@ -519,6 +527,11 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
 pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> {
     if a.time_scale.is_nan() || a.time_scale <= 0.0 || a.time_scale > 10.0 {
         return Err(format!("--time-scale {}: must be in (0, 10]", a.time_scale));
+    }
+    if let Some(c) = a.chaos {
+        if !a.processes || !(0.05..=3600.0).contains(&c) {
+            return Err(format!("--chaos {c}: needs --processes and 0.05..=3600 seconds"));
+        }
     }
     if a.requests == 0 || a.requests > 10_000 {
         return Err(format!("--requests {}: must be in 1..=10000", a.requests));

@@ -21,6 +21,7 @@ mod report;
 mod secret;
 mod serve;
 mod simulate;
+mod supervise;
 
 use std::process::ExitCode;
 

@@ -5,11 +5,16 @@
 //! time, publishes its outputs (embeddings through the store, latents p2p in temporal chunks)
 //! and checks every byte it receives. Decode workers report the time of their first decoded
 //! chunk on stdout, which gives TTFF.
+//!
+//! Workers lose nothing when killed: a stage reads its inputs without reporting them consumed
+//! (`consume_held`); the decode worker, whose assignment lists every payload of the request,
+//! releases them all once its result is reported; a stage whose input died with its p2p
+//! producer says so, and the orchestrator runs the producer stage again. The parent supervises
+//! the worker processes (a killed one is restarted), and `--chaos SECS` kills random workers.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -17,8 +22,8 @@ use tensorwire_core::Permissions;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_diffusion::{
-    Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
-    PayloadRef, StagePayload,
+    Chunking, ConnectorConfig, ConnectorError, ConsumerHint, DiffusionConnector, LeasePolicy, Mode,
+    PayloadKind, PayloadRef, StagePayload,
 };
 use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
@@ -30,6 +35,7 @@ use tensorwire_store::{RemoteStore, Store};
 use crate::demo::{DemoArgs, Split, embed_meta, fill, latent_meta, store_node, tcp_engine};
 use crate::profiles::Model;
 use crate::report::Summary;
+use crate::supervise::{Chaos, Slot, Supervisor};
 
 fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
@@ -84,7 +90,7 @@ async fn run_item(
             let refs = decode_refs(&a.inputs)?;
             let emb = refs.first().ok_or("denoise without an embedding")?;
             let dst = Arc::new(c.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
-            c.consume(emb, dst.clone(), 0, Some(&embed))?.all().await?;
+            c.consume_held(emb, dst.clone(), 0, Some(&embed))?.all().await?;
             if dst.to_vec(0, m.embed_bytes)? != fill(m.embed_bytes, a.request) {
                 return Err(format!("request {}: embedding bytes differ", a.request).into());
             }
@@ -109,7 +115,7 @@ async fn run_item(
             let lat = refs.first().ok_or("decode without a latent")?;
             let dst = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
             let chunks = m.chunks().map_or(1, |(_, n)| n);
-            let mut cons = c.consume(lat, dst.clone(), 0, Some(&latent))?;
+            let mut cons = c.consume_held(lat, dst.clone(), 0, Some(&latent))?;
             let mut first = true;
             while cons.next().await?.is_some() {
                 sleep(m.decode_ms / f64::from(chunks)).await;
@@ -161,74 +167,106 @@ pub(crate) async fn payload_worker(
     while let Some(a) = rx.recv().await {
         let (w, models, conn) = (w.clone(), models.clone(), conn.clone());
         tokio::spawn(async move {
+            if a.release_only {
+                return release(&conn, &a).await;
+            }
             let m = &models[(a.request as usize) % models.len()];
-            let r = run_item(&conn, m, &a, scale).await;
-            let _ = w.report_with(&a, r).await;
+            match run_item(&conn, m, &a, scale).await {
+                Err(e) if lost(&e) => {
+                    let _ = w.report_lost_input(&a, &e.to_string()).await;
+                }
+                Ok(out) => {
+                    let _ = w.report_with(&a, Ok::<_, String>(out)).await;
+                    if a.stage.next().is_none() {
+                        release(&conn, &a).await;
+                    }
+                }
+                Err(e) => {
+                    let _ = w.report_with(&a, Err::<Vec<u8>, _>(e)).await;
+                }
+            }
         });
     }
     Err(format!("the orchestrator at {orch} closed the connection"))
 }
 
-struct Proc(Child);
+/// Whether a stage failed because an input payload is gone for good.
+fn lost(e: &HandlerError) -> bool {
+    e.downcast_ref::<ConnectorError>().is_some_and(ConnectorError::is_payload_lost)
+}
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+/// The last stage's worker releases every payload of its request once its result is in (and
+/// any worker those of a failed request, when the orchestrator asks).
+async fn release(c: &DiffusionConnector, a: &Assignment) {
+    for blob in std::iter::once(&a.inputs).chain(&a.held) {
+        for r in decode_refs(blob).unwrap_or_default() {
+            if let Err(e) = c.release(&r).await {
+                eprintln!("worker: request {}: releasing a payload failed: {e}", a.request);
+            }
+        }
     }
 }
 
-/// The disaggregated run with worker processes.
+/// The disaggregated run with worker processes, supervised (and, with `--chaos`, killed at
+/// random once every worker has joined).
 pub(crate) async fn disaggregated(
     a: &DemoArgs,
     models: &[Model],
     split: Split,
 ) -> Result<Summary, String> {
     let (node_engine, store, node) = store_node().await?;
-    let cfg = ServiceConfig {
-        sched: SchedConfig { heartbeat_timeout: Duration::from_secs(10), ..SchedConfig::default() },
-        ..ServiceConfig::default()
+    // Under chaos a long denoise item may be killed a few times in a row: give it more tries
+    // (each death counts as one, the same as a failure, so a request that kills every worker
+    // it touches still ends).
+    let attempts = if a.chaos.is_some() { 5 } else { 3 };
+    let sched = SchedConfig {
+        heartbeat_timeout: Duration::from_secs(10),
+        max_attempts: attempts,
+        ..SchedConfig::default()
     };
+    let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
     let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
         .await
         .map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(4096);
-    let mut procs = Vec::new();
     let names = models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(",");
+    let (orch_addr, store_engine, store_rpc) =
+        (orch.addr().to_string(), node_engine.local_addr().to_string(), node.addr().to_string());
+    let mut slots = Vec::new();
     for (role, n) in
         [("encode", split.encode), ("denoise", split.denoise), ("decode", split.decode)]
     {
         for _ in 0..n {
-            let mut cmd = Command::new(&exe);
-            cmd.args(["worker", "--role", role, "--connect", &orch.addr().to_string()])
-                .args([
-                    "--store-engine",
-                    &node_engine.local_addr().to_string(),
-                    "--store",
-                    &node.addr().to_string(),
-                ])
-                .args(["--models", &names, "--time-scale", &a.time_scale.to_string()])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit());
-            if let Some(p) = &a.profiles {
-                cmd.arg("--profiles").arg(p);
-            }
-            let mut child = cmd.spawn().map_err(|e| format!("spawn a worker: {e}"))?;
-            let out = child.stdout.take().ok_or("worker stdout")?;
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for l in BufReader::new(out).lines().map_while(Result::ok) {
-                    if let Some(at) = l.find("@@") {
-                        let _ = tx.blocking_send(l[at + 2..].to_string());
-                    }
+            let args = [
+                "worker".to_string(),
+                "--role".into(),
+                role.into(),
+                "--connect".into(),
+                orch_addr.clone(),
+                "--store-engine".into(),
+                store_engine.clone(),
+                "--store".into(),
+                store_rpc.clone(),
+                "--models".into(),
+                names.clone(),
+                "--time-scale".into(),
+                a.time_scale.to_string(),
+            ];
+            let (exe, profiles) = (exe.clone(), a.profiles.clone());
+            slots.push(Slot::new(role, move || {
+                let mut cmd = Command::new(&exe);
+                cmd.args(&args).stderr(Stdio::inherit());
+                if let Some(p) = &profiles {
+                    cmd.arg("--profiles").arg(p);
                 }
-            });
-            procs.push(Proc(child));
+                cmd
+            }));
         }
     }
-    drop(tx);
-    let workers = (split.encode + split.denoise + split.decode) as usize;
+    let workers = slots.len();
+    let chaos = a.chaos.map(|s| Chaos { every: Duration::from_secs_f64(s), seed: a.seed });
+    let sup = Supervisor::start(slots, tx, chaos);
     let mut joined = 0;
     while joined < workers {
         match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
@@ -237,6 +275,7 @@ pub(crate) async fn disaggregated(
             _ => return Err(format!("only {joined} of {workers} worker processes joined")),
         }
     }
+    sup.unleash();
     let sub = SubmitClient::connect(orch.addr(), None).await.map_err(|e| e.to_string())?;
     let start = Instant::now();
     let t0 = now_us();
@@ -251,7 +290,7 @@ pub(crate) async fn disaggregated(
             tokio::spawn(async move {
                 match tokio::time::timeout(Duration::from_secs(600), o).await {
                     Ok(Ok(Ok(()))) => Ok((r, start.elapsed())),
-                    Ok(Ok(Err(e))) => Err(format!("request {r} failed: {e}")),
+                    Ok(Ok(Err(e))) => Err(e.to_string()),
                     _ => Err(format!("request {r}: no outcome")),
                 }
             })
@@ -259,11 +298,16 @@ pub(crate) async fn disaggregated(
         .collect();
     let mut e2e = Vec::new();
     let mut moved = 0u64;
+    let mut lost = Vec::new();
     for w in waits {
-        let (r, t) = w.await.map_err(|e| e.to_string())??;
-        e2e.push(t);
-        let m = &models[(r as usize) % models.len()];
-        moved += m.embed_bytes + m.latent_bytes;
+        match w.await.map_err(|e| e.to_string())? {
+            Ok((r, t)) => {
+                e2e.push(t);
+                let m = &models[(r as usize) % models.len()];
+                moved += m.embed_bytes + m.latent_bytes;
+            }
+            Err(e) => lost.push(e),
+        }
     }
     let elapsed = start.elapsed();
     let mut firsts: HashMap<u64, u64> = HashMap::new();
@@ -276,8 +320,45 @@ pub(crate) async fn disaggregated(
         }
     }
     let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
-    drop(procs);
-    let left = store.stats().await.map_err(|e| e.to_string())?;
+    // Releases follow results: give the last ones a moment to reach the store.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut left = store.stats().await.map_err(|e| e.to_string())?;
+    while left.objects > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left = store.stats().await.map_err(|e| e.to_string())?;
+    }
+    let report = sup.stop();
+    let st = orch.stats().await.map_err(|e| e.to_string())?;
+    let killed: u32 = report.killed.iter().map(|(_, n)| n).sum();
+    if a.chaos.is_some() || killed > 0 || report.restarts > 0 {
+        let by = report.killed.iter().fold(HashMap::<&str, u32>::new(), |mut m, (l, n)| {
+            *m.entry(l.as_str()).or_default() += n;
+            m
+        });
+        let by = ["encode", "denoise", "decode"]
+            .iter()
+            .map(|s| format!("{s} {}", by.get(s).copied().unwrap_or(0)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        println!(
+            "reliability: {killed} workers killed ({by}), {} restarted; requests completed {}, \
+             lost {}, duplicated {}; items re-queued {}, stages re-run after a lost input {} \
+             ({attempts} tries per stage); store objects left {}",
+            report.restarts,
+            e2e.len(),
+            lost.len(),
+            st.duplicated,
+            st.sched.requeued,
+            st.sched.reran,
+            left.objects
+        );
+    }
+    if let Some(first) = lost.first() {
+        return Err(format!("{} of {} requests lost; first: {first}", lost.len(), a.requests));
+    }
+    if st.duplicated > 0 {
+        return Err(format!("{} stage results were accepted twice", st.duplicated));
+    }
     Ok(Summary {
         requests: a.requests,
         elapsed,

@@ -13,7 +13,7 @@ use tensorwire_benches::rng::Rng;
 use tensorwire_orchestrator::sched::{
     AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Submit, WorkerId,
 };
-use tensorwire_orchestrator::{Driver, Priority, Stage};
+use tensorwire_orchestrator::{Driver, Priority, Stage, StageResult};
 
 use crate::demo::{Split, auto_split, parse_split};
 use crate::profiles::{self, Model};
@@ -126,13 +126,11 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
                 let _ = d.submit(s, at, at);
             }
             Some((key, w)) => {
-                d.result(w, key, Ok(Vec::new()), at);
+                d.result(w, key, StageResult::Done(Vec::new()), at);
             }
         }
-        for (_, arrival) in d.take_outcomes() {
-            if let Some(t0) = arrival {
-                e2e.push(now - t0);
-            }
+        for t0 in d.take_outcomes().into_iter().filter_map(|e| e.waiter) {
+            e2e.push(now - t0);
         }
         for x in d.dispatch(now) {
             let k = x.dispatch.item.key;

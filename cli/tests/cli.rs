@@ -32,6 +32,19 @@ fn short_demo_with_worker_processes() {
 }
 
 #[test]
+fn chaos_demo_loses_nothing() {
+    // Worker processes killed with SIGKILL about every second and restarted by the demo's
+    // supervisor: every request completes once and the store ends empty (the demo exits with
+    // an error otherwise).
+    let args = ["demo", "--processes", "--requests", "24", "--time-scale", "0.02"];
+    let (ok, out, err) = tensorwire(&[&args[..], &["--chaos", "1", "--seed", "7"]].concat());
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("lost 0, duplicated 0"), "{out}");
+    assert!(out.contains("store objects left 0"), "{out}");
+    assert!(out.contains("restarted"), "{out}");
+}
+
+#[test]
 fn short_simulation_reports_the_best_split() {
     let (ok, out, err) = tensorwire(&["simulate", "--requests", "2000", "--gpus", "5"]);
     assert!(ok, "{out}\n{err}");
@@ -52,6 +65,7 @@ fn bad_input_is_one_clear_line() {
         ),
         (vec!["demo".into(), "--profiles".into(), "/nonexistent/x.toml".into()], "cannot read"),
         (vec!["demo".into(), "--split".into(), "1:1".into()], "expected three numbers"),
+        (vec!["demo".into(), "--chaos".into(), "1".into()], "needs --processes"),
         (vec!["simulate".into(), "--model".into(), "nope".into()], "unknown model"),
         (vec!["simulate".into(), "--policy".into(), "random".into()], "--policy"),
     ];

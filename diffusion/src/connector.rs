@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 use tensorwire_core::{
     ByteRange, ChunkPlan, Engine, EngineId, Region, Session, TensorMeta, TransferHandle, TransferOp,
 };
-use tensorwire_store::{Retention, Store};
+use tensorwire_store::{Retention, Store, StoreError};
 use tokio::sync::mpsc;
 
 use crate::control::Control;
@@ -253,13 +253,77 @@ impl DiffusionConnector {
     }
 
     /// Fetches a payload into `dst` at `offset`, yielding a view per chunk as it lands. With
-    /// `expect`, the payload's dtype and shape must match it.
+    /// `expect`, the payload's dtype and shape must match it. Once every chunk has landed the
+    /// payload is reported consumed (a `DeleteOnConsume` lease counts this consumer).
     pub fn consume(
         &self,
         r: &PayloadRef,
         dst: Arc<Region>,
         offset: u64,
         expect: Option<&TensorMeta>,
+    ) -> Result<Consumption> {
+        self.fetch(r, dst, offset, expect, true)
+    }
+
+    /// [`DiffusionConnector::consume`] without the report: the payload stays as it was (a
+    /// `DeleteOnConsume` payload stays for another consumer) until [`DiffusionConnector::release`].
+    /// A stage worker consumes its inputs this way and releases them once its result is
+    /// committed, so a worker that dies mid-stage leaves its inputs for the retry.
+    pub fn consume_held(
+        &self,
+        r: &PayloadRef,
+        dst: Arc<Region>,
+        offset: u64,
+        expect: Option<&TensorMeta>,
+    ) -> Result<Consumption> {
+        self.fetch(r, dst, offset, expect, false)
+    }
+
+    /// Reports `r` consumed, as [`DiffusionConnector::consume`] does when its last chunk lands:
+    /// a `DeleteOnConsume` lease counts one consumer (other policies end on their own). Any
+    /// holder of the reference may release it, whether or not this connector read it. Releasing
+    /// a payload that is gone already (released, expired, or its p2p producer died) is not an
+    /// error.
+    pub async fn release(&self, r: &PayloadRef) -> Result<()> {
+        if !matches!(r.lease, LeasePolicy::DeleteOnConsume { .. }) {
+            return Ok(());
+        }
+        match &r.source {
+            Source::Store { key } => {
+                let store = self.inner.store.as_ref().ok_or_else(|| {
+                    ConnectorError::InvalidArgument("a store payload without a store".into())
+                })?;
+                match store.consumed(key).await {
+                    Ok(_) | Err(StoreError::NotFound { .. }) => {} // released already, or expired
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Source::P2p { addr, payload, region, .. } => {
+                let s = match session_to(&self.inner, *addr).await {
+                    Ok(s) if s.peer() == region.engine => s,
+                    _ => return Ok(()), // the producer, and its payload, are gone
+                };
+                // Only a subscriber's report counts; subscribing again is harmless.
+                for c in [
+                    Control::Subscribe { payload: *payload },
+                    Control::Consumed { payload: *payload },
+                ] {
+                    if s.notify(Bytes::from(c.encode())).await.is_err() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fetch(
+        &self,
+        r: &PayloadRef,
+        dst: Arc<Region>,
+        offset: u64,
+        expect: Option<&TensorMeta>,
+        report: bool,
     ) -> Result<Consumption> {
         if let Some(e) = expect {
             if e.dtype != r.meta.dtype || e.shape != r.meta.shape {
@@ -277,8 +341,8 @@ impl DiffusionConnector {
         let task = tokio::spawn(async move {
             let at = Destination { region: &dst, offset, plan: &plan };
             let out = match &r.source {
-                Source::P2p { .. } => consume_p2p(&inner, &r, at, &tx).await,
-                Source::Store { key } => consume_store(&inner, &r, key, at, &tx).await,
+                Source::P2p { .. } => consume_p2p(&inner, &r, at, &tx, report).await,
+                Source::Store { key } => consume_store(&inner, &r, key, at, &tx, report).await,
             };
             if let Err(e) = out {
                 let _ = tx.send(Err(e)).await;
@@ -574,6 +638,7 @@ async fn consume_p2p(
     r: &PayloadRef,
     dst: Destination<'_>,
     out: &mpsc::Sender<Result<ChunkView>>,
+    report: bool,
 ) -> Result<()> {
     let Source::P2p { addr, payload, region: ref remote, offset: src_base } = r.source else {
         return Err(ConnectorError::Internal("not a p2p payload".into()));
@@ -622,6 +687,7 @@ async fn consume_p2p(
                 }
                 // Every view is out; the lease moves on once the producer knows (before the
                 // stream ends, so a consume that follows sees the payload consumed).
+                FetchStep::Report if !report => return Ok(()),
                 FetchStep::Report => {
                     let bytes = Bytes::from(Control::Consumed { payload }.encode());
                     return s.notify(bytes).await.map_err(ConnectorError::from_producer);
@@ -673,6 +739,7 @@ async fn consume_store(
     key: &[u8],
     dst: Destination<'_>,
     out: &mpsc::Sender<Result<ChunkView>>,
+    report: bool,
 ) -> Result<()> {
     let store = inner
         .store
@@ -709,7 +776,7 @@ async fn consume_store(
             break;
         }
     }
-    if let LeasePolicy::DeleteOnConsume { .. } = r.lease {
+    if report && matches!(r.lease, LeasePolicy::DeleteOnConsume { .. }) {
         store.consumed(key).await?;
     }
     Ok(())

@@ -102,6 +102,18 @@ impl From<StoreError> for ConnectorError {
 }
 
 impl ConnectorError {
+    /// The payload is gone for good (its producer died, its lease ended, the store does not
+    /// have it): retrying the consume cannot help, only producing it again can.
+    pub fn is_payload_lost(&self) -> bool {
+        matches!(
+            self,
+            ConnectorError::ProducerGone(_)
+                | ConnectorError::Missing { .. }
+                | ConnectorError::LeaseEnded { .. }
+                | ConnectorError::Store(StoreError::NotFound { .. })
+        )
+    }
+
     /// A transfer from the producer failed: a dead or unresponsive producer is
     /// [`ConnectorError::ProducerGone`], anything else stays a transport error.
     pub(crate) fn from_producer(e: tensorwire_core::Error) -> Self {

@@ -270,3 +270,50 @@ async fn errors_are_distinct_and_bounded() {
     assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
     drop(p);
 }
+
+/// A stage worker that dies mid-stage leaves its input for the retry: `consume_held` reads
+/// without reporting, a second consumer (the retry, on another engine) reads the same bytes,
+/// and `release` (from a connector that never read it, too) ends the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_inputs_survive_until_released() {
+    let c = cluster(Mode::Auto, Duration::from_millis(300)).await;
+    let meta = TensorMeta::contiguous(DType::F32, &[4, 1024]);
+    let len = meta.nbytes().unwrap();
+    for p2p in [true, false] {
+        let src = Arc::new(c.denoise.engine().alloc(len, Permissions::READ).await.unwrap());
+        let data = fill(&src, 7);
+        let payload = StagePayload {
+            request: 3,
+            kind: PayloadKind::Latent,
+            region: src,
+            offset: 0,
+            meta: meta.clone(),
+            chunking: None,
+            lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
+        };
+        let mut p = c.denoise.publish(payload, p2p.then_some(ConsumerHint { credit: 1 })).unwrap();
+        if !p2p {
+            p.stored().await.unwrap();
+        }
+        let r = p.reference.clone();
+        for reader in [&c.decode, &c.encode] {
+            let dst = Arc::new(reader.engine().alloc(len, Permissions::NONE).await.unwrap());
+            reader.consume_held(&r, dst.clone(), 0, Some(&meta)).unwrap().all().await.unwrap();
+            assert!(dst.to_vec(0, len).unwrap() == data, "p2p {p2p}: bytes");
+        }
+        let stats = c.node_store.stats().await.unwrap();
+        assert_eq!((c.denoise.held(), stats.objects), (usize::from(p2p), u64::from(!p2p)));
+        // The releasing connector never read it (the orchestrator names who releases).
+        let releaser = &c.encode;
+        releaser.release(&r).await.unwrap();
+        releaser.release(&r).await.unwrap(); // twice: harmless
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while c.denoise.held() + c.node_store.stats().await.unwrap().objects as usize > 0 {
+            assert!(std::time::Instant::now() < deadline, "p2p {p2p}: still held after release");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let dst = Arc::new(c.decode.engine().alloc(len, Permissions::NONE).await.unwrap());
+        let e = c.decode.consume(&r, dst, 0, Some(&meta)).unwrap().all().await.unwrap_err();
+        assert!(e.is_payload_lost(), "p2p {p2p}: {e}");
+    }
+}

@@ -17,7 +17,7 @@ use tensorwire_core::{
 };
 use tensorwire_diffusion::control::{Control, Gone};
 use tensorwire_diffusion::{Chunking, LeasePolicy, PayloadKind, PayloadRef, Source};
-use tensorwire_orchestrator::service::wire::{FRAMING, Msg, Role};
+use tensorwire_orchestrator::service::wire::{Ending, FRAMING, MAX_HELD, Msg, Role};
 use tensorwire_orchestrator::{Affinity, Priority, QueueMessage, Stage};
 use tensorwire_store::MAX_KEY;
 use tensorwire_store::rpc::{Request, Response};
@@ -194,7 +194,10 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         let n = u.int_in_range(0..=64usize)?;
         Ok(u.bytes(n)?.to_vec())
     };
-    let m = match u.int_in_range(0..=8u8)? {
+    let held = |u: &mut Unstructured<'_>| -> Result<Vec<Vec<u8>>> {
+        (0..u.int_in_range(0..=MAX_HELD)?).map(|_| data(u)).collect()
+    };
+    let m = match u.int_in_range(0..=9u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -209,13 +212,17 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         2 => Msg::Welcome { worker: u.arbitrary()? },
         3 => Msg::Heartbeat,
         4 => Msg::Credit { slots: u.arbitrary()? },
-        5 => {
-            Msg::Assign { request: u.arbitrary()?, stage, attempt: u.arbitrary()?, data: data(u)? }
-        }
+        5 => Msg::Assign {
+            request: u.arbitrary()?,
+            stage,
+            attempt: u.arbitrary()?,
+            data: data(u)?,
+            held: held(u)?,
+        },
         6 => Msg::Result {
             request: u.arbitrary()?,
             stage,
-            ok: u.arbitrary()?,
+            ending: *u.choose(&[Ending::Failed, Ending::Done, Ending::LostInput])?,
             reason: short(u)?,
             data: data(u)?,
         },
@@ -224,7 +231,8 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
             priority: if u.arbitrary()? { Priority::Interactive } else { Priority::Batch },
             deadline_ms: u.arbitrary()?,
         },
-        _ => Msg::Outcome { request: u.arbitrary()?, ok: u.arbitrary()?, reason: short(u)? },
+        8 => Msg::Outcome { request: u.arbitrary()?, ok: u.arbitrary()?, reason: short(u)? },
+        _ => Msg::Release { request: u.arbitrary()?, held: held(u)? },
     };
     let frame = m.encode().expect("a message within bounds fits a frame");
     let (kind, body) = FRAMING.decode(&frame).expect("own frame decodes");

@@ -4,6 +4,12 @@
 //! request (`R`), the outputs a stage reported (the next stage's inputs), per-stage busy time,
 //! and the metrics. Time is passed in; it does no IO. Each caller only moves events in and acts
 //! on what comes out ([`Driver::dispatch`], [`Driver::take_outcomes`]).
+//!
+//! Inputs outlive failures: every output a request's stages reported is kept until the request
+//! ends, and the last stage's assignment lists them (`inputs` and `held`) so that its worker
+//! releases them all once its result is in. A worker that dies at any stage before that finds
+//! its inputs where they were when the item is re-queued, and a stage whose p2p output died
+//! with its producer can run again from its own inputs (see [`StageResult::LostInput`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -31,6 +37,9 @@ pub struct OrchestratorStats {
     pub slots: [u32; 3],
     /// Time since start.
     pub elapsed: Duration,
+    /// Results accepted for a stage that had already been accepted for the same request, with
+    /// no lost input since (a stage run twice): 0 unless something is wrong.
+    pub duplicated: u64,
 }
 
 /// The clock of a driver loop: time since the loop started, and a tick so the scheduler's timers
@@ -70,6 +79,33 @@ pub struct Assignment<'a, W> {
     pub worker: &'a W,
     /// What the previous stage reported for this request (empty for the first stage).
     pub inputs: &'a [u8],
+    /// For the last stage: every other output the request's stages reported (earlier stages',
+    /// and outputs replaced by a re-run), which its worker releases with `inputs` once its result
+    /// is in. Empty for other stages.
+    pub held: Vec<&'a [u8]>,
+}
+
+/// A request that ended.
+#[derive(Debug)]
+pub struct Ended<R> {
+    /// How.
+    pub outcome: Outcome,
+    /// Who waits for it.
+    pub waiter: Option<R>,
+    /// A failed request's stage outputs, which nothing will consume (empty otherwise).
+    pub orphans: Vec<Vec<u8>>,
+}
+
+/// How a worker ended an item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StageResult {
+    /// It finished; its outputs (the next stage's inputs).
+    Done(Vec<u8>),
+    /// It failed; re-queued with the next attempt (up to the limit).
+    Failed(String),
+    /// Its input is gone (the producer of a p2p payload died after its result was accepted):
+    /// the stage before runs again.
+    LostInput(String),
 }
 
 /// The scheduler with its bookkeeping.
@@ -77,8 +113,12 @@ pub struct Driver<W, R> {
     sched: Scheduler,
     workers: HashMap<WorkerId, W>,
     waiting: HashMap<u64, R>,
-    outputs: HashMap<u64, Vec<u8>>,
+    /// Per request, every output its stages reported, in order.
+    outputs: HashMap<u64, Vec<(Stage, Vec<u8>)>>,
     started: HashMap<ItemKey, Duration>,
+    /// Per request, the stages whose result stands (a lost input clears the stage before).
+    accepted: HashMap<u64, [bool; 3]>,
+    duplicated: u64,
     busy: [Duration; 3],
     next_worker: u64,
 }
@@ -102,6 +142,8 @@ impl<W, R> Driver<W, R> {
             waiting: HashMap::new(),
             outputs: HashMap::new(),
             started: HashMap::new(),
+            accepted: HashMap::new(),
+            duplicated: 0,
             busy: [Duration::ZERO; 3],
             next_worker: 0,
         }
@@ -164,24 +206,36 @@ impl<W, R> Driver<W, R> {
         Ok(())
     }
 
-    /// A worker ended an item: `Ok(outputs)` (the next stage's inputs) or `Err(reason)`, which
-    /// re-queues it. Returns false when the result was ignored (a late or foreign result).
+    /// A worker ended an item. Returns false when the result was ignored (a late or foreign
+    /// result).
     pub fn result(
         &mut self,
         worker: WorkerId,
         key: ItemKey,
-        result: Result<Vec<u8>, String>,
+        result: StageResult,
         now: Duration,
     ) -> bool {
         let accepted = match result {
-            Ok(outputs) => {
+            StageResult::Done(outputs) => {
                 let accepted = self.sched.finished(key, worker, now);
-                if accepted {
-                    self.outputs.insert(key.request, outputs);
+                if accepted && !outputs.is_empty() {
+                    self.outputs.entry(key.request).or_default().push((key.stage, outputs));
+                }
+                if accepted && self.sched.in_flight_request(key.request) {
+                    let done = self.accepted.entry(key.request).or_default();
+                    self.duplicated += u64::from(done[key.stage.index()]);
+                    done[key.stage.index()] = true;
                 }
                 accepted
             }
-            Err(reason) => self.sched.failed(key, worker, &reason, now),
+            StageResult::Failed(reason) => self.sched.failed(key, worker, &reason, now),
+            StageResult::LostInput(reason) => {
+                let accepted = self.sched.lost_input(key, worker, &reason, now);
+                if let (true, Some(p)) = (accepted, key.stage.prev()) {
+                    self.accepted.entry(key.request).or_default()[p.index()] = false;
+                }
+                accepted
+            }
         };
         if let Some(t) = accepted.then(|| self.started.remove(&key)).flatten() {
             self.busy[key.stage.index()] += now.saturating_sub(t);
@@ -204,23 +258,50 @@ impl<W, R> Driver<W, R> {
             .into_iter()
             .filter_map(|d| {
                 let worker = self.workers.get(&d.worker)?;
-                let inputs = self.outputs.get(&d.item.key.request).map_or(&[][..], Vec::as_slice);
-                Some(Assignment { dispatch: d, worker, inputs })
+                let key = d.item.key;
+                let outs = self.outputs.get(&key.request).map_or(&[][..], Vec::as_slice);
+                // The latest output of the stage before (a re-run replaces an earlier one).
+                let from = key.stage.prev().and_then(|p| outs.iter().rposition(|(s, _)| *s == p));
+                let inputs = from.map_or(&[][..], |i| outs[i].1.as_slice());
+                let held = match key.stage.next() {
+                    Some(_) => Vec::new(),
+                    None => outs
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| Some(*i) != from)
+                        .map(|(_, (_, o))| o.as_slice())
+                        .collect(),
+                };
+                Some(Assignment { dispatch: d, worker, inputs, held })
             })
             .collect()
     }
 
-    /// Requests that ended since the last call, each with its waiter.
-    pub fn take_outcomes(&mut self) -> Vec<(Outcome, Option<R>)> {
+    /// Requests that ended since the last call, each with its waiter and, for a failed request,
+    /// the outputs its stages reported (nobody will consume them: release them). A completed
+    /// request's outputs were listed in its last stage's assignment instead.
+    pub fn take_outcomes(&mut self) -> Vec<Ended<R>> {
         self.sched
             .take_outcomes()
             .into_iter()
-            .map(|o| {
-                let r = o.request();
-                self.outputs.remove(&r);
-                (o, self.waiting.remove(&r))
+            .map(|outcome| {
+                let r = outcome.request();
+                let outputs = self.outputs.remove(&r).unwrap_or_default();
+                self.accepted.remove(&r);
+                let orphans = match outcome {
+                    Outcome::Failed { .. } => outputs.into_iter().map(|(_, o)| o).collect(),
+                    Outcome::Completed { .. } => Vec::new(),
+                };
+                Ended { outcome, waiter: self.waiting.remove(&r), orphans }
             })
             .collect()
+    }
+
+    /// The endpoint of some live worker, preferring `stage`'s (to hand it orphans to release).
+    pub fn some_worker(&self, stage: Stage) -> Option<&W> {
+        let of =
+            |s: Stage| self.workers.iter().find(|(id, _)| self.sched.stage_of(**id) == Some(s));
+        of(stage).or_else(|| self.workers.iter().next()).map(|(_, w)| w)
     }
 
     /// A snapshot at `now` (time since the driver's epoch).
@@ -229,6 +310,7 @@ impl<W, R> Driver<W, R> {
             sched: self.sched.stats(),
             busy: self.busy,
             elapsed: now,
+            duplicated: self.duplicated,
             ..OrchestratorStats::default()
         };
         for stage in Stage::ALL {
@@ -275,22 +357,47 @@ mod tests {
         let a = d.dispatch(t(1));
         assert_eq!((a.len(), *a[0].worker, a[0].inputs), (1, "enc", &[][..]));
         let key = a[0].dispatch.item.key;
-        assert!(!d.result(WorkerId(99), key, Ok(vec![]), t(2)), "a foreign result is ignored");
-        assert!(d.result(enc, key, Ok(b"embedding ref".to_vec()), t(5)));
+        assert!(
+            !d.result(WorkerId(99), key, StageResult::Done(vec![]), t(2)),
+            "a foreign result is ignored"
+        );
+        assert!(d.result(enc, key, StageResult::Done(b"embedding ref".to_vec()), t(5)));
         let a = d.dispatch(t(6));
         assert_eq!((*a[0].worker, a[0].inputs), ("den", &b"embedding ref"[..]));
         let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
-        d.result(w, key, Err("oom".into()), t(7));
+        d.result(w, key, StageResult::Failed("oom".into()), t(7));
         let a = d.dispatch(t(8));
         assert_eq!(a[0].dispatch.item.attempt, 2, "a failed item is re-queued");
         let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
-        d.result(w, key, Ok(b"latent ref".to_vec()), t(9));
+        d.result(w, key, StageResult::Done(b"latent ref".to_vec()), t(9));
         let a = d.dispatch(t(10));
+        assert_eq!(
+            (a[0].inputs, &a[0].held[..]),
+            (&b"latent ref"[..], &[&b"embedding ref"[..]][..])
+        );
         let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
-        d.result(w, key, Ok(vec![]), t(12));
+        // The latent died with its producer: denoise runs again from the embedding.
+        d.result(w, key, StageResult::LostInput("producer gone".into()), t(10));
+        let a = d.dispatch(t(10));
+        assert_eq!(
+            (a[0].dispatch.item.key.stage, a[0].inputs),
+            (Stage::Denoise, &b"embedding ref"[..])
+        );
+        assert!(a[0].held.is_empty(), "only the last stage releases");
+        let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        d.result(w, key, StageResult::Done(b"latent ref 2".to_vec()), t(10));
+        let a = d.dispatch(t(10));
+        let held: Vec<&[u8]> = vec![b"embedding ref", b"latent ref"];
+        assert_eq!((a[0].inputs, a[0].held.clone()), (&b"latent ref 2"[..], held));
+        let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        d.result(w, key, StageResult::Done(vec![]), t(12));
         let out = d.take_outcomes();
         assert_eq!(out.len(), 1);
-        assert_eq!(out[0], (Outcome::Completed { request: 7 }, Some(70)));
+        assert_eq!(
+            (&out[0].outcome, out[0].waiter),
+            (&Outcome::Completed { request: 7 }, Some(70))
+        );
+        assert!(out[0].orphans.is_empty(), "the last stage released them");
         let st = d.stats(t(12));
         assert_eq!(st.busy[Stage::Encode.index()], t(4));
         assert_eq!(st.sched.completed, 1);

@@ -35,7 +35,7 @@ pub mod sched;
 pub mod service;
 mod stage;
 
-pub use driver::{Assignment, Driver, OrchestratorStats};
+pub use driver::{Assignment, Driver, Ended, OrchestratorStats, StageResult};
 pub use error::{OrchestratorError, Result};
 pub use library::{HandlerError, Orchestrator, StageHandler, Work};
 pub use queue::{Affinity, Priority, QueueMessage};

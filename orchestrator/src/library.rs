@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::Stage;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::driver::{Driver, OrchestratorStats, Ticker};
+use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
 
@@ -149,7 +149,11 @@ async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::Weak
                 }
             }
             Some(Event::Done { key, worker, result }) => {
-                d.result(worker, key, result.map(|()| Vec::new()), now);
+                let result = match result {
+                    Ok(()) => StageResult::Done(Vec::new()),
+                    Err(e) => StageResult::Failed(e),
+                };
+                d.result(worker, key, result, now);
             }
             Some(Event::Stats { reply }) => {
                 let _ = reply.send(d.stats(now));
@@ -172,9 +176,9 @@ async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::Weak
                 let _ = tx.send(Event::Done { key: item.key, worker, result }).await;
             });
         }
-        for (o, waiter) in d.take_outcomes() {
-            if let Some(w) = waiter {
-                let _ = w.send(o);
+        for e in d.take_outcomes() {
+            if let Some(w) = e.waiter {
+                let _ = w.send(e.outcome);
             }
         }
         d.publish_metrics();

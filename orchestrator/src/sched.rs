@@ -14,6 +14,10 @@
 //!   items are re-queued with attempt + 1 (inputs are still in the store); after `max_attempts`
 //!   the request fails with the reason. A result from a worker that no longer holds the item (it
 //!   was declared dead, or the item was re-queued) is ignored, never delivered twice.
+//! - Lost inputs: a worker that finds its input gone (the p2p producer died after its result was
+//!   accepted) says so, and the stage before runs again: stages are idempotent given their
+//!   inputs, and inputs are released only when the request ends (see the driver), so that
+//!   stage's own inputs are still there. At most `max_attempts` such re-runs per request.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
@@ -228,6 +232,8 @@ pub struct SchedStats {
     pub failed: u64,
     /// Workers declared dead.
     pub dead_workers: u64,
+    /// Stages run again because the next stage found their output gone.
+    pub reran: u64,
 }
 
 type QKey = (u8, Duration, u64);
@@ -246,7 +252,8 @@ pub struct Scheduler {
     queues: HashMap<Stage, StageQueue>,
     workers: BTreeMap<WorkerId, Worker>,
     running: HashMap<ItemKey, (WorkerId, Item)>,
-    live: HashMap<u64, ()>,
+    /// Requests not yet ended, with the re-runs each has had.
+    live: HashMap<u64, u32>,
     outcomes: Vec<Outcome>,
     seq: u64,
     stats: SchedStats,
@@ -341,6 +348,16 @@ impl Scheduler {
         self.live.len()
     }
 
+    /// The stage of a live worker.
+    pub fn stage_of(&self, id: WorkerId) -> Option<Stage> {
+        self.workers.get(&id).map(|w| w.stage)
+    }
+
+    /// Whether `request` is in flight (submitted, not yet ended).
+    pub fn in_flight_request(&self, request: u64) -> bool {
+        self.live.contains_key(&request)
+    }
+
     /// Drains the requests that ended since the last call.
     pub fn take_outcomes(&mut self) -> Vec<Outcome> {
         std::mem::take(&mut self.outcomes)
@@ -363,7 +380,7 @@ impl Scheduler {
         if self.live.contains_key(&s.request) {
             return false;
         }
-        self.live.insert(s.request, ());
+        self.live.insert(s.request, 0);
         let item = Item {
             key: ItemKey { request: s.request, stage: Stage::Encode },
             priority: s.priority,
@@ -481,6 +498,32 @@ impl Scheduler {
     pub fn failed(&mut self, key: ItemKey, worker: WorkerId, reason: &str, now: Duration) -> bool {
         let Some(item) = self.release(key, worker) else { return false };
         self.retry(item, now, reason);
+        true
+    }
+
+    /// `worker` could not run `key` because its input is gone (its producer died after its result
+    /// was accepted): the stage before runs again, or, for the first stage or past
+    /// `max_attempts` re-runs, this is a failure like [`Scheduler::failed`]. Returns false when
+    /// the report was ignored.
+    pub fn lost_input(
+        &mut self,
+        key: ItemKey,
+        worker: WorkerId,
+        reason: &str,
+        now: Duration,
+    ) -> bool {
+        let Some(item) = self.release(key, worker) else { return false };
+        let reruns = self.live.get(&key.request).copied().unwrap_or(0);
+        match key.stage.prev() {
+            Some(stage) if reruns < self.cfg.max_attempts => {
+                self.live.insert(key.request, reruns + 1);
+                self.stats.reran += 1;
+                let again =
+                    Item { key: ItemKey { request: key.request, stage }, attempt: 1, ..item };
+                self.enqueue(again, now);
+            }
+            _ => self.retry(item, now, &format!("input lost: {reason}")),
+        }
         true
     }
 
@@ -726,6 +769,50 @@ mod tests {
     }
 
     #[test]
+    fn a_lost_input_runs_the_stage_before_again() {
+        let mut s = sched();
+        for (id, st) in [(1, Stage::Encode), (2, Stage::Denoise), (3, Stage::Decode)] {
+            s.join(WorkerId(id), st, 1, "h", vec![], ms(0));
+        }
+        submit(&mut s, 1, Priority::Batch, ms(0));
+        for t in 1..3 {
+            let d = s.dispatch(ms(t)).remove(0);
+            assert!(s.finished(d.item.key, d.worker, ms(t)));
+        }
+        // The denoise worker's latent is gone: decode says so, and denoise runs again.
+        let dec = s.dispatch(ms(3)).remove(0);
+        assert_eq!(dec.item.key.stage, Stage::Decode);
+        assert!(s.lost_input(dec.item.key, dec.worker, "producer gone", ms(3)));
+        assert!(!s.lost_input(dec.item.key, dec.worker, "again", ms(3)), "reported once");
+        let den = s.dispatch(ms(4)).remove(0);
+        assert_eq!((den.item.key.stage, den.item.attempt), (Stage::Denoise, 1));
+        assert_eq!(s.stats().reran, 1);
+        assert!(s.finished(den.item.key, den.worker, ms(5)));
+        let dec = s.dispatch(ms(6)).remove(0);
+        assert!(s.finished(dec.item.key, dec.worker, ms(7)));
+        assert_eq!(s.take_outcomes(), vec![Outcome::Completed { request: 1 }]);
+        // Past max_attempts re-runs, a lost input counts as a failure of the stage itself.
+        submit(&mut s, 2, Priority::Batch, ms(10));
+        let mut t = 10;
+        let reason = loop {
+            t += 1;
+            let Some(d) = s.dispatch(ms(t)).pop() else {
+                break s.take_outcomes();
+            };
+            if d.item.key.stage == Stage::Decode {
+                s.lost_input(d.item.key, d.worker, "producer gone", ms(t));
+            } else {
+                s.finished(d.item.key, d.worker, ms(t));
+            }
+        };
+        assert!(
+            matches!(&reason[..], [Outcome::Failed { request: 2, reason }] if reason.contains("input lost")),
+            "{reason:?}"
+        );
+        assert_eq!(s.stats().reran, 1 + 3);
+    }
+
+    #[test]
     fn affinity_prefers_host_then_label() {
         let mut p = AffinityFirst;
         let item = Item {
@@ -750,7 +837,8 @@ mod tests {
     }
 
     proptest! {
-        /// Random joins, deaths, heartbeats, credit changes, results and failures: a dispatch
+        /// Random joins, deaths, heartbeats, credit changes, results, failures and lost inputs
+        /// (which re-run the stage before): a dispatch
         /// never takes a worker past its credit (busy <= slots, except for a worker whose credit
         /// was lowered below what it already runs), no item runs twice, nothing is lost, and
         /// every request ends exactly once.
@@ -771,9 +859,13 @@ mod tests {
                     2 => s.join(WorkerId(a), stages[(a % 3) as usize], 1 + (b % 3) as u32, "h", vec![], now),
                     3 => s.leave(WorkerId(a), now),
                     4 => { for id in 0..6 { if id != a { s.heartbeat(WorkerId(id), now); } } }
-                    5 | 6 if !running.is_empty() => {
+                    5 | 6 | 8 if !running.is_empty() => {
                         let d = running.swap_remove((b as usize) % running.len());
-                        if op == 5 { s.finished(d.item.key, d.worker, now); } else { s.failed(d.item.key, d.worker, "x", now); }
+                        match op {
+                            5 => { s.finished(d.item.key, d.worker, now); }
+                            6 => { s.failed(d.item.key, d.worker, "x", now); }
+                            _ => { s.lost_input(d.item.key, d.worker, "producer died", now); }
+                        }
                     }
                     7 => s.credit(WorkerId(a), (b % 4) as u32, now),
                     _ => {}

@@ -41,6 +41,11 @@ impl Stage {
         Stage::ALL.get(self.index() + 1).copied()
     }
 
+    /// The stage before this one, if any (the producer of this stage's inputs).
+    pub fn prev(self) -> Option<Stage> {
+        self.index().checked_sub(1).map(|i| Stage::ALL[i])
+    }
+
     /// Appends the wire tag (the index).
     pub fn encode(self, w: &mut Writer) {
         w.u8(self.index() as u8);

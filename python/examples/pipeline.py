@@ -50,7 +50,7 @@ def worker(stage: str, orch: str, store: dict) -> None:
     def denoise(a: tw.Assignment) -> bytes:
         src = PayloadHandle.from_bytes(a.inputs)
         e = np.empty(src.shape, dtype=src.dtype)
-        for _ in conn.consume(src, e):
+        for _ in conn.consume(src, e, hold=True):  # released by decode, once the request is done
             pass
         assert np.array_equal(e, embedding(a.request)), "embedding bytes differ"
         x = latent(a.request)
@@ -65,14 +65,15 @@ def worker(stage: str, orch: str, store: dict) -> None:
         src = PayloadHandle.from_bytes(a.inputs)
         dst = np.empty(src.shape, dtype=src.dtype)
         frames = 0
-        for chunk in conn.consume(src, dst):  # each chunk a view of dst, decoded as it lands
+        for chunk in conn.consume(src, dst, hold=True):  # each chunk a view of dst, decoded as it lands
             frames += chunk.shape[1]
         if frames != LATENT[1] or not np.array_equal(dst, latent(a.request)):
             raise RuntimeError(f"request {a.request}: latent bytes differ")
         return b"ok"
 
     handler = {"encode": encode, "denoise": denoise, "decode": decode}[stage]
-    serve_stage(orch, stage, handler)
+    # Inputs are held until the request completes, so a killed worker's item finds them again.
+    serve_stage(orch, stage, handler, release=conn.release)
 
 
 def main() -> int:
@@ -104,6 +105,11 @@ def main() -> int:
         for o in outcomes:
             o.wait(timeout=args.timeout)
         took = time.time() - start
+        # The decode worker releases a request's payloads just after reporting it: give the
+        # last releases a moment to land.
+        deadline = time.time() + 5
+        while store.stats()["objects"] and time.time() < deadline:
+            time.sleep(0.02)
         left = store.stats()["objects"]
         print(f"{args.requests} requests through encode -> denoise -> decode in {took:.2f} s; "
               f"every byte checked; store objects left: {left}")

@@ -166,13 +166,15 @@ impl Connector {
 
     /// Consumes the payload of `handle` into `dst` (a writable, contiguous tensor of the
     /// payload's dtype and shape, host memory). Returns a `Consumption` yielding the chunks as
-    /// they land.
-    #[pyo3(signature = (handle, dst, *, timeout = 30.0))]
+    /// they land. With `hold`, the payload is not reported consumed (it stays for a retry)
+    /// until `release(handle)`.
+    #[pyo3(signature = (handle, dst, *, hold = false, timeout = 30.0))]
     fn consume(
         &self,
         py: Python<'_>,
         handle: &[u8],
         dst: &Bound<'_, PyAny>,
+        hold: bool,
         timeout: f64,
     ) -> PyResult<Consumption> {
         let r = self::handle(handle).raise(py)?;
@@ -190,9 +192,26 @@ impl Connector {
         let dim = r.chunking.map(|c| c.dim);
         let inner = wait(py, seconds(timeout).raise(py)?, "starting a consume", async move {
             let region = Arc::new(t.register(conn.engine(), Permissions::NONE).await?);
-            Ok(conn.consume(&r, region, 0, Some(&expect))?)
+            Ok(match hold {
+                true => conn.consume_held(&r, region, 0, Some(&expect))?,
+                false => conn.consume(&r, region, 0, Some(&expect))?,
+            })
         })?;
         Ok(Consumption { inner: tokio::sync::Mutex::new(inner), chunks, dim })
+    }
+
+    /// Reports the payload of `handle` consumed (the end of a `hold` consume, once the work
+    /// that used it is committed). A producer that is gone is not an error.
+    #[pyo3(signature = (handle, *, timeout = 30.0))]
+    fn release(&self, py: Python<'_>, handle: &[u8], timeout: f64) -> PyResult<()> {
+        let r = self::handle(handle).raise(py)?;
+        let conn = self.inner.clone();
+        wait(
+            py,
+            seconds(timeout).raise(py)?,
+            "a release",
+            async move { Ok(conn.release(&r).await?) },
+        )
     }
 
     /// Drops a publication before its lease ends (its consumers then see the producer gone).

@@ -101,6 +101,18 @@ impl Assignment {
     fn inputs<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.inner.inputs)
     }
+    /// Last stage only: the request's other outputs (earlier stages', or ones a re-run
+    /// replaced); release them with `inputs` once the result is reported.
+    #[getter]
+    fn held<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        self.inner.held.iter().map(|h| PyBytes::new(py, h)).collect()
+    }
+    /// True when there is nothing to run or report: the request failed, and `held` are its
+    /// payloads that nobody will consume (release them).
+    #[getter]
+    fn release_only(&self) -> bool {
+        self.inner.release_only
+    }
 }
 
 /// A stage worker joined to the orchestrator; heartbeats go out in the background.
@@ -159,23 +171,31 @@ impl Worker {
     }
 
     /// Reports the end of `assignment`: its `outputs` go to the next stage, or `error` (a reason)
-    /// re-queues it.
-    #[pyo3(signature = (assignment, outputs = None, *, error = None, timeout = 30.0))]
+    /// re-queues it; with `input_lost`, the error says its input is gone for good (its producer
+    /// died) and the stage before runs again instead.
+    #[pyo3(signature = (assignment, outputs = None, *, error = None, input_lost = false, timeout = 30.0))]
     fn report(
         &self,
         py: Python<'_>,
         assignment: &Assignment,
         outputs: Option<Vec<u8>>,
         error: Option<String>,
+        input_lost: bool,
         timeout: f64,
     ) -> PyResult<()> {
-        let r = match error {
-            Some(e) => Err(e),
-            None => Ok(outputs.unwrap_or_default()),
-        };
         let a = assignment.inner.clone();
         wait(py, seconds(timeout).raise(py)?, "a report", async {
-            Ok(self.client.report_with(&a, r).await?)
+            match (error, input_lost) {
+                (Some(e), true) => self.client.report_lost_input(&a, &e).await?,
+                (None, true) => self.client.report_lost_input(&a, "input lost").await?,
+                (Some(e), false) => self.client.report_with(&a, Err::<Vec<u8>, _>(e)).await?,
+                (None, false) => {
+                    self.client
+                        .report_with(&a, Ok::<_, String>(outputs.unwrap_or_default()))
+                        .await?
+                }
+            }
+            Ok(())
         })
     }
 }

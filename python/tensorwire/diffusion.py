@@ -186,12 +186,19 @@ class DiffusionConnector:
                                consumer_credit=consumer_credit, timeout=timeout)
         return PayloadHandle(p.handle, p)
 
-    def consume(self, handle: Handle, dst: Any, timeout: float = 30.0) -> Iterator[Any]:
+    def consume(self, handle: Handle, dst: Any, timeout: float = 30.0, hold: bool = False) -> Iterator[Any]:
         """Fetches the payload into ``dst`` (contiguous, the payload's dtype and shape) and yields
         each chunk as it lands, as a view of ``dst``; the payload is consumed when the iteration
-        ends. ``timeout`` bounds each wait for a chunk."""
-        c = self._conn.consume(_handle_bytes(handle), dst, timeout=timeout)
+        ends. ``timeout`` bounds each wait for a chunk. With ``hold``, the payload is not reported
+        consumed: it stays (for a retry of this stage, should this worker die) until
+        ``release(handle)``, called once the work that used it is committed."""
+        c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout)
         return _chunks(c, dst, timeout)
+
+    def release(self, handle: Handle, timeout: float = 30.0) -> None:
+        """Reports the payload consumed: the end of a ``hold`` consume. A producer that is gone
+        is not an error."""
+        self._conn.release(_handle_bytes(handle), timeout=timeout)
 
     async def consume_async(self, handle: Handle, dst: Any, timeout: float = 30.0) -> AsyncIterator[Any]:
         """``consume`` for asyncio: each wait runs in a worker thread (the GIL is released)."""

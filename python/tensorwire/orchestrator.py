@@ -15,10 +15,10 @@
 import asyncio
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from ._native import Assignment, Outcome, Service, Submitter, Worker
-from .errors import StoppedError
+from .errors import LeaseEndedError, PayloadMissingError, ProducerGoneError, StoppedError
 
 __all__ = ["Assignment", "Outcome", "Service", "Submitter", "Worker", "serve_stage", "wait_async"]
 
@@ -27,11 +27,18 @@ log = logging.getLogger("tensorwire.orchestrator")
 
 def serve_stage(address: str, stage: str, handler: Callable[[Assignment], Optional[bytes]], *, slots: int = 1,
                 secret_file: Optional[str] = None, stop: Optional[threading.Event] = None,
-                poll: float = 0.5) -> int:
+                poll: float = 0.5, release: Optional[Callable[[bytes], None]] = None) -> int:
     """Joins the ``stage`` pool and runs ``handler`` for each assignment until ``stop`` is set or
     the orchestrator goes away; returns the number of items handled. ``handler`` returns the
     outputs for the next stage (bytes, e.g. payload handles) or raises to have the item
-    re-queued (the exception's text is the reason)."""
+    re-queued (the exception's text is the reason). A handler that raises ``ProducerGoneError``,
+    ``PayloadMissingError`` or ``LeaseEndedError`` (its input is gone for good) has the stage
+    before run again instead.
+
+    Inputs outlive failures when handlers consume with ``hold=True`` and pass ``release``
+    (called with each stage output, as reported, that nothing needs any more): the last stage's
+    worker releases every payload of a request after reporting its result, and any worker
+    releases those of a failed request when the orchestrator asks."""
     w = Worker(address, stage, slots=slots, secret_file=secret_file)
     done = 0
     while stop is None or not stop.is_set():
@@ -41,15 +48,36 @@ def serve_stage(address: str, stage: str, handler: Callable[[Assignment], Option
             break
         if a is None:
             continue
+        if a.release_only:
+            _release(release, a.held, a.request)
+            continue
         try:
             outputs = handler(a)
+        except (ProducerGoneError, PayloadMissingError, LeaseEndedError) as e:
+            log.warning("%s of request %d lost its input: %s", stage, a.request, e)
+            w.report(a, error=f"{type(e).__name__}: {e}", input_lost=True)
+            continue
         except Exception as e:  # the item goes back to the queue with the reason
             log.warning("%s of request %d failed: %s", stage, a.request, e)
             w.report(a, error=f"{type(e).__name__}: {e}")
             continue
         w.report(a, outputs or b"")
+        if stage == "decode":
+            _release(release, [a.inputs, *a.held], a.request)
         done += 1
     return done
+
+
+def _release(release: Optional[Callable[[bytes], None]], outputs: List[bytes], request: int) -> None:
+    if release is None:
+        return
+    for o in outputs:
+        if not o:
+            continue
+        try:
+            release(o)
+        except Exception as e:  # a release that fails leaves a payload to its lease; log it
+            log.warning("releasing a payload of request %d failed: %s", request, e)
 
 
 async def wait_async(outcome: Outcome, timeout: float = 60.0) -> None:

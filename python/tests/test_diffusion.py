@@ -152,3 +152,30 @@ def test_consume_async(pipeline):
 
     chunks = asyncio.run(run())
     assert len(chunks) == 4 and np.array_equal(dst, x)
+
+
+@pytest.mark.parametrize("mode", ["p2p", "store"])
+def test_a_held_payload_stays_until_released(pipeline, store_node, mode):
+    # A stage worker that dies mid-stage must leave its input for the retry: it consumes with
+    # hold=True and releases only once its result is committed.
+    prod, cons = pipeline
+    store_config = {"node_engine": store_node[0].address, "node_rpc": store_node[2].address}
+    x = latent(seed=3)
+    h = prod.publish(StagePayload(11, "latent", x), consumer_credit=1 if mode == "p2p" else None)
+    if mode == "store":
+        h.wait_stored()
+    assert h.source == mode
+    for attempt in range(2):  # the first "worker" died before committing; the retry reads again
+        dst = np.zeros_like(x)
+        for _ in cons.consume(h, dst, hold=True):
+            pass
+        assert np.array_equal(dst, x), f"attempt {attempt}"
+    cons.release(h)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and prod.held:
+        time.sleep(0.02)
+    late = DiffusionConnector(transfer_mode="auto", store_config=store_config, wait_timeout=0.2)
+    with pytest.raises((tw.LeaseEndedError, tw.PayloadMissingError)):
+        for _ in late.consume(h, np.zeros_like(x), timeout=5):
+            pass
+    late.close()

@@ -60,3 +60,34 @@ def test_bad_arguments():
         tw.Worker(service.address, "upscale")
     with pytest.raises(tw.InvalidArgumentError):
         Submitter(service.address).submit(1, "urgent")
+
+
+def test_a_lost_input_reruns_the_stage_before_and_decode_releases_everything():
+    service = Service()
+    stop = threading.Event()
+    seen = {"encode": [], "denoise": [], "decode": []}
+    released = []
+
+    def handler(stage):
+        def run(a):
+            seen[stage].append((a.request, a.inputs, list(a.held)))
+            if stage == "decode" and len(seen["decode"]) == 1:
+                raise tw.ProducerGoneError("the denoise worker died")  # its latent went with it
+            return f"{stage}:{a.request}:{len(seen[stage])}".encode()
+        return run
+
+    threads = [threading.Thread(target=serve_stage, args=(service.address, s, handler(s)),
+                                kwargs={"stop": stop, "poll": 0.1, "release": released.append},
+                                daemon=True) for s in seen]
+    for t in threads:
+        t.start()
+    Submitter(service.address).submit(5).wait(timeout=30)
+    stop.set()
+    assert [r for r, _, _ in seen["encode"]] == [5], "encode ran once"
+    assert [i for _, i, _ in seen["denoise"]] == [b"encode:5:1", b"encode:5:1"], "denoise ran again"
+    last = seen["decode"][-1]
+    assert last[1] == b"denoise:5:2"
+    assert sorted(last[2]) == [b"denoise:5:1", b"encode:5:1"], "the rest of the request's outputs"
+    for t in threads:
+        t.join(timeout=5)
+    assert sorted(released) == [b"denoise:5:1", b"denoise:5:2", b"encode:5:1"]

@@ -15,6 +15,9 @@ use tokio::net::TcpStream;
 use crate::io::{self, Watchdog};
 use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, check_preamble};
 
+/// Bound on receiving a new stream's preamble.
+const PREAMBLE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// crc32c of a slice of registered memory.
 pub(crate) fn crc_of(slice: &MemSlice) -> u32 {
     // SAFETY: the slice is live registered host memory of `len` bytes, held by `slice`; other
@@ -34,12 +37,15 @@ pub(crate) async fn serve(sock: TcpStream, host: Arc<dyn BackendHost>, stall: Du
 }
 
 async fn serve_inner(sock: &TcpStream, host: Arc<dyn BackendHost>, stall: Duration) -> Result<()> {
-    let mut dog = Watchdog::new(stall);
+    // A stream that does not open with the preamble promptly is closed (as the control
+    // endpoint bounds its handshake): connections that say nothing hold nothing for long.
+    let mut dog = Watchdog::new(stall.min(PREAMBLE_TIMEOUT));
     let mut pre = [0u8; 8];
     if !io::recv_buf(sock, &mut pre, &mut dog, &|| true, "preamble").await? {
         return Ok(());
     }
     check_preamble(&pre)?;
+    let mut dog = Watchdog::new(stall);
     // SAFETY: PREAMBLE is a static readable for its length.
     unsafe { io::send_parts(sock, [(PREAMBLE.as_ptr() as usize, 8)], &mut dog, "preamble") }
         .await?;

@@ -17,7 +17,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use super::wire::{FRAMING, MAX_DATA, Msg, Role, read_msg};
+use super::wire::{Ending, FRAMING, MAX_DATA, Msg, Role, read_msg};
 use crate::error::{OrchestratorError, Result};
 
 /// Bound on connecting and the handshake.
@@ -75,6 +75,13 @@ pub struct Assignment {
     pub attempt: u32,
     /// What the previous stage reported (empty for encode).
     pub inputs: Vec<u8>,
+    /// Last stage only: the request's other outputs (earlier stages', or ones a re-run
+    /// replaced). Once its result is reported, the worker releases these and `inputs`: nothing
+    /// else will need them.
+    pub held: Vec<Vec<u8>>,
+    /// Nothing to run (and nothing to report): the request failed, and `held` are payloads
+    /// of it that nobody will consume. The worker releases them.
+    pub release_only: bool,
 }
 
 /// A stage worker connected to the service.
@@ -104,10 +111,27 @@ impl WorkerClient {
         let mut tasks = JoinSet::new();
         tasks.spawn(write_all(wr, out_rx));
         tasks.spawn(async move {
-            while let Ok(Some(Msg::Assign { request, stage, attempt, data })) =
-                read_msg(&mut rd).await
-            {
-                if tx.send(Assignment { request, stage, attempt, inputs: data }).await.is_err() {
+            loop {
+                let a = match read_msg(&mut rd).await {
+                    Ok(Some(Msg::Assign { request, stage, attempt, data, held })) => Assignment {
+                        request,
+                        stage,
+                        attempt,
+                        inputs: data,
+                        held,
+                        release_only: false,
+                    },
+                    Ok(Some(Msg::Release { request, held })) => Assignment {
+                        request,
+                        stage,
+                        attempt: 0,
+                        inputs: Vec::new(),
+                        held,
+                        release_only: true,
+                    },
+                    _ => break,
+                };
+                if tx.send(a).await.is_err() {
                     break;
                 }
             }
@@ -146,17 +170,32 @@ impl WorkerClient {
         a: &Assignment,
         result: std::result::Result<Vec<u8>, E>,
     ) -> Result<()> {
-        let (ok, reason, data) = match result {
-            Ok(d) => (true, String::new(), d),
-            Err(e) => (false, e.to_string(), Vec::new()),
-        };
+        match result {
+            Ok(d) => self.send_result(a, Ending::Done, String::new(), d).await,
+            Err(e) => self.send_result(a, Ending::Failed, e.to_string(), Vec::new()).await,
+        }
+    }
+
+    /// Reports that the assignment's input is gone (its p2p producer died, the stored payload
+    /// vanished): the orchestrator runs the stage before again instead of retrying this one.
+    pub async fn report_lost_input(&self, a: &Assignment, reason: &str) -> Result<()> {
+        self.send_result(a, Ending::LostInput, reason.to_string(), Vec::new()).await
+    }
+
+    async fn send_result(
+        &self,
+        a: &Assignment,
+        ending: Ending,
+        reason: String,
+        data: Vec<u8>,
+    ) -> Result<()> {
         if data.len() > MAX_DATA {
             return Err(OrchestratorError::InvalidArgument(format!(
                 "stage outputs of {} bytes; a result carries at most {MAX_DATA}",
                 data.len()
             )));
         }
-        let m = Msg::Result { request: a.request, stage: a.stage, ok, reason, data };
+        let m = Msg::Result { request: a.request, stage: a.stage, ending, reason, data };
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
     }
 }

@@ -15,8 +15,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::wire::{FRAMING, Msg, Role, read_msg};
-use crate::driver::{Driver, Ticker};
+use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg};
+use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
 
@@ -60,14 +60,16 @@ enum Event {
     Gone { worker: u64 },
     Heartbeat { worker: u64 },
     Credit { worker: u64, slots: u32 },
-    Result { worker: u64, key: ItemKey, result: std::result::Result<Vec<u8>, String> },
+    Result { worker: u64, key: ItemKey, result: StageResult },
     Submit { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
+    Stats { reply: tokio::sync::oneshot::Sender<OrchestratorStats> },
 }
 
 /// A running orchestrator service; dropping it stops it.
 #[derive(Debug)]
 pub struct OrchestratorService {
     addr: SocketAddr,
+    events: mpsc::Sender<Event>,
     /// The driver and the acceptor (aborted when the service drops).
     _tasks: JoinSet<()>,
 }
@@ -85,6 +87,7 @@ impl OrchestratorService {
         tasks.spawn(run(Driver::new(cfg.sched, cfg.policy), rx));
         let secret = cfg.secret.clone().map(Arc::new);
         let hs = cfg.handshake_timeout;
+        let events = tx.clone();
         tasks.spawn(async move {
             loop {
                 let Ok((sock, peer)) = l.accept().await else { continue };
@@ -97,12 +100,19 @@ impl OrchestratorService {
                 });
             }
         });
-        Ok(OrchestratorService { addr, _tasks: tasks })
+        Ok(OrchestratorService { addr, events, _tasks: tasks })
     }
 
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// A snapshot of the scheduler's counters and queues.
+    pub async fn stats(&self) -> Result<OrchestratorStats> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.events.send(Event::Stats { reply }).await.map_err(|_| OrchestratorError::Stopped)?;
+        rx.await.map_err(|_| OrchestratorError::Stopped)
     }
 }
 
@@ -145,9 +155,14 @@ async fn connection(
             let ev = match m {
                 Msg::Heartbeat if is_worker => Event::Heartbeat { worker },
                 Msg::Credit { slots } if is_worker => Event::Credit { worker, slots },
-                Msg::Result { request, stage, ok, reason, data } if is_worker => {
+                Msg::Result { request, stage, ending, reason, data } if is_worker => {
                     let key = ItemKey { request, stage };
-                    Event::Result { worker, key, result: if ok { Ok(data) } else { Err(reason) } }
+                    let result = match ending {
+                        Ending::Done => StageResult::Done(data),
+                        Ending::Failed => StageResult::Failed(reason),
+                        Ending::LostInput => StageResult::LostInput(reason),
+                    };
+                    Event::Result { worker, key, result }
                 }
                 Msg::Submit { request, priority, .. } if !is_worker => {
                     Event::Submit { request, priority, tx: out_tx.clone() }
@@ -198,6 +213,9 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
                     let _ = tx.try_send(outcome_msg(o));
                 }
             }
+            Some(Event::Stats { reply }) => {
+                let _ = reply.send(d.stats(now));
+            }
             None => {}
         }
         // A worker that cannot take its assignment (gone or flooded) gives its items back.
@@ -206,11 +224,21 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
             .into_iter()
             .filter_map(|a| {
                 let item = &a.dispatch.item;
+                if a.held.len() > MAX_HELD {
+                    tracing::warn!(
+                        request = item.key.request,
+                        outputs = a.held.len(),
+                        "orchestrator: more earlier outputs than an assignment lists; \
+                         the oldest stay unreleased"
+                    );
+                }
+                let skip = a.held.len().saturating_sub(MAX_HELD);
                 let m = Msg::Assign {
                     request: item.key.request,
                     stage: item.key.stage,
                     attempt: item.attempt,
                     data: a.inputs.to_vec(),
+                    held: a.held[skip..].iter().map(|h| h.to_vec()).collect(),
                 };
                 a.worker.try_send(m).is_err().then_some(a.dispatch.worker)
             })
@@ -218,9 +246,24 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
         for w in refused {
             d.leave(w, now);
         }
-        for (o, waiter) in d.take_outcomes() {
-            if let Some(tx) = waiter {
-                let _ = tx.try_send(outcome_msg(o));
+        for e in d.take_outcomes() {
+            let request = e.outcome.request();
+            if let Some(tx) = e.waiter {
+                let _ = tx.try_send(outcome_msg(e.outcome));
+            }
+            if !e.orphans.is_empty() {
+                // A failed request's payloads: a decode worker (or any) releases them.
+                let skip = e.orphans.len().saturating_sub(MAX_HELD);
+                let held = e.orphans[skip..].to_vec();
+                let sent = d
+                    .some_worker(crate::Stage::Decode)
+                    .is_some_and(|w| w.try_send(Msg::Release { request, held }).is_ok());
+                if !sent || skip > 0 {
+                    tracing::warn!(
+                        request,
+                        "orchestrator: a failed request's payloads stay unreleased"
+                    );
+                }
             }
         }
         d.publish_metrics();

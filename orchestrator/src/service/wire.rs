@@ -10,14 +10,29 @@ use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{Error, Result};
 
 /// Largest payload.
-pub const MAX_PAYLOAD: u32 = 64 << 10;
-/// The service's framing.
+pub const MAX_PAYLOAD: u32 = 256 << 10;
+/// The service's framing (version 3: results say whether an input was lost, and the last
+/// stage's assignment lists what it releases).
 pub const FRAMING: Framing =
-    Framing { name: "orchestrator", magic: *b"TO", version: 2, max_payload: MAX_PAYLOAD };
+    Framing { name: "orchestrator", magic: *b"TO", version: 3, max_payload: MAX_PAYLOAD };
 const MAX_TEXT: usize = 1024;
 const MAX_LABELS: usize = 8;
 /// Largest opaque stage data (inputs / outputs) in one message.
 pub const MAX_DATA: usize = 48 << 10;
+/// Most earlier outputs an assignment lists for release (with `MAX_DATA` each, an assignment
+/// stays within `MAX_PAYLOAD`).
+pub const MAX_HELD: usize = 4;
+
+/// How a worker ended an item, on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// It failed (tag 0).
+    Failed,
+    /// It finished (tag 1).
+    Done,
+    /// Its input was gone (tag 2): the stage before runs again.
+    LostInput,
+}
 
 /// What a client is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,14 +65,31 @@ pub enum Msg {
     /// Worker: its slot count changed.
     Credit { slots: u32 },
     /// Server -> worker: run this item; `data` is what the previous stage reported (its outputs,
-    /// e.g. encoded payload references), empty for the first stage.
-    Assign { request: u64, stage: Stage, attempt: u32, data: Vec<u8> },
+    /// e.g. encoded payload references), empty for the first stage; `held` (last stage only)
+    /// lists the request's other outputs, which the worker releases with `data` once its
+    /// result is in.
+    Assign { request: u64, stage: Stage, attempt: u32, data: Vec<u8>, held: Vec<Vec<u8>> },
     /// Worker: an item ended; `data` (its outputs) goes to the next stage's assignment.
-    Result { request: u64, stage: Stage, ok: bool, reason: String, data: Vec<u8> },
+    Result { request: u64, stage: Stage, ending: Ending, reason: String, data: Vec<u8> },
     /// Submitter: a new request.
     Submit { request: u64, priority: Priority, deadline_ms: u64 },
     /// Server -> submitter: a request ended.
     Outcome { request: u64, ok: bool, reason: String },
+    /// Server -> worker: `request` failed; nothing will consume `held`, its stages' outputs:
+    /// release them.
+    Release { request: u64, held: Vec<Vec<u8>> },
+}
+
+fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
+    w.u32(held.len().min(MAX_HELD) as u32);
+    for h in held.iter().take(MAX_HELD) {
+        w.bytes(h);
+    }
+}
+
+fn get_held(r: &mut Reader<'_>) -> Result<Vec<Vec<u8>>> {
+    let n = r.count(MAX_HELD, "held outputs")?;
+    (0..n).map(|_| Ok(r.bytes(MAX_DATA, "held output")?.to_vec())).collect()
 }
 
 fn clip(s: &str) -> &str {
@@ -99,16 +131,22 @@ impl Msg {
                 w.u32(*slots);
                 4
             }
-            Msg::Assign { request, stage, attempt, data } => {
+            Msg::Assign { request, stage, attempt, data, held } => {
                 w.u64(*request);
                 stage.encode(&mut w);
                 w.u32(*attempt).bytes(data);
+                put_held(&mut w, held);
                 5
             }
-            Msg::Result { request, stage, ok, reason, data } => {
+            Msg::Result { request, stage, ending, reason, data } => {
                 w.u64(*request);
                 stage.encode(&mut w);
-                w.u8(u8::from(*ok)).str(clip(reason)).bytes(data);
+                let tag = match ending {
+                    Ending::Failed => 0,
+                    Ending::Done => 1,
+                    Ending::LostInput => 2,
+                };
+                w.u8(tag).str(clip(reason)).bytes(data);
                 6
             }
             Msg::Submit { request, priority, deadline_ms } => {
@@ -120,6 +158,11 @@ impl Msg {
             Msg::Outcome { request, ok, reason } => {
                 w.u64(*request).u8(u8::from(*ok)).str(clip(reason));
                 8
+            }
+            Msg::Release { request, held } => {
+                w.u64(*request);
+                put_held(&mut w, held);
+                9
             }
         };
         (kind, w.finish())
@@ -159,11 +202,17 @@ impl Msg {
                 stage: Stage::decode(&mut r)?,
                 attempt: r.u32()?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
+                held: get_held(&mut r)?,
             },
             6 => Msg::Result {
                 request: r.u64()?,
                 stage: Stage::decode(&mut r)?,
-                ok: r.u8()? != 0,
+                ending: match r.u8()? {
+                    0 => Ending::Failed,
+                    1 => Ending::Done,
+                    2 => Ending::LostInput,
+                    t => return Err(Error::protocol(format!("orchestrator: unknown ending {t}"))),
+                },
                 reason: r.str(MAX_TEXT, "reason")?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
             },
@@ -177,6 +226,7 @@ impl Msg {
                 ok: r.u8()? != 0,
                 reason: r.str(MAX_TEXT, "reason")?,
             },
+            9 => Msg::Release { request: r.u64()?, held: get_held(&mut r)? },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -215,16 +265,23 @@ mod tests {
             Msg::Hello { role: Role::Submitter },
             Msg::Welcome { worker: 3 },
             Msg::Credit { slots: 4 },
-            Msg::Assign { request: 9, stage: Stage::Denoise, attempt: 2, data: vec![1, 2] },
+            Msg::Assign {
+                request: 9,
+                stage: Stage::Denoise,
+                attempt: 2,
+                data: vec![1, 2],
+                held: vec![vec![3], vec![]],
+            },
             Msg::Result {
                 request: 9,
                 stage: Stage::Denoise,
-                ok: false,
+                ending: Ending::LostInput,
                 reason: "oom".into(),
                 data: vec![],
             },
             Msg::Submit { request: 1, priority: Priority::Interactive, deadline_ms: 5 },
             Msg::Outcome { request: 1, ok: true, reason: String::new() },
+            Msg::Release { request: 4, held: vec![vec![5; 3]] },
             Msg::Heartbeat,
         ];
         for m in msgs {

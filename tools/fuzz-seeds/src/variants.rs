@@ -12,7 +12,7 @@ use tensorwire_core::wire::handshake::{Challenge, Open, Proof};
 use tensorwire_core::{AccessKey, DType, EngineId, Error, MemoryKind, RegionId, TensorMeta};
 use tensorwire_diffusion::PayloadRef;
 use tensorwire_diffusion::control::{Control, Gone};
-use tensorwire_orchestrator::service::wire::{Msg, Role};
+use tensorwire_orchestrator::service::wire::{Ending, Msg, Role};
 use tensorwire_orchestrator::{Affinity, Priority, QueueMessage, Stage};
 use tensorwire_shm::wire as shm;
 use tensorwire_store::rpc::{self, Request, Response};
@@ -262,23 +262,37 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Welcome { worker: 7 },
         Msg::Heartbeat,
         Msg::Credit { slots: 3 },
-        Msg::Assign { request: 1, stage: Stage::Decode, attempt: 2, data: b"refs".to_vec() },
+        Msg::Assign {
+            request: 1,
+            stage: Stage::Decode,
+            attempt: 2,
+            data: b"refs".to_vec(),
+            held: vec![b"embedding refs".to_vec()],
+        },
         Msg::Result {
             request: 1,
             stage: Stage::Encode,
-            ok: true,
+            ending: Ending::Done,
             reason: String::new(),
             data: b"refs".to_vec(),
         },
         Msg::Result {
             request: 1,
             stage: Stage::Decode,
-            ok: false,
+            ending: Ending::Failed,
             reason: "oom".into(),
             data: Vec::new(),
         },
         Msg::Submit { request: 2, priority: Priority::Batch, deadline_ms: 60_000 },
+        Msg::Result {
+            request: 1,
+            stage: Stage::Decode,
+            ending: Ending::LostInput,
+            reason: "producer gone".into(),
+            data: Vec::new(),
+        },
         Msg::Outcome { request: 2, ok: false, reason: "too many attempts".into() },
+        Msg::Release { request: 2, held: vec![b"refs".to_vec(), b"latent refs".to_vec()] },
     ];
     for m in msgs {
         let (kind, mut body) = m.encode_body();

@@ -1,0 +1,107 @@
+//! Inputs outlive failures, through the service: a decode worker whose input died with its
+//! producer says so and denoise runs again from its own (still held) input; the decode
+//! assignment lists every other output of the request for release; and a request that fails
+//! has its outputs handed to a live worker to release.
+
+use std::time::Duration;
+
+use tensorwire_orchestrator::sched::SchedConfig;
+use tensorwire_orchestrator::service::{
+    Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
+};
+use tensorwire_orchestrator::{OrchestratorError, Priority, Stage};
+use tokio::sync::mpsc;
+
+async fn service(max_attempts: u32) -> OrchestratorService {
+    let sched = SchedConfig { max_attempts, ..SchedConfig::default() };
+    let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
+    OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap()
+}
+
+/// A worker of `stage` run by `body`; every assignment it gets is also sent to `seen`.
+async fn worker<F>(s: &OrchestratorService, stage: Stage, seen: mpsc::Sender<Assignment>, body: F)
+where
+    F: Fn(&Assignment, usize) -> Result<Vec<u8>, (bool, String)> + Send + 'static,
+{
+    let hb = Duration::from_millis(100);
+    let (w, mut rx) = WorkerClient::connect(s.addr(), None, stage, 1, "h", hb).await.unwrap();
+    tokio::spawn(async move {
+        let mut n = 0;
+        while let Some(a) = rx.recv().await {
+            let _ = seen.send(a.clone()).await;
+            if a.release_only {
+                continue;
+            }
+            n += 1;
+            match body(&a, n) {
+                Ok(out) => w.report_with(&a, Ok::<_, String>(out)).await.unwrap(),
+                Err((true, why)) => w.report_lost_input(&a, &why).await.unwrap(),
+                Err((false, why)) => w.report_with(&a, Err::<Vec<u8>, _>(why)).await.unwrap(),
+            }
+        }
+    });
+}
+
+async fn outcome(sub: &SubmitClient, r: u64) -> Result<(), OrchestratorError> {
+    let rx = sub.submit(r, Priority::Batch).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), rx).await.expect("an outcome").unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_input_reruns_the_producer_and_decode_releases_everything() {
+    let s = service(3).await;
+    let (tx, mut seen) = mpsc::channel(64);
+    let out = |stage: &'static str| {
+        move |a: &Assignment, n: usize| Ok(format!("{stage}:{}:{n}", a.request).into_bytes())
+    };
+    worker(&s, Stage::Encode, tx.clone(), out("enc")).await;
+    worker(&s, Stage::Denoise, tx.clone(), out("den")).await;
+    worker(&s, Stage::Decode, tx, |_, n| match n {
+        1 => Err((true, "producer gone".into())),
+        _ => Ok(Vec::new()),
+    })
+    .await;
+    let sub = SubmitClient::connect(s.addr(), None).await.unwrap();
+    outcome(&sub, 4).await.unwrap();
+    let mut log = Vec::new();
+    while let Ok(a) = seen.try_recv() {
+        log.push((a.stage, a.inputs, a.held));
+    }
+    let b = |s: &str| s.as_bytes().to_vec();
+    assert_eq!(
+        log,
+        vec![
+            (Stage::Encode, vec![], vec![]),
+            (Stage::Denoise, b("enc:4:1"), vec![]),
+            (Stage::Decode, b("den:4:1"), vec![b("enc:4:1")]),
+            (Stage::Denoise, b("enc:4:1"), vec![]), // run again from its own input
+            (Stage::Decode, b("den:4:2"), vec![b("enc:4:1"), b("den:4:1")]),
+        ]
+    );
+    let st = s.stats().await.unwrap();
+    assert_eq!((st.sched.reran, st.sched.completed, st.duplicated), (1, 1, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_request_has_its_outputs_released() {
+    let s = service(2).await;
+    let (tx, mut seen) = mpsc::channel(64);
+    worker(&s, Stage::Encode, tx.clone(), |a, _| Ok(format!("enc:{}", a.request).into_bytes()))
+        .await;
+    worker(&s, Stage::Denoise, tx.clone(), |_, _| Err((false, "out of memory".into()))).await;
+    worker(&s, Stage::Decode, tx, |_, _| Ok(Vec::new())).await;
+    let sub = SubmitClient::connect(s.addr(), None).await.unwrap();
+    let e = outcome(&sub, 8).await.unwrap_err();
+    assert!(e.to_string().contains("out of memory"), "{e}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let release = loop {
+        let a = tokio::time::timeout_at(deadline, seen.recv()).await.expect("a release").unwrap();
+        if a.release_only {
+            break a;
+        }
+    };
+    assert_eq!(
+        (release.request, release.stage, release.held),
+        (8, Stage::Decode, vec![b"enc:8".to_vec()])
+    );
+}
