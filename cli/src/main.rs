@@ -9,6 +9,8 @@
 //! - `tensorwire serve` / `tensorwire worker`: an engine with a store node and the orchestrator
 //!   service, and stage workers in other processes or hosts.
 //! - `tensorwire secret new FILE`: a cluster secret for `--secret-file`.
+//! - `tensorwire soak`: the worker-process pipeline under load and chaos for N minutes, sampling
+//!   memory, descriptors and the store each minute; fails on growth without bound or a lost request.
 //!
 //! Library warnings and errors go to stderr (`RUST_LOG` sets the level; default info).
 
@@ -21,6 +23,7 @@ mod report;
 mod secret;
 mod serve;
 mod simulate;
+mod soak;
 mod supervise;
 
 use std::process::ExitCode;
@@ -47,6 +50,9 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Run a stage worker that joins an orchestrator service.
     Worker(serve::WorkerArgs),
+    /// Run the pipeline of worker processes under load and chaos for N minutes, sampling memory,
+    /// descriptors and the store; fails if anything grows without bound or a request is lost.
+    Soak(soak::SoakArgs),
     /// Make a cluster secret.
     #[command(subcommand)]
     Secret(secret::SecretCmd),
@@ -82,6 +88,9 @@ fn main() -> ExitCode {
         }),
         Cmd::Worker(a) => rt.block_on(async {
             tokio::spawn(serve::worker(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+        }),
+        Cmd::Soak(a) => rt.block_on(async {
+            tokio::spawn(soak::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),
         Cmd::Secret(c) => secret::run(c),
     };

@@ -7,8 +7,8 @@
 //! chunk on stdout, which gives TTFF.
 //!
 //! Workers lose nothing when killed: a stage reads its inputs without reporting them consumed
-//! (`consume_held`); the decode worker, whose assignment lists every payload of the request,
-//! releases them all once its result is reported; a stage whose input died with its p2p
+//! (`consume_held`); once a request ends the orchestrator hands every payload of it to a worker
+//! to release (another one, should that one die first); a stage whose input died with its p2p
 //! producer says so, and the orchestrator runs the producer stage again. The parent supervises
 //! the worker processes (a killed one is restarted), and `--chaos SECS` kills random workers.
 
@@ -168,7 +168,9 @@ pub(crate) async fn payload_worker(
         let (w, models, conn) = (w.clone(), models.clone(), conn.clone());
         tokio::spawn(async move {
             if a.release_only {
-                return release(&conn, &a).await;
+                release(&conn, &a).await;
+                let _ = w.released(&a).await;
+                return;
             }
             let m = &models[(a.request as usize) % models.len()];
             match run_item(&conn, m, &a, scale).await {
@@ -177,9 +179,6 @@ pub(crate) async fn payload_worker(
                 }
                 Ok(out) => {
                     let _ = w.report_with(&a, Ok::<_, String>(out)).await;
-                    if a.stage.next().is_none() {
-                        release(&conn, &a).await;
-                    }
                 }
                 Err(e) => {
                     let _ = w.report_with(&a, Err::<Vec<u8>, _>(e)).await;
@@ -195,15 +194,222 @@ fn lost(e: &HandlerError) -> bool {
     e.downcast_ref::<ConnectorError>().is_some_and(ConnectorError::is_payload_lost)
 }
 
-/// The last stage's worker releases every payload of its request once its result is in (and
-/// any worker those of a failed request, when the orchestrator asks).
+/// Releases every payload of an ended request, as the orchestrator asks.
 async fn release(c: &DiffusionConnector, a: &Assignment) {
-    for blob in std::iter::once(&a.inputs).chain(&a.held) {
+    for blob in &a.held {
         for r in decode_refs(blob).unwrap_or_default() {
             if let Err(e) = c.release(&r).await {
                 eprintln!("worker: request {}: releasing a payload failed: {e}", a.request);
             }
         }
+    }
+}
+
+/// What a cluster of worker processes needs to know.
+#[derive(Debug, Clone)]
+pub(crate) struct ClusterArgs {
+    /// Stage time multiplier.
+    pub(crate) time_scale: f64,
+    /// Profile file, if not the built-in one.
+    pub(crate) profiles: Option<std::path::PathBuf>,
+    /// Mean seconds between chaos kills.
+    pub(crate) chaos: Option<f64>,
+    /// Seed of the kills.
+    pub(crate) seed: u64,
+}
+
+/// A store node, the orchestrator service and supervised worker processes, with a submitter.
+pub(crate) struct Cluster {
+    _node_engine: tensorwire_core::Engine,
+    store: Arc<tensorwire_store::EmbeddedStore>,
+    _node: tensorwire_store::StoreNode,
+    orch: OrchestratorService,
+    sup: Supervisor,
+    lines: tokio::sync::mpsc::Receiver<String>,
+    sub: SubmitClient,
+    attempts: u32,
+}
+
+/// What a cluster did, once stopped.
+pub(crate) struct ClusterReport {
+    pub(crate) supervisor: crate::supervise::SupervisorReport,
+    pub(crate) orchestrator: tensorwire_orchestrator::OrchestratorStats,
+    pub(crate) attempts: u32,
+}
+
+impl Cluster {
+    /// Starts everything and waits until every worker has joined; chaos (if any) starts then.
+    pub(crate) async fn start(
+        a: &ClusterArgs,
+        models: &[Model],
+        split: Split,
+    ) -> Result<Cluster, String> {
+        let (node_engine, store, node) = store_node().await?;
+        // Under chaos a long denoise item may be killed a few times in a row: give it more
+        // tries (each death counts as one, the same as a failure, so a request that kills
+        // every worker it touches still ends).
+        let attempts = if a.chaos.is_some() { 5 } else { 3 };
+        let sched = SchedConfig {
+            heartbeat_timeout: Duration::from_secs(10),
+            max_attempts: attempts,
+            ..SchedConfig::default()
+        };
+        let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
+        let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
+            .await
+            .map_err(|e| e.to_string())?;
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let (tx, mut lines) = tokio::sync::mpsc::channel::<String>(4096);
+        let names = models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(",");
+        let mut slots = Vec::new();
+        for (role, n) in
+            [("encode", split.encode), ("denoise", split.denoise), ("decode", split.decode)]
+        {
+            for _ in 0..n {
+                let args = [
+                    "worker".to_string(),
+                    "--role".into(),
+                    role.into(),
+                    "--connect".into(),
+                    orch.addr().to_string(),
+                    "--store-engine".into(),
+                    node_engine.local_addr().to_string(),
+                    "--store".into(),
+                    node.addr().to_string(),
+                    "--models".into(),
+                    names.clone(),
+                    "--time-scale".into(),
+                    a.time_scale.to_string(),
+                ];
+                let (exe, profiles) = (exe.clone(), a.profiles.clone());
+                slots.push(Slot::new(role, move || {
+                    let mut cmd = Command::new(&exe);
+                    cmd.args(&args).stderr(Stdio::inherit());
+                    if let Some(p) = &profiles {
+                        cmd.arg("--profiles").arg(p);
+                    }
+                    cmd
+                }));
+            }
+        }
+        let workers = slots.len();
+        let chaos = a.chaos.map(|s| Chaos { every: Duration::from_secs_f64(s), seed: a.seed });
+        let sup = Supervisor::start(slots, tx, chaos);
+        let mut joined = 0;
+        while joined < workers {
+            match tokio::time::timeout(Duration::from_secs(30), lines.recv()).await {
+                Ok(Some(l)) if l.starts_with("JOINED") => joined += 1,
+                Ok(Some(_)) => {}
+                _ => return Err(format!("only {joined} of {workers} worker processes joined")),
+            }
+        }
+        sup.unleash();
+        let sub = SubmitClient::connect(orch.addr(), None).await.map_err(|e| e.to_string())?;
+        Ok(Cluster {
+            _node_engine: node_engine,
+            store,
+            _node: node,
+            orch,
+            sup,
+            lines,
+            sub,
+            attempts,
+        })
+    }
+
+    /// Submits `requests` at once and waits for each; returns the completed ones with their
+    /// end-to-end time from `start`, and one line per request lost.
+    pub(crate) async fn run(
+        &self,
+        requests: std::ops::Range<u64>,
+        start: Instant,
+    ) -> Result<(Vec<(u64, Duration)>, Vec<String>), String> {
+        let mut outs = Vec::new();
+        for r in requests {
+            outs.push((r, self.sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?));
+        }
+        // Each outcome is timed when it arrives, not when this loop gets to it.
+        let waits: Vec<_> = outs
+            .into_iter()
+            .map(|(r, o)| {
+                tokio::spawn(async move {
+                    match tokio::time::timeout(Duration::from_secs(600), o).await {
+                        Ok(Ok(Ok(()))) => Ok((r, start.elapsed())),
+                        Ok(Ok(Err(e))) => Err(e.to_string()),
+                        _ => Err(format!("request {r}: no outcome")),
+                    }
+                })
+            })
+            .collect();
+        let (mut done, mut lost) = (Vec::new(), Vec::new());
+        for w in waits {
+            match w.await.map_err(|e| e.to_string())? {
+                Ok(d) => done.push(d),
+                Err(e) => lost.push(e),
+            }
+        }
+        Ok((done, lost))
+    }
+
+    /// The workers' `@@` lines that arrive within `quiet` of each other.
+    pub(crate) async fn drain_lines(&mut self, quiet: Duration) -> Vec<String> {
+        let mut v = Vec::new();
+        while let Ok(Some(l)) = tokio::time::timeout(quiet, self.lines.recv()).await {
+            v.push(l);
+        }
+        v
+    }
+
+    /// Store counters once the last releases have landed (bounded wait: releases follow
+    /// results).
+    pub(crate) async fn settled_store(&self) -> Result<tensorwire_store::StoreStats, String> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let st = self.store.stats().await.map_err(|e| e.to_string())?;
+            if st.objects == 0 || Instant::now() >= deadline {
+                return Ok(st);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Process ids of the live workers.
+    pub(crate) fn worker_pids(&self) -> Vec<u32> {
+        self.sup.pids()
+    }
+
+    /// Stops the workers and says what happened.
+    pub(crate) async fn stop(self) -> Result<ClusterReport, String> {
+        let supervisor = self.sup.stop();
+        let orchestrator = self.orch.stats().await.map_err(|e| e.to_string())?;
+        Ok(ClusterReport { supervisor, orchestrator, attempts: self.attempts })
+    }
+}
+
+impl ClusterReport {
+    /// One line: kills per stage, restarts, the requests' fate and the store.
+    pub(crate) fn line(&self, completed: usize, lost: usize, store_left: u64) -> String {
+        let mut by = HashMap::<&str, u32>::new();
+        for (l, n) in &self.supervisor.killed {
+            *by.entry(l.as_str()).or_default() += n;
+        }
+        let killed: u32 = by.values().sum();
+        let by = ["encode", "denoise", "decode"]
+            .iter()
+            .map(|s| format!("{s} {}", by.get(s).copied().unwrap_or(0)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let st = &self.orchestrator;
+        format!(
+            "reliability: {killed} workers killed ({by}), {} restarted; requests completed \
+             {completed}, lost {lost}, duplicated {}; items re-queued {}, stages re-run after a \
+             lost input {} ({} tries per stage); store objects left {store_left}",
+            self.supervisor.restarts,
+            st.duplicated,
+            st.sched.requeued,
+            st.sched.reran,
+            self.attempts
+        )
     }
 }
 
@@ -214,104 +420,26 @@ pub(crate) async fn disaggregated(
     models: &[Model],
     split: Split,
 ) -> Result<Summary, String> {
-    let (node_engine, store, node) = store_node().await?;
-    // Under chaos a long denoise item may be killed a few times in a row: give it more tries
-    // (each death counts as one, the same as a failure, so a request that kills every worker
-    // it touches still ends).
-    let attempts = if a.chaos.is_some() { 5 } else { 3 };
-    let sched = SchedConfig {
-        heartbeat_timeout: Duration::from_secs(10),
-        max_attempts: attempts,
-        ..SchedConfig::default()
+    let ca = ClusterArgs {
+        time_scale: a.time_scale,
+        profiles: a.profiles.clone(),
+        chaos: a.chaos,
+        seed: a.seed,
     };
-    let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
-    let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
-        .await
-        .map_err(|e| e.to_string())?;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(4096);
-    let names = models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(",");
-    let (orch_addr, store_engine, store_rpc) =
-        (orch.addr().to_string(), node_engine.local_addr().to_string(), node.addr().to_string());
-    let mut slots = Vec::new();
-    for (role, n) in
-        [("encode", split.encode), ("denoise", split.denoise), ("decode", split.decode)]
-    {
-        for _ in 0..n {
-            let args = [
-                "worker".to_string(),
-                "--role".into(),
-                role.into(),
-                "--connect".into(),
-                orch_addr.clone(),
-                "--store-engine".into(),
-                store_engine.clone(),
-                "--store".into(),
-                store_rpc.clone(),
-                "--models".into(),
-                names.clone(),
-                "--time-scale".into(),
-                a.time_scale.to_string(),
-            ];
-            let (exe, profiles) = (exe.clone(), a.profiles.clone());
-            slots.push(Slot::new(role, move || {
-                let mut cmd = Command::new(&exe);
-                cmd.args(&args).stderr(Stdio::inherit());
-                if let Some(p) = &profiles {
-                    cmd.arg("--profiles").arg(p);
-                }
-                cmd
-            }));
-        }
-    }
-    let workers = slots.len();
-    let chaos = a.chaos.map(|s| Chaos { every: Duration::from_secs_f64(s), seed: a.seed });
-    let sup = Supervisor::start(slots, tx, chaos);
-    let mut joined = 0;
-    while joined < workers {
-        match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
-            Ok(Some(l)) if l.starts_with("JOINED") => joined += 1,
-            Ok(Some(_)) => {}
-            _ => return Err(format!("only {joined} of {workers} worker processes joined")),
-        }
-    }
-    sup.unleash();
-    let sub = SubmitClient::connect(orch.addr(), None).await.map_err(|e| e.to_string())?;
+    let mut c = Cluster::start(&ca, models, split).await?;
     let start = Instant::now();
     let t0 = now_us();
-    let mut outs = Vec::new();
-    for r in 0..a.requests {
-        outs.push((r, sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?));
-    }
-    // Each outcome is timed when it arrives, not when this loop gets to it.
-    let waits: Vec<_> = outs
-        .into_iter()
-        .map(|(r, o)| {
-            tokio::spawn(async move {
-                match tokio::time::timeout(Duration::from_secs(600), o).await {
-                    Ok(Ok(Ok(()))) => Ok((r, start.elapsed())),
-                    Ok(Ok(Err(e))) => Err(e.to_string()),
-                    _ => Err(format!("request {r}: no outcome")),
-                }
-            })
-        })
-        .collect();
+    let (done, lost) = c.run(0..a.requests, start).await?;
+    let elapsed = start.elapsed();
     let mut e2e = Vec::new();
     let mut moved = 0u64;
-    let mut lost = Vec::new();
-    for w in waits {
-        match w.await.map_err(|e| e.to_string())? {
-            Ok((r, t)) => {
-                e2e.push(t);
-                let m = &models[(r as usize) % models.len()];
-                moved += m.embed_bytes + m.latent_bytes;
-            }
-            Err(e) => lost.push(e),
-        }
+    for &(r, t) in &done {
+        e2e.push(t);
+        let m = &models[(r as usize) % models.len()];
+        moved += m.embed_bytes + m.latent_bytes;
     }
-    let elapsed = start.elapsed();
     let mut firsts: HashMap<u64, u64> = HashMap::new();
-    while let Ok(Some(l)) = tokio::time::timeout(Duration::from_millis(300), rx.recv()).await {
+    for l in c.drain_lines(Duration::from_millis(300)).await {
         let f: Vec<&str> = l.split_whitespace().collect();
         if let ["FIRST", r, us] = f[..] {
             if let (Ok(r), Ok(us)) = (r.parse::<u64>(), us.parse::<u64>()) {
@@ -320,44 +448,19 @@ pub(crate) async fn disaggregated(
         }
     }
     let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
-    // Releases follow results: give the last ones a moment to reach the store.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut left = store.stats().await.map_err(|e| e.to_string())?;
-    while left.objects > 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        left = store.stats().await.map_err(|e| e.to_string())?;
-    }
-    let report = sup.stop();
-    let st = orch.stats().await.map_err(|e| e.to_string())?;
-    let killed: u32 = report.killed.iter().map(|(_, n)| n).sum();
-    if a.chaos.is_some() || killed > 0 || report.restarts > 0 {
-        let by = report.killed.iter().fold(HashMap::<&str, u32>::new(), |mut m, (l, n)| {
-            *m.entry(l.as_str()).or_default() += n;
-            m
-        });
-        let by = ["encode", "denoise", "decode"]
-            .iter()
-            .map(|s| format!("{s} {}", by.get(s).copied().unwrap_or(0)))
-            .collect::<Vec<_>>()
-            .join(", ");
-        println!(
-            "reliability: {killed} workers killed ({by}), {} restarted; requests completed {}, \
-             lost {}, duplicated {}; items re-queued {}, stages re-run after a lost input {} \
-             ({attempts} tries per stage); store objects left {}",
-            report.restarts,
-            e2e.len(),
-            lost.len(),
-            st.duplicated,
-            st.sched.requeued,
-            st.sched.reran,
-            left.objects
-        );
+    let left = c.settled_store().await?;
+    let report = c.stop().await?;
+    if a.chaos.is_some() || report.supervisor.restarts > 0 {
+        println!("{}", report.line(done.len(), lost.len(), left.objects));
     }
     if let Some(first) = lost.first() {
         return Err(format!("{} of {} requests lost; first: {first}", lost.len(), a.requests));
     }
-    if st.duplicated > 0 {
-        return Err(format!("{} stage results were accepted twice", st.duplicated));
+    if report.orchestrator.duplicated > 0 {
+        return Err(format!(
+            "{} stage results were accepted twice",
+            report.orchestrator.duplicated
+        ));
     }
     Ok(Summary {
         requests: a.requests,

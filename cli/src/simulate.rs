@@ -132,6 +132,7 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
         for t0 in d.take_outcomes().into_iter().filter_map(|e| e.waiter) {
             e2e.push(now - t0);
         }
+        drop(d.take_dead()); // simulated workers never go silent; keep the list empty
         for x in d.dispatch(now) {
             let k = x.dispatch.item.key;
             let service = match k.stage {

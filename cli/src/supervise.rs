@@ -5,8 +5,8 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -104,6 +104,7 @@ impl Slot {
 pub(crate) struct Supervisor {
     stop: Arc<AtomicBool>,
     armed: Arc<AtomicBool>,
+    pids: Arc<Mutex<Vec<u32>>>,
     thread: Option<JoinHandle<(Vec<Slot>, SupervisorReport)>>,
 }
 
@@ -116,10 +117,17 @@ impl Supervisor {
     ) -> Supervisor {
         let stop = Arc::new(AtomicBool::new(false));
         let armed = Arc::new(AtomicBool::new(false));
-        let flags = (stop.clone(), armed.clone());
-        let thread =
-            std::thread::spawn(move || supervise(slots, &lines, chaos, (&flags.0, &flags.1)));
-        Supervisor { stop, armed, thread: Some(thread) }
+        let pids = Arc::new(Mutex::new(Vec::new()));
+        let shared = (stop.clone(), armed.clone(), pids.clone());
+        let thread = std::thread::spawn(move || {
+            supervise(slots, &lines, chaos, (&shared.0, &shared.1), &shared.2)
+        });
+        Supervisor { stop, armed, pids, thread: Some(thread) }
+    }
+
+    /// Process ids of the workers running now.
+    pub(crate) fn pids(&self) -> Vec<u32> {
+        self.pids.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     /// Starts the chaos (if any): kills begin one interval from now.
@@ -157,6 +165,7 @@ fn supervise(
     lines: &mpsc::Sender<String>,
     chaos: Option<Chaos>,
     (stop, armed): (&AtomicBool, &AtomicBool),
+    pids: &Mutex<Vec<u32>>,
 ) -> (Vec<Slot>, SupervisorReport) {
     let mut report = SupervisorReport::default();
     let mut rng = Rng::new(chaos.map_or(1, |c| c.seed));
@@ -194,6 +203,8 @@ fn supervise(
                 next_kill = Some(now + next_gap(&mut rng, c));
             }
         }
+        let live = slots.iter().filter_map(|s| s.child.as_ref().map(|(c, _)| c.id())).collect();
+        *pids.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = live;
         std::thread::sleep(POLL);
     }
     (slots, report)

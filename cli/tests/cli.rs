@@ -66,6 +66,8 @@ fn bad_input_is_one_clear_line() {
         (vec!["demo".into(), "--profiles".into(), "/nonexistent/x.toml".into()], "cannot read"),
         (vec!["demo".into(), "--split".into(), "1:1".into()], "expected three numbers"),
         (vec!["demo".into(), "--chaos".into(), "1".into()], "needs --processes"),
+        (vec!["soak".into(), "--minutes".into(), "0".into()], "--minutes 0"),
+        (vec!["soak".into(), "--chaos".into(), "0.001".into()], "--chaos 0.001"),
         (vec!["simulate".into(), "--model".into(), "nope".into()], "unknown model"),
         (vec!["simulate".into(), "--policy".into(), "random".into()], "--policy"),
     ];

@@ -197,7 +197,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
     let held = |u: &mut Unstructured<'_>| -> Result<Vec<Vec<u8>>> {
         (0..u.int_in_range(0..=MAX_HELD)?).map(|_| data(u)).collect()
     };
-    let m = match u.int_in_range(0..=9u8)? {
+    let m = match u.int_in_range(0..=10u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -212,13 +212,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         2 => Msg::Welcome { worker: u.arbitrary()? },
         3 => Msg::Heartbeat,
         4 => Msg::Credit { slots: u.arbitrary()? },
-        5 => Msg::Assign {
-            request: u.arbitrary()?,
-            stage,
-            attempt: u.arbitrary()?,
-            data: data(u)?,
-            held: held(u)?,
-        },
+        5 => Msg::Assign { request: u.arbitrary()?, stage, attempt: u.arbitrary()?, data: data(u)? },
         6 => Msg::Result {
             request: u.arbitrary()?,
             stage,
@@ -232,7 +226,8 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
             deadline_ms: u.arbitrary()?,
         },
         8 => Msg::Outcome { request: u.arbitrary()?, ok: u.arbitrary()?, reason: short(u)? },
-        _ => Msg::Release { request: u.arbitrary()?, held: held(u)? },
+        9 => Msg::Release { request: u.arbitrary()?, held: held(u)? },
+        _ => Msg::Released { request: u.arbitrary()? },
     };
     let frame = m.encode().expect("a message within bounds fits a frame");
     let (kind, body) = FRAMING.decode(&frame).expect("own frame decodes");

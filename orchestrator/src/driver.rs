@@ -6,8 +6,9 @@
 //! on what comes out ([`Driver::dispatch`], [`Driver::take_outcomes`]).
 //!
 //! Inputs outlive failures: every output a request's stages reported is kept until the request
-//! ends, and the last stage's assignment lists them (`inputs` and `held`) so that its worker
-//! releases them all once its result is in. A worker that dies at any stage before that finds
+//! ends, completed or failed; then the driver hands them to a live worker to release
+//! ([`Driver::releases`]) and keeps them until that worker says it did ([`Driver::released`]),
+//! giving them to another if it leaves first. A worker that dies at any stage before that finds
 //! its inputs where they were when the item is re-queued, and a stage whose p2p output died
 //! with its producer can run again from its own inputs (see [`StageResult::LostInput`]).
 
@@ -40,6 +41,8 @@ pub struct OrchestratorStats {
     /// Results accepted for a stage that had already been accepted for the same request, with
     /// no lost input since (a stage run twice): 0 unless something is wrong.
     pub duplicated: u64,
+    /// Ended requests whose outputs no worker has said it released yet.
+    pub unreleased: usize,
 }
 
 /// The clock of a driver loop: time since the loop started, and a tick so the scheduler's timers
@@ -79,10 +82,26 @@ pub struct Assignment<'a, W> {
     pub worker: &'a W,
     /// What the previous stage reported for this request (empty for the first stage).
     pub inputs: &'a [u8],
-    /// For the last stage: every other output the request's stages reported (earlier stages',
-    /// and outputs replaced by a re-run), which its worker releases with `inputs` once its result
-    /// is in. Empty for other stages.
-    pub held: Vec<&'a [u8]>,
+}
+
+/// A request's outputs to release, given to a worker.
+#[derive(Debug)]
+pub struct Release<'a, W> {
+    /// The request (it ended).
+    pub request: u64,
+    /// Every output its stages reported.
+    pub outputs: &'a [Vec<u8>],
+    /// The worker asked to release them...
+    pub worker: &'a W,
+    /// ...and its id.
+    pub id: WorkerId,
+}
+
+/// Outputs waiting to be released, and the worker asked to.
+#[derive(Debug)]
+struct Pending {
+    outputs: Vec<Vec<u8>>,
+    by: Option<WorkerId>,
 }
 
 /// A request that ended.
@@ -92,8 +111,6 @@ pub struct Ended<R> {
     pub outcome: Outcome,
     /// Who waits for it.
     pub waiter: Option<R>,
-    /// A failed request's stage outputs, which nothing will consume (empty otherwise).
-    pub orphans: Vec<Vec<u8>>,
 }
 
 /// How a worker ended an item.
@@ -118,6 +135,8 @@ pub struct Driver<W, R> {
     started: HashMap<ItemKey, Duration>,
     /// Per request, the stages whose result stands (a lost input clears the stage before).
     accepted: HashMap<u64, [bool; 3]>,
+    /// Ended requests' outputs not yet released.
+    unreleased: std::collections::BTreeMap<u64, Pending>,
     duplicated: u64,
     busy: [Duration; 3],
     next_worker: u64,
@@ -143,6 +162,7 @@ impl<W, R> Driver<W, R> {
             outputs: HashMap::new(),
             started: HashMap::new(),
             accepted: HashMap::new(),
+            unreleased: std::collections::BTreeMap::new(),
             duplicated: 0,
             busy: [Duration::ZERO; 3],
             next_worker: 0,
@@ -175,6 +195,24 @@ impl<W, R> Driver<W, R> {
     pub fn leave(&mut self, id: WorkerId, now: Duration) {
         self.workers.remove(&id);
         self.sched.leave(id, now);
+        self.unassign(id);
+    }
+
+    /// Releases `id` was asked to do go to another worker.
+    fn unassign(&mut self, id: WorkerId) {
+        for p in self.unreleased.values_mut().filter(|p| p.by == Some(id)) {
+            p.by = None;
+        }
+    }
+
+    /// Workers the scheduler declared dead since the last call, with their endpoints (drop them
+    /// to close the connections).
+    pub fn take_dead(&mut self) -> Vec<(WorkerId, W)> {
+        let dead = self.sched.take_dead();
+        for &id in &dead {
+            self.unassign(id);
+        }
+        dead.into_iter().filter_map(|id| Some((id, self.workers.remove(&id)?))).collect()
     }
 
     /// A worker is alive.
@@ -263,45 +301,71 @@ impl<W, R> Driver<W, R> {
                 // The latest output of the stage before (a re-run replaces an earlier one).
                 let from = key.stage.prev().and_then(|p| outs.iter().rposition(|(s, _)| *s == p));
                 let inputs = from.map_or(&[][..], |i| outs[i].1.as_slice());
-                let held = match key.stage.next() {
-                    Some(_) => Vec::new(),
-                    None => outs
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| Some(*i) != from)
-                        .map(|(_, (_, o))| o.as_slice())
-                        .collect(),
-                };
-                Some(Assignment { dispatch: d, worker, inputs, held })
+                Some(Assignment { dispatch: d, worker, inputs })
             })
             .collect()
     }
 
-    /// Requests that ended since the last call, each with its waiter and, for a failed request,
-    /// the outputs its stages reported (nobody will consume them: release them). A completed
-    /// request's outputs were listed in its last stage's assignment instead.
+    /// Requests that ended since the last call, each with its waiter. Their outputs now wait
+    /// to be released (see [`Driver::releases`]).
     pub fn take_outcomes(&mut self) -> Vec<Ended<R>> {
         self.sched
             .take_outcomes()
             .into_iter()
             .map(|outcome| {
                 let r = outcome.request();
-                let outputs = self.outputs.remove(&r).unwrap_or_default();
                 self.accepted.remove(&r);
-                let orphans = match outcome {
-                    Outcome::Failed { .. } => outputs.into_iter().map(|(_, o)| o).collect(),
-                    Outcome::Completed { .. } => Vec::new(),
-                };
-                Ended { outcome, waiter: self.waiting.remove(&r), orphans }
+                if let Some(outs) = self.outputs.remove(&r) {
+                    let outputs = outs.into_iter().map(|(_, o)| o).collect();
+                    self.unreleased.insert(r, Pending { outputs, by: None });
+                }
+                Ended { outcome, waiter: self.waiting.remove(&r) }
             })
             .collect()
     }
 
-    /// The endpoint of some live worker, preferring `stage`'s (to hand it orphans to release).
-    pub fn some_worker(&self, stage: Stage) -> Option<&W> {
-        let of =
-            |s: Stage| self.workers.iter().find(|(id, _)| self.sched.stage_of(**id) == Some(s));
-        of(stage).or_else(|| self.workers.iter().next()).map(|(_, w)| w)
+    /// Ended requests whose outputs no worker has been asked to release yet, each given to a
+    /// live worker now (preferring the last stage's, whose sessions reach the producers). The
+    /// caller sends each to its worker; the worker answers with [`Driver::released`]. Nothing
+    /// is given out while no worker is live.
+    pub fn releases(&mut self) -> Vec<Release<'_, W>> {
+        let last = Stage::ALL[Stage::ALL.len() - 1];
+        let Some(id) = self
+            .workers
+            .keys()
+            .find(|id| self.sched.stage_of(**id) == Some(last))
+            .or_else(|| self.workers.keys().next())
+            .copied()
+        else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (&request, p) in self.unreleased.iter_mut().filter(|(_, p)| p.by.is_none()) {
+            p.by = Some(id);
+            if let Some(worker) = self.workers.get(&id) {
+                out.push(Release { request, outputs: &p.outputs, worker, id });
+            }
+        }
+        out
+    }
+
+    /// The release of `request` could not be handed to its worker: give it out again.
+    pub fn release_again(&mut self, request: u64) {
+        if let Some(p) = self.unreleased.get_mut(&request) {
+            p.by = None;
+        }
+    }
+
+    /// `worker` released the outputs of `request`.
+    pub fn released(&mut self, worker: WorkerId, request: u64) {
+        if self.unreleased.get(&request).is_some_and(|p| p.by == Some(worker)) {
+            self.unreleased.remove(&request);
+        }
+    }
+
+    /// Ended requests whose outputs are not released yet.
+    pub fn unreleased(&self) -> usize {
+        self.unreleased.len()
     }
 
     /// A snapshot at `now` (time since the driver's epoch).
@@ -311,6 +375,7 @@ impl<W, R> Driver<W, R> {
             busy: self.busy,
             elapsed: now,
             duplicated: self.duplicated,
+            unreleased: self.unreleased.len(),
             ..OrchestratorStats::default()
         };
         for stage in Stage::ALL {
@@ -371,10 +436,7 @@ mod tests {
         let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
         d.result(w, key, StageResult::Done(b"latent ref".to_vec()), t(9));
         let a = d.dispatch(t(10));
-        assert_eq!(
-            (a[0].inputs, &a[0].held[..]),
-            (&b"latent ref"[..], &[&b"embedding ref"[..]][..])
-        );
+        assert_eq!(a[0].inputs, &b"latent ref"[..]);
         let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
         // The latent died with its producer: denoise runs again from the embedding.
         d.result(w, key, StageResult::LostInput("producer gone".into()), t(10));
@@ -383,13 +445,12 @@ mod tests {
             (a[0].dispatch.item.key.stage, a[0].inputs),
             (Stage::Denoise, &b"embedding ref"[..])
         );
-        assert!(a[0].held.is_empty(), "only the last stage releases");
         let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
         d.result(w, key, StageResult::Done(b"latent ref 2".to_vec()), t(10));
         let a = d.dispatch(t(10));
-        let held: Vec<&[u8]> = vec![b"embedding ref", b"latent ref"];
-        assert_eq!((a[0].inputs, a[0].held.clone()), (&b"latent ref 2"[..], held));
+        assert_eq!(a[0].inputs, &b"latent ref 2"[..]);
         let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        assert!(d.releases().is_empty(), "nothing to release while the request runs");
         d.result(w, key, StageResult::Done(vec![]), t(12));
         let out = d.take_outcomes();
         assert_eq!(out.len(), 1);
@@ -397,7 +458,23 @@ mod tests {
             (&out[0].outcome, out[0].waiter),
             (&Outcome::Completed { request: 7 }, Some(70))
         );
-        assert!(out[0].orphans.is_empty(), "the last stage released them");
+        // Every output, the replaced latent too, goes to the decode worker to release; if it
+        // leaves before saying it did, they go to another worker.
+        let all: Vec<Vec<u8>> =
+            vec![b"embedding ref".to_vec(), b"latent ref".to_vec(), b"latent ref 2".to_vec()];
+        let r = d.releases();
+        assert_eq!((r.len(), r[0].request, r[0].outputs, *r[0].worker), (1, 7, &all[..], "dec"));
+        assert!(d.releases().is_empty(), "given out once");
+        d.leave(w, t(13));
+        let r = d.releases();
+        assert_eq!(r.len(), 1);
+        assert!(["enc", "den"].contains(r[0].worker), "another worker takes them over");
+        let other = r[0].id;
+        d.released(w, 7);
+        assert_eq!(d.unreleased(), 1, "a report from a worker not asked is ignored");
+        d.released(other, 7);
+        assert_eq!(d.unreleased(), 0);
+        let _ = enc;
         let st = d.stats(t(12));
         assert_eq!(st.busy[Stage::Encode.index()], t(4));
         assert_eq!(st.sched.completed, 1);

@@ -176,6 +176,7 @@ async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::Weak
                 let _ = tx.send(Event::Done { key: item.key, worker, result }).await;
             });
         }
+        drop(d.take_dead()); // in-process workers are never silent; keep the list empty
         for e in d.take_outcomes() {
             if let Some(w) = e.waiter {
                 let _ = w.send(e.outcome);

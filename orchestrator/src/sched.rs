@@ -264,6 +264,8 @@ pub struct Scheduler {
     running_by: [usize; 3],
     /// When silent workers were last looked for.
     last_scan: Option<Duration>,
+    /// Workers declared dead since [`Scheduler::take_dead`] was last called.
+    dead: Vec<WorkerId>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -299,6 +301,7 @@ impl Scheduler {
             slots_by: [0; 3],
             running_by: [0; 3],
             last_scan: None,
+            dead: Vec::new(),
         }
     }
 
@@ -351,6 +354,13 @@ impl Scheduler {
     /// The stage of a live worker.
     pub fn stage_of(&self, id: WorkerId) -> Option<Stage> {
         self.workers.get(&id).map(|w| w.stage)
+    }
+
+    /// Workers declared dead (silent past the heartbeat timeout) since the last call: their items
+    /// are re-queued already; whoever holds their connections should close them, so a worker
+    /// that was only slow learns it is out and can rejoin.
+    pub fn take_dead(&mut self) -> Vec<WorkerId> {
+        std::mem::take(&mut self.dead)
     }
 
     /// Whether `request` is in flight (submitted, not yet ended).
@@ -572,6 +582,7 @@ impl Scheduler {
         for id in dead {
             self.stats.dead_workers += 1;
             self.lose_worker(id, now, "worker missed its heartbeats");
+            self.dead.push(id);
         }
         let aging = self.cfg.aging;
         for q in self.queues.values_mut() {

@@ -1,7 +1,7 @@
 //! Inputs outlive failures, through the service: a decode worker whose input died with its
-//! producer says so and denoise runs again from its own (still held) input; the decode
-//! assignment lists every other output of the request for release; and a request that fails
-//! has its outputs handed to a live worker to release.
+//! producer says so and denoise runs again from its own (still held) input; once a request
+//! ends, completed or failed, every output of it is handed to a live worker to release, and kept
+//! until that worker says it did; a worker declared dead is disconnected.
 
 use std::time::Duration;
 
@@ -30,6 +30,7 @@ where
         while let Some(a) = rx.recv().await {
             let _ = seen.send(a.clone()).await;
             if a.release_only {
+                w.released(&a).await.unwrap();
                 continue;
             }
             n += 1;
@@ -63,23 +64,49 @@ async fn a_lost_input_reruns_the_producer_and_decode_releases_everything() {
     .await;
     let sub = SubmitClient::connect(s.addr(), None).await.unwrap();
     outcome(&sub, 4).await.unwrap();
-    let mut log = Vec::new();
-    while let Ok(a) = seen.try_recv() {
-        log.push((a.stage, a.inputs, a.held));
-    }
+    let release = released(&mut seen).await;
+    let log: Vec<_> = release.1.into_iter().map(|a| (a.stage, a.inputs)).collect();
     let b = |s: &str| s.as_bytes().to_vec();
     assert_eq!(
         log,
         vec![
-            (Stage::Encode, vec![], vec![]),
-            (Stage::Denoise, b("enc:4:1"), vec![]),
-            (Stage::Decode, b("den:4:1"), vec![b("enc:4:1")]),
-            (Stage::Denoise, b("enc:4:1"), vec![]), // run again from its own input
-            (Stage::Decode, b("den:4:2"), vec![b("enc:4:1"), b("den:4:1")]),
+            (Stage::Encode, vec![]),
+            (Stage::Denoise, b("enc:4:1")),
+            (Stage::Decode, b("den:4:1")),
+            (Stage::Denoise, b("enc:4:1")), // run again from its own input
+            (Stage::Decode, b("den:4:2")),
         ]
     );
-    let st = s.stats().await.unwrap();
+    let r = release.0;
+    assert_eq!((r.request, r.stage), (4, Stage::Decode), "the decode worker releases");
+    assert_eq!(r.held, vec![b("enc:4:1"), b("den:4:1"), b("den:4:2")], "every output");
+    let st = settled(&s).await;
     assert_eq!((st.sched.reran, st.sched.completed, st.duplicated), (1, 1, 0));
+}
+
+/// The first release-only assignment seen, and every assignment before it.
+async fn released(seen: &mut mpsc::Receiver<Assignment>) -> (Assignment, Vec<Assignment>) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut before = Vec::new();
+    loop {
+        let a = tokio::time::timeout_at(deadline, seen.recv()).await.expect("a release").unwrap();
+        if a.release_only {
+            return (a, before);
+        }
+        before.push(a);
+    }
+}
+
+/// Stats once the worker's `Released` has arrived (bounded wait).
+async fn settled(s: &OrchestratorService) -> tensorwire_orchestrator::OrchestratorStats {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = s.stats().await.unwrap();
+        if st.unreleased == 0 || tokio::time::Instant::now() > deadline {
+            return st;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -93,15 +120,29 @@ async fn a_failed_request_has_its_outputs_released() {
     let sub = SubmitClient::connect(s.addr(), None).await.unwrap();
     let e = outcome(&sub, 8).await.unwrap_err();
     assert!(e.to_string().contains("out of memory"), "{e}");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let release = loop {
-        let a = tokio::time::timeout_at(deadline, seen.recv()).await.expect("a release").unwrap();
-        if a.release_only {
-            break a;
-        }
-    };
-    assert_eq!(
-        (release.request, release.stage, release.held),
-        (8, Stage::Decode, vec![b"enc:8".to_vec()])
-    );
+    let (release, _) = released(&mut seen).await;
+    assert_eq!((release.request, release.held), (8, vec![b"enc:8".to_vec()]));
+    assert_eq!(settled(&s).await.unreleased, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_declared_dead_is_disconnected_and_may_rejoin() {
+    let sched =
+        SchedConfig { heartbeat_timeout: Duration::from_millis(300), ..SchedConfig::default() };
+    let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
+    let s = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
+    // Heartbeats far apart: the service declares it dead, and closes its connection rather than
+    // keep a zombie that would never get work again.
+    let slow = Duration::from_secs(30);
+    let (_w, mut rx) =
+        WorkerClient::connect(s.addr(), None, Stage::Decode, 1, "h", slow).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+    assert!(matches!(closed, Ok(None)), "the assignment stream should end: {closed:?}");
+    assert_eq!(s.stats().await.unwrap().sched.dead_workers, 1);
+    // It may join again (with heartbeats in time now).
+    let hb = Duration::from_millis(50);
+    let (_w, _rx) = WorkerClient::connect(s.addr(), None, Stage::Decode, 1, "h", hb).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let st = s.stats().await.unwrap();
+    assert_eq!((st.sched.dead_workers, st.slots[Stage::Decode.index()]), (1, 1));
 }

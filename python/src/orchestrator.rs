@@ -101,14 +101,13 @@ impl Assignment {
     fn inputs<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.inner.inputs)
     }
-    /// Last stage only: the request's other outputs (earlier stages', or ones a re-run
-    /// replaced); release them with `inputs` once the result is reported.
+    /// With `release_only`: every output the request's stages reported.
     #[getter]
     fn held<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         self.inner.held.iter().map(|h| PyBytes::new(py, h)).collect()
     }
-    /// True when there is nothing to run or report: the request failed, and `held` are its
-    /// payloads that nobody will consume (release them).
+    /// True when there is nothing to run: the request ended and nothing will consume `held`;
+    /// release them, then call `Worker.released(assignment)`.
     #[getter]
     fn release_only(&self) -> bool {
         self.inner.release_only
@@ -168,6 +167,16 @@ impl Worker {
             }
         })?;
         Ok(got.map(|inner| Assignment { inner }))
+    }
+
+    /// Says the outputs of a `release_only` assignment are released (until then the
+    /// orchestrator keeps them, and gives them to another worker should this one leave).
+    #[pyo3(signature = (assignment, *, timeout = 30.0))]
+    fn released(&self, py: Python<'_>, assignment: &Assignment, timeout: f64) -> PyResult<()> {
+        let a = assignment.inner.clone();
+        wait(py, seconds(timeout).raise(py)?, "a release report", async {
+            Ok(self.client.released(&a).await?)
+        })
     }
 
     /// Reports the end of `assignment`: its `outputs` go to the next stage, or `error` (a reason)

@@ -35,10 +35,10 @@ def serve_stage(address: str, stage: str, handler: Callable[[Assignment], Option
     ``PayloadMissingError`` or ``LeaseEndedError`` (its input is gone for good) has the stage
     before run again instead.
 
-    Inputs outlive failures when handlers consume with ``hold=True`` and pass ``release``
-    (called with each stage output, as reported, that nothing needs any more): the last stage's
-    worker releases every payload of a request after reporting its result, and any worker
-    releases those of a failed request when the orchestrator asks."""
+    Inputs outlive failures when handlers consume with ``hold=True`` and the loop is given
+    ``release`` (called with each stage output, as reported, that nothing needs any more): once
+    a request ends, completed or failed, the orchestrator hands its outputs to a worker to
+    release, and to another should that one leave before it said it did."""
     w = Worker(address, stage, slots=slots, secret_file=secret_file)
     done = 0
     while stop is None or not stop.is_set():
@@ -50,6 +50,7 @@ def serve_stage(address: str, stage: str, handler: Callable[[Assignment], Option
             continue
         if a.release_only:
             _release(release, a.held, a.request)
+            w.released(a)
             continue
         try:
             outputs = handler(a)
@@ -62,8 +63,6 @@ def serve_stage(address: str, stage: str, handler: Callable[[Assignment], Option
             w.report(a, error=f"{type(e).__name__}: {e}")
             continue
         w.report(a, outputs or b"")
-        if stage == "decode":
-            _release(release, [a.inputs, *a.held], a.request)
         done += 1
     return done
 

@@ -209,6 +209,10 @@ async fn copy(
 }
 
 impl Connection for ShmConnection {
+    fn broken(&self) -> Option<Error> {
+        self.shared.alive().err()
+    }
+
     fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
         ops.into_iter()
             .map(|op| {

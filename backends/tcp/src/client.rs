@@ -460,6 +460,10 @@ fn check_read(p: &Piece, h: &DataHeader, want: bool) -> Result<()> {
 }
 
 impl Connection for TcpConnection {
+    fn broken(&self) -> Option<Error> {
+        self.shared.is_dead()
+    }
+
     fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
         let c = &self.shared;
         ops.into_iter()

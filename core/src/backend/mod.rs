@@ -32,7 +32,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fence::FenceTicket;
 use crate::ids::{AccessKey, EngineId, RegionId};
 use crate::memory::{MemoryKind, MemoryKinds, ShareableMemory};
@@ -243,4 +243,10 @@ pub trait Connection: Send + Sync + Debug + 'static {
     /// Sends a small message to the peer's [`BackendHost::deliver`]; resolves once it was
     /// delivered (or refused, with the peer's error). The engine orders it after earlier ops.
     fn notify(&self, msg: Bytes) -> Completion;
+    /// Why this connection can carry nothing more (a stream failed, the peer went away), or
+    /// `None` while it works. The engine then opens a new connection for later transfers, so a
+    /// healed network or a restarted peer needs no restart here. The default: never broken.
+    fn broken(&self) -> Option<Error> {
+        None
+    }
 }

@@ -175,7 +175,15 @@ impl Session {
     async fn connection(&self, engine: &EngineShared, backend: &Arc<dyn Backend>) -> Result<Conn> {
         let mut conns = self.inner.conns.lock().await;
         if let Some(c) = conns.get(backend.name()) {
-            return Ok(c.clone());
+            match c.conn.broken() {
+                None => return Ok(c.clone()),
+                Some(e) => tracing::debug!(
+                    backend = backend.name(),
+                    peer = %self.descriptor().engine,
+                    error = %e,
+                    "engine: connection broken; opening a new one"
+                ),
+            }
         }
         let peer = self.descriptor();
         let endpoint = peer

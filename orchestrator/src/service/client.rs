@@ -75,12 +75,11 @@ pub struct Assignment {
     pub attempt: u32,
     /// What the previous stage reported (empty for encode).
     pub inputs: Vec<u8>,
-    /// Last stage only: the request's other outputs (earlier stages', or ones a re-run
-    /// replaced). Once its result is reported, the worker releases these and `inputs`: nothing
-    /// else will need them.
+    /// With `release_only`: every output the request's stages reported.
     pub held: Vec<Vec<u8>>,
-    /// Nothing to run (and nothing to report): the request failed, and `held` are payloads
-    /// of it that nobody will consume. The worker releases them.
+    /// Nothing to run: the request ended (completed or failed) and nothing will consume `held`.
+    /// The worker releases them, then says so with [`WorkerClient::released`] (until then the
+    /// orchestrator keeps them, and gives them to another worker should this one leave).
     pub release_only: bool,
 }
 
@@ -113,12 +112,12 @@ impl WorkerClient {
         tasks.spawn(async move {
             loop {
                 let a = match read_msg(&mut rd).await {
-                    Ok(Some(Msg::Assign { request, stage, attempt, data, held })) => Assignment {
+                    Ok(Some(Msg::Assign { request, stage, attempt, data })) => Assignment {
                         request,
                         stage,
                         attempt,
                         inputs: data,
-                        held,
+                        held: Vec::new(),
                         release_only: false,
                     },
                     Ok(Some(Msg::Release { request, held })) => Assignment {
@@ -174,6 +173,12 @@ impl WorkerClient {
             Ok(d) => self.send_result(a, Ending::Done, String::new(), d).await,
             Err(e) => self.send_result(a, Ending::Failed, e.to_string(), Vec::new()).await,
         }
+    }
+
+    /// Says the outputs of a `release_only` assignment are released.
+    pub async fn released(&self, a: &Assignment) -> Result<()> {
+        let m = Msg::Released { request: a.request };
+        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
     }
 
     /// Reports that the assignment's input is gone (its p2p producer died, the stored payload

@@ -63,6 +63,7 @@ enum Event {
     Result { worker: u64, key: ItemKey, result: StageResult },
     Submit { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
     Stats { reply: tokio::sync::oneshot::Sender<OrchestratorStats> },
+    Released { worker: u64, request: u64 },
 }
 
 /// A running orchestrator service; dropping it stops it.
@@ -141,20 +142,32 @@ async fn connection(
         .map_err(|_| OrchestratorError::Stopped)?;
     let worker = id.await.map_err(|_| OrchestratorError::Stopped)?;
     wr.write_all(&Msg::Welcome { worker }.encode()?).await.map_err(Error::from)?;
-    let writer = tokio::spawn(async move {
+    let mut writer = tokio::spawn(async move {
         while let Some(m) = out_rx.recv().await {
             let Ok(frame) = m.encode() else { break };
             if wr.write_all(&frame).await.is_err() {
                 break;
             }
         }
+        let _ = wr.shutdown().await;
     });
     let is_worker = matches!(role, Role::Worker { .. });
+    // A worker's only sender is the driver's: when the driver drops it (the worker was declared
+    // dead), the writer ends and so does this connection.
+    let out_tx = (!is_worker).then_some(out_tx);
     let r = async {
-        while let Some(m) = read_msg(&mut rd).await? {
+        loop {
+            let m = tokio::select! {
+                m = read_msg(&mut rd) => match m? {
+                    Some(m) => m,
+                    None => break,
+                },
+                _ = &mut writer => break,
+            };
             let ev = match m {
                 Msg::Heartbeat if is_worker => Event::Heartbeat { worker },
                 Msg::Credit { slots } if is_worker => Event::Credit { worker, slots },
+                Msg::Released { request } if is_worker => Event::Released { worker, request },
                 Msg::Result { request, stage, ending, reason, data } if is_worker => {
                     let key = ItemKey { request, stage };
                     let result = match ending {
@@ -165,7 +178,8 @@ async fn connection(
                     Event::Result { worker, key, result }
                 }
                 Msg::Submit { request, priority, .. } if !is_worker => {
-                    Event::Submit { request, priority, tx: out_tx.clone() }
+                    let Some(tx) = out_tx.clone() else { break };
+                    Event::Submit { request, priority, tx }
                 }
                 other => {
                     let e = Error::protocol(format!("orchestrator: unexpected {other:?}"));
@@ -216,6 +230,7 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
             Some(Event::Stats { reply }) => {
                 let _ = reply.send(d.stats(now));
             }
+            Some(Event::Released { worker, request }) => d.released(WorkerId(worker), request),
             None => {}
         }
         // A worker that cannot take its assignment (gone or flooded) gives its items back.
@@ -224,21 +239,11 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
             .into_iter()
             .filter_map(|a| {
                 let item = &a.dispatch.item;
-                if a.held.len() > MAX_HELD {
-                    tracing::warn!(
-                        request = item.key.request,
-                        outputs = a.held.len(),
-                        "orchestrator: more earlier outputs than an assignment lists; \
-                         the oldest stay unreleased"
-                    );
-                }
-                let skip = a.held.len().saturating_sub(MAX_HELD);
                 let m = Msg::Assign {
                     request: item.key.request,
                     stage: item.key.stage,
                     attempt: item.attempt,
                     data: a.inputs.to_vec(),
-                    held: a.held[skip..].iter().map(|h| h.to_vec()).collect(),
                 };
                 a.worker.try_send(m).is_err().then_some(a.dispatch.worker)
             })
@@ -246,25 +251,34 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
         for w in refused {
             d.leave(w, now);
         }
+        for (id, endpoint) in d.take_dead() {
+            tracing::warn!(worker = id.0, "orchestrator: worker missed its heartbeats; closing it");
+            drop(endpoint); // its connection closes; the worker may rejoin
+        }
         for e in d.take_outcomes() {
-            let request = e.outcome.request();
             if let Some(tx) = e.waiter {
                 let _ = tx.try_send(outcome_msg(e.outcome));
             }
-            if !e.orphans.is_empty() {
-                // A failed request's payloads: a decode worker (or any) releases them.
-                let skip = e.orphans.len().saturating_sub(MAX_HELD);
-                let held = e.orphans[skip..].to_vec();
-                let sent = d
-                    .some_worker(crate::Stage::Decode)
-                    .is_some_and(|w| w.try_send(Msg::Release { request, held }).is_ok());
-                if !sent || skip > 0 {
-                    tracing::warn!(
-                        request,
-                        "orchestrator: a failed request's payloads stay unreleased"
-                    );
-                }
+        }
+        // Ended requests' outputs go to a live worker to release (again to another, should it
+        // leave before it says it did).
+        let mut unsent = Vec::new();
+        for r in d.releases() {
+            if r.outputs.len() > MAX_HELD {
+                tracing::warn!(
+                    request = r.request,
+                    outputs = r.outputs.len(),
+                    "orchestrator: more outputs than a release lists; the oldest stay unreleased"
+                );
             }
+            let skip = r.outputs.len().saturating_sub(MAX_HELD);
+            let held = r.outputs[skip..].to_vec();
+            if r.worker.try_send(Msg::Release { request: r.request, held }).is_err() {
+                unsent.push(r.request); // flooded or gone: given out again next round
+            }
+        }
+        for request in unsent {
+            d.release_again(request);
         }
         d.publish_metrics();
     }

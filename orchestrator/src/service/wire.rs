@@ -10,18 +10,17 @@ use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{Error, Result};
 
 /// Largest payload.
-pub const MAX_PAYLOAD: u32 = 256 << 10;
-/// The service's framing (version 3: results say whether an input was lost, and the last
-/// stage's assignment lists what it releases).
+pub const MAX_PAYLOAD: u32 = 1 << 20;
+/// The service's framing (version 3: results say whether an input was lost; ended requests'
+/// outputs are handed to workers to release, who say when they did).
 pub const FRAMING: Framing =
     Framing { name: "orchestrator", magic: *b"TO", version: 3, max_payload: MAX_PAYLOAD };
 const MAX_TEXT: usize = 1024;
 const MAX_LABELS: usize = 8;
 /// Largest opaque stage data (inputs / outputs) in one message.
 pub const MAX_DATA: usize = 48 << 10;
-/// Most earlier outputs an assignment lists for release (with `MAX_DATA` each, an assignment
-/// stays within `MAX_PAYLOAD`).
-pub const MAX_HELD: usize = 4;
+/// Most outputs one release lists (with `MAX_DATA` each, a release stays within `MAX_PAYLOAD`).
+pub const MAX_HELD: usize = 16;
 
 /// How a worker ended an item, on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,19 +64,19 @@ pub enum Msg {
     /// Worker: its slot count changed.
     Credit { slots: u32 },
     /// Server -> worker: run this item; `data` is what the previous stage reported (its outputs,
-    /// e.g. encoded payload references), empty for the first stage; `held` (last stage only)
-    /// lists the request's other outputs, which the worker releases with `data` once its
-    /// result is in.
-    Assign { request: u64, stage: Stage, attempt: u32, data: Vec<u8>, held: Vec<Vec<u8>> },
+    /// e.g. encoded payload references), empty for the first stage.
+    Assign { request: u64, stage: Stage, attempt: u32, data: Vec<u8> },
     /// Worker: an item ended; `data` (its outputs) goes to the next stage's assignment.
     Result { request: u64, stage: Stage, ending: Ending, reason: String, data: Vec<u8> },
     /// Submitter: a new request.
     Submit { request: u64, priority: Priority, deadline_ms: u64 },
     /// Server -> submitter: a request ended.
     Outcome { request: u64, ok: bool, reason: String },
-    /// Server -> worker: `request` failed; nothing will consume `held`, its stages' outputs:
-    /// release them.
+    /// Server -> worker: `request` ended; nothing will consume `held`, its stages' outputs:
+    /// release them, then say `Released`.
     Release { request: u64, held: Vec<Vec<u8>> },
+    /// Worker: the outputs of `request` are released.
+    Released { request: u64 },
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -131,11 +130,10 @@ impl Msg {
                 w.u32(*slots);
                 4
             }
-            Msg::Assign { request, stage, attempt, data, held } => {
+            Msg::Assign { request, stage, attempt, data } => {
                 w.u64(*request);
                 stage.encode(&mut w);
                 w.u32(*attempt).bytes(data);
-                put_held(&mut w, held);
                 5
             }
             Msg::Result { request, stage, ending, reason, data } => {
@@ -163,6 +161,10 @@ impl Msg {
                 w.u64(*request);
                 put_held(&mut w, held);
                 9
+            }
+            Msg::Released { request } => {
+                w.u64(*request);
+                10
             }
         };
         (kind, w.finish())
@@ -202,7 +204,6 @@ impl Msg {
                 stage: Stage::decode(&mut r)?,
                 attempt: r.u32()?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
-                held: get_held(&mut r)?,
             },
             6 => Msg::Result {
                 request: r.u64()?,
@@ -227,6 +228,7 @@ impl Msg {
                 reason: r.str(MAX_TEXT, "reason")?,
             },
             9 => Msg::Release { request: r.u64()?, held: get_held(&mut r)? },
+            10 => Msg::Released { request: r.u64()? },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -265,13 +267,7 @@ mod tests {
             Msg::Hello { role: Role::Submitter },
             Msg::Welcome { worker: 3 },
             Msg::Credit { slots: 4 },
-            Msg::Assign {
-                request: 9,
-                stage: Stage::Denoise,
-                attempt: 2,
-                data: vec![1, 2],
-                held: vec![vec![3], vec![]],
-            },
+            Msg::Assign { request: 9, stage: Stage::Denoise, attempt: 2, data: vec![1, 2] },
             Msg::Result {
                 request: 9,
                 stage: Stage::Denoise,
@@ -281,7 +277,8 @@ mod tests {
             },
             Msg::Submit { request: 1, priority: Priority::Interactive, deadline_ms: 5 },
             Msg::Outcome { request: 1, ok: true, reason: String::new() },
-            Msg::Release { request: 4, held: vec![vec![5; 3]] },
+            Msg::Release { request: 4, held: vec![vec![5; 3], vec![]] },
+            Msg::Released { request: 4 },
             Msg::Heartbeat,
         ];
         for m in msgs {

@@ -262,13 +262,7 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Welcome { worker: 7 },
         Msg::Heartbeat,
         Msg::Credit { slots: 3 },
-        Msg::Assign {
-            request: 1,
-            stage: Stage::Decode,
-            attempt: 2,
-            data: b"refs".to_vec(),
-            held: vec![b"embedding refs".to_vec()],
-        },
+        Msg::Assign { request: 1, stage: Stage::Decode, attempt: 2, data: b"refs".to_vec() },
         Msg::Result {
             request: 1,
             stage: Stage::Encode,
@@ -293,6 +287,7 @@ fn orchestrator(c: &mut Corpus) {
         },
         Msg::Outcome { request: 2, ok: false, reason: "too many attempts".into() },
         Msg::Release { request: 2, held: vec![b"refs".to_vec(), b"latent refs".to_vec()] },
+        Msg::Released { request: 2 },
     ];
     for m in msgs {
         let (kind, mut body) = m.encode_body();
