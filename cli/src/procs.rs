@@ -62,6 +62,7 @@ fn decode_refs(b: &[u8]) -> tensorwire_core::Result<Vec<PayloadRef>> {
 /// The body of a payload-moving worker for one assignment.
 async fn run_item(
     c: &DiffusionConnector,
+    w: &WorkerClient,
     m: &Model,
     a: &Assignment,
     scale: f64,
@@ -83,8 +84,12 @@ async fn run_item(
                 lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
             };
             let mut p = c.publish(payload, None)?;
+            // Said before the put can complete: should this worker die after it did, the
+            // orchestrator still releases the object when the request ends.
+            let out = encode_refs(&[p.reference.clone()]);
+            w.announce(a, out.clone()).await?;
             p.stored().await?;
-            Ok(encode_refs(&[p.reference.clone()]))
+            Ok(out)
         }
         Stage::Denoise => {
             let refs = decode_refs(&a.inputs)?;
@@ -173,7 +178,7 @@ pub(crate) async fn payload_worker(
                 return;
             }
             let m = &models[(a.request as usize) % models.len()];
-            match run_item(&conn, m, &a, scale).await {
+            match run_item(&conn, &w, m, &a, scale).await {
                 Err(e) if lost(&e) => {
                     let _ = w.report_lost_input(&a, &e.to_string()).await;
                 }

@@ -147,6 +147,12 @@ async fn pump(
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => {
+                // An orderly end crosses a partition only once it heals, like the bytes.
+                while *fault.borrow_and_update() == Fault::Partition {
+                    if fault.changed().await.is_err() {
+                        break;
+                    }
+                }
                 let _ = to.shutdown().await;
                 break;
             }

@@ -197,7 +197,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
     let held = |u: &mut Unstructured<'_>| -> Result<Vec<Vec<u8>>> {
         (0..u.int_in_range(0..=MAX_HELD)?).map(|_| data(u)).collect()
     };
-    let m = match u.int_in_range(0..=10u8)? {
+    let m = match u.int_in_range(0..=11u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -227,7 +227,8 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         },
         8 => Msg::Outcome { request: u.arbitrary()?, ok: u.arbitrary()?, reason: short(u)? },
         9 => Msg::Release { request: u.arbitrary()?, held: held(u)? },
-        _ => Msg::Released { request: u.arbitrary()? },
+        10 => Msg::Released { request: u.arbitrary()? },
+        _ => Msg::Announce { request: u.arbitrary()?, stage, data: data(u)? },
     };
     let frame = m.encode().expect("a message within bounds fits a frame");
     let (kind, body) = FRAMING.decode(&frame).expect("own frame decodes");

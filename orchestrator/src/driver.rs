@@ -137,6 +137,8 @@ pub struct Driver<W, R> {
     accepted: HashMap<u64, [bool; 3]>,
     /// Ended requests' outputs not yet released.
     unreleased: std::collections::BTreeMap<u64, Pending>,
+    /// Per request, outputs announced by workers before they existed.
+    announced: HashMap<u64, Vec<Vec<u8>>>,
     duplicated: u64,
     busy: [Duration; 3],
     next_worker: u64,
@@ -163,6 +165,7 @@ impl<W, R> Driver<W, R> {
             started: HashMap::new(),
             accepted: HashMap::new(),
             unreleased: std::collections::BTreeMap::new(),
+            announced: HashMap::new(),
             duplicated: 0,
             busy: [Duration::ZERO; 3],
             next_worker: 0,
@@ -281,6 +284,18 @@ impl<W, R> Driver<W, R> {
         accepted
     }
 
+    /// `worker`, which runs `key`, will output `data` (it says so before the outputs exist):
+    /// released with the request's other outputs when it ends, even if `worker` dies first.
+    /// Ignored from a worker that does not hold the item.
+    pub fn announce(&mut self, worker: WorkerId, key: ItemKey, data: Vec<u8>) {
+        if self.sched.holder(key) == Some(worker) && !data.is_empty() {
+            let a = self.announced.entry(key.request).or_default();
+            if !a.contains(&data) {
+                a.push(data);
+            }
+        }
+    }
+
     /// Every dispatch decision possible now, each with its worker's endpoint and inputs.
     /// Decisions for a worker without an endpoint (it left) are dropped; the scheduler re-queues
     /// them when the worker is declared gone.
@@ -315,8 +330,19 @@ impl<W, R> Driver<W, R> {
             .map(|outcome| {
                 let r = outcome.request();
                 self.accepted.remove(&r);
-                if let Some(outs) = self.outputs.remove(&r) {
-                    let outputs = outs.into_iter().map(|(_, o)| o).collect();
+                let mut outputs: Vec<Vec<u8>> = self
+                    .outputs
+                    .remove(&r)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(_, o)| o)
+                    .collect();
+                for a in self.announced.remove(&r).unwrap_or_default() {
+                    if !outputs.contains(&a) {
+                        outputs.push(a);
+                    }
+                }
+                if !outputs.is_empty() {
                     self.unreleased.insert(r, Pending { outputs, by: None });
                 }
                 Ended { outcome, waiter: self.waiting.remove(&r) }
@@ -478,5 +504,109 @@ mod tests {
         let st = d.stats(t(12));
         assert_eq!(st.busy[Stage::Encode.index()], t(4));
         assert_eq!(st.sched.completed, 1);
+    }
+
+    #[test]
+    fn announced_outputs_are_released_even_when_their_worker_dies() {
+        let mut d: Driver<&str, ()> = Driver::new(SchedConfig::default(), Box::new(MaxFreeCredit));
+        let t = Duration::from_millis;
+        let enc = d.join(Stage::Encode, 1, "h", vec![], "enc", t(0));
+        d.join(Stage::Decode, 1, "h", vec![], "dec", t(0));
+        d.submit(submit(1), (), t(0)).unwrap();
+        let a = d.dispatch(t(1));
+        let key = a[0].dispatch.item.key;
+        d.announce(WorkerId(99), key, b"foreign".to_vec()); // not its item: ignored
+        d.announce(enc, key, b"embedding 1".to_vec()); // the put is about to start
+        d.leave(enc, t(2)); // killed before its result
+        let enc2 = d.join(Stage::Encode, 1, "h", vec![], "enc2", t(3));
+        let a = d.dispatch(t(3));
+        let key = a[0].dispatch.item.key;
+        d.announce(enc2, key, b"embedding 2".to_vec());
+        assert!(d.result(enc2, key, StageResult::Failed("oom".into()), t(4)));
+        let a = d.dispatch(t(5));
+        let key = a[0].dispatch.item.key;
+        d.announce(enc2, key, b"embedding 3".to_vec());
+        d.result(enc2, key, StageResult::Failed("oom".into()), t(6));
+        assert_eq!(d.take_outcomes().len(), 1, "failed after 3 attempts");
+        let r = d.releases();
+        let want: Vec<Vec<u8>> =
+            vec![b"embedding 1".to_vec(), b"embedding 2".to_vec(), b"embedding 3".to_vec()];
+        assert_eq!((r.len(), r[0].outputs), (1, &want[..]));
+    }
+
+    proptest::proptest! {
+        /// Random joins, departures, results, failures, lost inputs and release reports: every
+        /// output a stage reported is handed out for release once its request ends, and stays
+        /// outstanding until the worker it was last given to reports it; none is lost, none is
+        /// handed out twice at once.
+        #[test]
+        fn every_output_is_released(ops in proptest::collection::vec((0u8..8, 0u64..5, 0u64..30), 1..300)) {
+            use std::collections::{BTreeSet, HashMap};
+            let cfg = SchedConfig { heartbeat_timeout: Duration::from_secs(3600), max_attempts: 3, ..SchedConfig::default() };
+            let mut d: Driver<u64, ()> = Driver::new(cfg, Box::new(MaxFreeCredit));
+            let t = Duration::from_millis;
+            let (mut next_req, mut n_out) = (0u64, 0u64);
+            let mut workers: Vec<WorkerId> = Vec::new();
+            let mut running: Vec<(WorkerId, ItemKey)> = Vec::new();
+            let mut reported: HashMap<u64, BTreeSet<Vec<u8>>> = HashMap::new();
+            let mut released: HashMap<u64, BTreeSet<Vec<u8>>> = HashMap::new();
+            let mut given: HashMap<u64, WorkerId> = HashMap::new();
+            let mut ended: BTreeSet<u64> = BTreeSet::new();
+            for (i, (op, a, b)) in ops.into_iter().enumerate() {
+                let now = t(i as u64);
+                match op {
+                    0 => { let _ = d.submit(Submit::new(next_req, Priority::Batch), (), now); next_req += 1; }
+                    1 => { let w = d.join(Stage::ALL[(a % 3) as usize], 1 + (b % 2) as u32, "h", vec![], a, now); workers.push(w); }
+                    2 if !workers.is_empty() => {
+                        let w = workers.swap_remove((b as usize) % workers.len());
+                        d.leave(w, now);
+                        running.retain(|(x, _)| *x != w);
+                        given.retain(|_, x| *x != w);
+                    }
+                    3..=5 if !running.is_empty() => {
+                        let (w, key) = running.swap_remove((b as usize) % running.len());
+                        let r = match op {
+                            3 => { n_out += 1; let o = format!("{}:{:?}:{n_out}", key.request, key.stage).into_bytes(); StageResult::Done(o) }
+                            4 => StageResult::Failed("x".into()),
+                            _ => StageResult::LostInput("gone".into()),
+                        };
+                        let out = match &r { StageResult::Done(o) => Some(o.clone()), _ => None };
+                        if d.result(w, key, r, now) {
+                            if let Some(o) = out { reported.entry(key.request).or_default().insert(o); }
+                        }
+                    }
+                    6 if !given.is_empty() => {
+                        let r = *given.keys().nth((b as usize) % given.len()).unwrap();
+                        let w = given.remove(&r).unwrap();
+                        d.released(w, r);
+                    }
+                    _ => {}
+                }
+                for asg in d.dispatch(now) {
+                    running.push((asg.dispatch.worker, asg.dispatch.item.key));
+                }
+                for e in d.take_outcomes() {
+                    proptest::prop_assert!(ended.insert(e.outcome.request()), "ended twice");
+                }
+                for rel in d.releases() {
+                    proptest::prop_assert!(ended.contains(&rel.request), "released while running");
+                    proptest::prop_assert!(!given.contains_key(&rel.request), "handed out twice at once");
+                    given.insert(rel.request, rel.id);
+                    released.entry(rel.request).or_default().extend(rel.outputs.iter().cloned());
+                }
+                proptest::prop_assert_eq!(d.unreleased(), d.unreleased.len());
+            }
+            // Every ended request's outputs were handed out, all of them.
+            for r in &ended {
+                let want = reported.get(r).cloned().unwrap_or_default();
+                if want.is_empty() { continue; }
+                let outstanding = d.unreleased.contains_key(r);
+                let got = released.get(r).cloned().unwrap_or_default();
+                // Only with no live worker may an ended request's outputs wait to be handed out.
+                if !(outstanding && workers.is_empty()) {
+                    proptest::prop_assert_eq!(&got, &want, "request {}", r);
+                }
+            }
+        }
     }
 }

@@ -351,6 +351,11 @@ impl Scheduler {
         self.live.len()
     }
 
+    /// The worker running `key`, if any.
+    pub fn holder(&self, key: ItemKey) -> Option<WorkerId> {
+        self.running.get(&key).map(|(w, _)| *w)
+    }
+
     /// The stage of a live worker.
     pub fn stage_of(&self, id: WorkerId) -> Option<Stage> {
         self.workers.get(&id).map(|w| w.stage)

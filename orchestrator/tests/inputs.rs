@@ -146,3 +146,38 @@ async fn a_worker_declared_dead_is_disconnected_and_may_rejoin() {
     let st = s.stats().await.unwrap();
     assert_eq!((st.sched.dead_workers, st.slots[Stage::Decode.index()]), (1, 1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_worker_loses_its_items_to_others_and_is_closed_once_healed() {
+    use tensorwire_conformance::faults::{Fault, FaultProxy};
+    let sched =
+        SchedConfig { heartbeat_timeout: Duration::from_millis(400), ..SchedConfig::default() };
+    let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
+    let s = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
+    let proxy = FaultProxy::start(s.addr()).await.unwrap();
+    let hb = Duration::from_millis(50);
+    // The only encode worker at first sits behind the proxy.
+    let (far, mut far_rx) =
+        WorkerClient::connect(proxy.addr(), None, Stage::Encode, 1, "far", hb).await.unwrap();
+    let (tx, _seen) = mpsc::channel(64);
+    worker(&s, Stage::Denoise, tx.clone(), |_, _| Ok(Vec::new())).await;
+    worker(&s, Stage::Decode, tx.clone(), |_, _| Ok(Vec::new())).await;
+    let sub = SubmitClient::connect(s.addr(), None).await.unwrap();
+    let out = sub.submit(1, Priority::Batch).await.unwrap();
+    let a = tokio::time::timeout(Duration::from_secs(5), far_rx.recv()).await.unwrap().unwrap();
+    assert_eq!(a.request, 1);
+    proxy.set(Fault::Partition); // before it reports: its heartbeats stop arriving too
+    far.report_with(&a, Ok::<_, String>(b"late".to_vec())).await.unwrap();
+    // A worker on this side of the partition takes the item over once the far one is declared
+    // dead, and the request completes.
+    worker(&s, Stage::Encode, tx, |_, _| Ok(b"near".to_vec())).await;
+    let r = tokio::time::timeout(Duration::from_secs(10), out).await.expect("completes").unwrap();
+    assert!(r.is_ok(), "{r:?}");
+    let st = s.stats().await.unwrap();
+    assert_eq!((st.sched.dead_workers, st.duplicated), (1, 0));
+    // Healed: the far worker's late result is ignored and it learns it was closed.
+    proxy.set(Fault::None);
+    let closed = tokio::time::timeout(Duration::from_secs(10), far_rx.recv()).await;
+    assert!(matches!(closed, Ok(None)), "{closed:?}");
+    assert_eq!(s.stats().await.unwrap().sched.completed, 1);
+}

@@ -169,6 +169,23 @@ impl Worker {
         Ok(got.map(|inner| Assignment { inner }))
     }
 
+    /// Says, before they exist, what `outputs` this assignment will report (e.g. the handle of a
+    /// store-mode publish whose put is about to start): they are released when the request
+    /// ends even if this worker dies before reporting.
+    #[pyo3(signature = (assignment, outputs, *, timeout = 30.0))]
+    fn announce(
+        &self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        outputs: Vec<u8>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let a = assignment.inner.clone();
+        wait(py, seconds(timeout).raise(py)?, "an announcement", async {
+            Ok(self.client.announce(&a, outputs).await?)
+        })
+    }
+
     /// Says the outputs of a `release_only` assignment are released (until then the
     /// orchestrator keeps them, and gives them to another worker should this one leave).
     #[pyo3(signature = (assignment, *, timeout = 30.0))]

@@ -94,3 +94,19 @@ def test_a_lost_input_reruns_the_stage_before_and_every_output_is_released():
         t.join(timeout=5)
     # Every output of the request: the one a re-run replaced, and decode's own, too.
     assert sorted(released) == [b"decode:5:2", b"denoise:5:1", b"denoise:5:2", b"encode:5:1"]
+
+
+def test_announced_outputs_are_released_when_the_request_ends():
+    # An encode worker announces its store key before the put, then fails: the announced
+    # output still comes back for release once the request has failed.
+    service = Service(max_attempts=1)
+    w = tw.Worker(service.address, "encode")
+    out = Submitter(service.address).submit(3)
+    a = w.next(timeout=10)
+    w.announce(a, b"put:3")
+    w.report(a, error="died after its put")
+    with pytest.raises(tw.RequestFailedError):
+        out.wait(timeout=10)
+    r = w.next(timeout=10)
+    assert r.release_only and r.held == [b"put:3"]
+    w.released(r)

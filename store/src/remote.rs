@@ -31,7 +31,7 @@ type Waiters = Mutex<(HashMap<u64, oneshot::Sender<Reply>>, Option<Error>)>;
 struct Rpc {
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     waiters: Arc<Waiters>,
-    next: AtomicU64,
+    next: Arc<AtomicU64>,
     timeout: Duration,
     reader: tokio::task::JoinHandle<()>,
 }
@@ -72,6 +72,8 @@ impl Rpc {
         let (mut rd, wr) = sock.into_split();
         let waiters: Arc<Waiters> = Arc::default();
         let w = waiters.clone();
+        let next = Arc::new(AtomicU64::new(1));
+        let issued = next.clone();
         let reader = tokio::spawn(async move {
             let e = loop {
                 let frame = match FRAMING.read(&mut rd).await {
@@ -90,18 +92,19 @@ impl Rpc {
                     Some(tx) => {
                         let _ = tx.send(reply);
                     }
+                    // The answer to a call that timed out (a slow node, a healed partition).
+                    None if req < issued.load(Ordering::Relaxed) => {}
                     None => break Error::protocol("store rpc: unsolicited response"),
                 }
             };
             fail_all(&w, e);
         });
-        Ok(Rpc {
-            writer: tokio::sync::Mutex::new(wr),
-            waiters,
-            next: AtomicU64::new(1),
-            timeout,
-            reader,
-        })
+        Ok(Rpc { writer: tokio::sync::Mutex::new(wr), waiters, next, timeout, reader })
+    }
+
+    /// Why this connection can carry no more calls, if it cannot.
+    fn broken(&self) -> Option<Error> {
+        self.waiters.lock().1.clone()
     }
 
     async fn call(&self, req: Request) -> Result<Response> {
@@ -142,7 +145,10 @@ pub struct RemoteStore {
     engine: Engine,
     session: Session,
     pool: RemoteRegion,
-    rpc: Rpc,
+    node_rpc: SocketAddr,
+    /// The RPC connection; replaced when it breaks (see [`RemoteStore::call`]).
+    rpc: Mutex<Arc<Rpc>>,
+    redial: tokio::sync::Mutex<()>,
 }
 
 impl RemoteStore {
@@ -166,7 +172,49 @@ impl RemoteStore {
             )))
         })?;
         rpc.call(Request::Auth { region: pool.id, key: pool.key }).await?;
-        Ok(RemoteStore { engine: engine.clone(), session, pool, rpc })
+        Ok(RemoteStore {
+            engine: engine.clone(),
+            session,
+            pool,
+            node_rpc,
+            rpc: Mutex::new(Arc::new(rpc)),
+            redial: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// One call over the RPC connection. A connection that broke (the node went away, a
+    /// partition or reset cut it) is replaced by a new one first, so a healed network needs no
+    /// new client; a node that came back with a different pool is an error.
+    async fn call(&self, req: Request) -> Result<Response> {
+        let current = self.rpc.lock().clone();
+        let rpc = match current.broken() {
+            None => current,
+            Some(_) => self.redial().await?,
+        };
+        rpc.call(req).await
+    }
+
+    async fn redial(&self) -> Result<Arc<Rpc>> {
+        let _one = self.redial.lock().await;
+        let current = self.rpc.lock().clone();
+        if current.broken().is_none() {
+            return Ok(current); // another call redialed meanwhile
+        }
+        let fresh = Rpc::connect(&self.engine, self.node_rpc).await?;
+        match fresh.call(Request::Hello).await? {
+            Response::Pool(id) if id == self.pool.id => {}
+            Response::Pool(_) => {
+                return Err(StoreError::Engine(Error::PeerClosed(format!(
+                    "store node {}: it restarted (its pool changed); connect again",
+                    self.node_rpc
+                ))));
+            }
+            r => return Err(unexpected(r)),
+        }
+        fresh.call(Request::Auth { region: self.pool.id, key: self.pool.key }).await?;
+        let fresh = Arc::new(fresh);
+        *self.rpc.lock() = fresh.clone();
+        Ok(fresh)
     }
 
     /// Reserves space on the node for `key`: write the bytes to [`RemoteStore::pool`] at the
@@ -208,7 +256,7 @@ impl RemoteStore {
         check_key(key)?;
         check_meta(meta, len)?;
         let req = Request::Reserve { key: key.to_vec(), meta: meta.clone(), len, retention: r };
-        match self.rpc.call(req).await? {
+        match self.call(req).await? {
             Response::Reserved { ticket, offset } => Ok((ticket, offset)),
             r => Err(unexpected(r)),
         }
@@ -216,21 +264,21 @@ impl RemoteStore {
 
     async fn open(&self, key: &[u8]) -> Result<(u64, u64, u64, TensorMeta)> {
         check_key(key)?;
-        match self.rpc.call(Request::Open { key: key.to_vec() }).await? {
+        match self.call(Request::Open { key: key.to_vec() }).await? {
             Response::Opened { ticket, offset, len, meta } => Ok((ticket, offset, len, meta)),
             r => Err(unexpected(r)),
         }
     }
 
     async fn done(&self, req: Request) -> Result<()> {
-        match self.rpc.call(req).await? {
+        match self.call(req).await? {
             Response::Done => Ok(()),
             r => Err(unexpected(r)),
         }
     }
 
     async fn flag(&self, req: Request) -> Result<bool> {
-        match self.rpc.call(req).await? {
+        match self.call(req).await? {
             Response::Flag(b) => Ok(b),
             r => Err(unexpected(r)),
         }
@@ -335,7 +383,7 @@ impl Store for RemoteStore {
     }
 
     async fn stats(&self) -> Result<StoreStats> {
-        match self.rpc.call(Request::Stats).await? {
+        match self.call(Request::Stats).await? {
             Response::Stats(s) => Ok(s),
             r => Err(unexpected(r)),
         }

@@ -175,6 +175,21 @@ impl WorkerClient {
         }
     }
 
+    /// Says, before they exist, what outputs this assignment will report (e.g. the reference of
+    /// a store put about to start): the orchestrator releases them when the request ends even
+    /// if this worker dies before its result, so a put that completes just before a crash is
+    /// not left behind. At most [`MAX_DATA`] bytes.
+    pub async fn announce(&self, a: &Assignment, data: Vec<u8>) -> Result<()> {
+        if data.len() > MAX_DATA {
+            return Err(OrchestratorError::InvalidArgument(format!(
+                "announced outputs of {} bytes; at most {MAX_DATA}",
+                data.len()
+            )));
+        }
+        let m = Msg::Announce { request: a.request, stage: a.stage, data };
+        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
+    }
+
     /// Says the outputs of a `release_only` assignment are released.
     pub async fn released(&self, a: &Assignment) -> Result<()> {
         let m = Msg::Released { request: a.request };

@@ -64,6 +64,7 @@ enum Event {
     Submit { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
     Stats { reply: tokio::sync::oneshot::Sender<OrchestratorStats> },
     Released { worker: u64, request: u64 },
+    Announce { worker: u64, key: ItemKey, data: Vec<u8> },
 }
 
 /// A running orchestrator service; dropping it stops it.
@@ -168,6 +169,9 @@ async fn connection(
                 Msg::Heartbeat if is_worker => Event::Heartbeat { worker },
                 Msg::Credit { slots } if is_worker => Event::Credit { worker, slots },
                 Msg::Released { request } if is_worker => Event::Released { worker, request },
+                Msg::Announce { request, stage, data } if is_worker => {
+                    Event::Announce { worker, key: ItemKey { request, stage }, data }
+                }
                 Msg::Result { request, stage, ending, reason, data } if is_worker => {
                     let key = ItemKey { request, stage };
                     let result = match ending {
@@ -231,6 +235,7 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
                 let _ = reply.send(d.stats(now));
             }
             Some(Event::Released { worker, request }) => d.released(WorkerId(worker), request),
+            Some(Event::Announce { worker, key, data }) => d.announce(WorkerId(worker), key, data),
             None => {}
         }
         // A worker that cannot take its assignment (gone or flooded) gives its items back.

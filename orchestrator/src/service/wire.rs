@@ -77,6 +77,10 @@ pub enum Msg {
     Release { request: u64, held: Vec<Vec<u8>> },
     /// Worker: the outputs of `request` are released.
     Released { request: u64 },
+    /// Worker: the item of `request` at `stage` it runs will output `data`; sent before the
+    /// outputs exist (e.g. with the key of a store put about to start), so that they are
+    /// released when the request ends even if this worker dies before its result.
+    Announce { request: u64, stage: Stage, data: Vec<u8> },
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -166,6 +170,12 @@ impl Msg {
                 w.u64(*request);
                 10
             }
+            Msg::Announce { request, stage, data } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                w.bytes(data);
+                11
+            }
         };
         (kind, w.finish())
     }
@@ -229,6 +239,11 @@ impl Msg {
             },
             9 => Msg::Release { request: r.u64()?, held: get_held(&mut r)? },
             10 => Msg::Released { request: r.u64()? },
+            11 => Msg::Announce {
+                request: r.u64()?,
+                stage: Stage::decode(&mut r)?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
+            },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -279,6 +294,7 @@ mod tests {
             Msg::Outcome { request: 1, ok: true, reason: String::new() },
             Msg::Release { request: 4, held: vec![vec![5; 3], vec![]] },
             Msg::Released { request: 4 },
+            Msg::Announce { request: 4, stage: Stage::Encode, data: vec![6, 7] },
             Msg::Heartbeat,
         ];
         for m in msgs {

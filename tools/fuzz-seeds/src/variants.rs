@@ -288,6 +288,7 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Outcome { request: 2, ok: false, reason: "too many attempts".into() },
         Msg::Release { request: 2, held: vec![b"refs".to_vec(), b"latent refs".to_vec()] },
         Msg::Released { request: 2 },
+        Msg::Announce { request: 2, stage: Stage::Encode, data: b"refs".to_vec() },
     ];
     for m in msgs {
         let (kind, mut body) = m.encode_body();
