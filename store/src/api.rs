@@ -94,7 +94,10 @@ pub trait Store: Send + Sync + Debug {
         consumers: u32,
         ttl: Option<std::time::Duration>,
     ) -> Result<()>;
-    /// One consumer of `key` is done; true when it was the last and the object is gone.
+    /// One consumer of `key` is done; true when it was the last and the object is gone. A report
+    /// that arrives before the object has a consumer count (a consumer faster than the
+    /// producer's [`Store::set_lease`] right after its put) is kept and counted against the
+    /// count when it is set.
     async fn consumed(&self, key: &[u8]) -> Result<bool>;
 
     /// `put_from` for many objects, concurrently; one result per item, in order.

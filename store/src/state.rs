@@ -59,6 +59,9 @@ struct Obj {
     loc: Loc,
     /// Consumers still expected (0: not counted).
     consumers: u32,
+    /// Consumers that reported before any count was set (a consumer faster than the
+    /// producer's `set_lease`); counted against the count when it comes.
+    early: u32,
     /// Removed at this time, if set.
     expires: Option<Instant>,
 }
@@ -101,6 +104,9 @@ pub(crate) enum Io {
     /// Delete object `id`'s spill file.
     Delete(u64),
 }
+
+/// Most consumption reports an object keeps while it has no consumer count.
+pub(crate) const MAX_EARLY: u32 = 1024;
 
 /// A victim to write to the spill tier.
 #[derive(Debug, Clone)]
@@ -403,6 +409,7 @@ impl PoolState {
             tick: 0,
             loc: Loc::Pool(p.off),
             consumers: 0,
+            early: 0,
             expires: None,
         };
         self.objs.insert(p.key.clone(), obj);
@@ -537,7 +544,8 @@ impl PoolState {
     }
 
     /// Sets an object's lease: the number of consumers that will call `consumed` (0: not
-    /// counted) and a time after which it is removed.
+    /// counted) and a time after which it is removed. Consumers that reported before are
+    /// counted against the count: when they are all of it, the object goes now.
     pub(crate) fn set_lease(
         &mut self,
         key: &[u8],
@@ -545,19 +553,32 @@ impl PoolState {
         expires: Option<Instant>,
     ) -> Result<()> {
         let o = self.objs.get_mut(key).ok_or_else(|| StoreError::not_found(key))?;
-        o.consumers = consumers;
         o.expires = expires;
+        o.consumers = consumers.saturating_sub(o.early);
+        let done = consumers > 0 && o.consumers == 0;
+        o.early = 0;
+        if done {
+            self.remove(key);
+        }
         Ok(())
     }
 
-    /// One consumer is done; true when it was the last and the object is gone.
+    /// One consumer is done; true when it was the last and the object is gone. A report that
+    /// comes before the object has a consumer count (the producer sets it right after its put,
+    /// and a fast consumer can get there first) is kept for when it is set, up to
+    /// [`MAX_EARLY`]; more than that is a caller that never sets one.
     pub(crate) fn consumed(&mut self, key: &[u8]) -> Result<bool> {
         let o = self.objs.get_mut(key).ok_or_else(|| StoreError::not_found(key))?;
         if o.consumers == 0 {
-            return Err(StoreError::InvalidArgument(format!(
-                "store key {} has no consumer count (set a lease first)",
-                StoreKey(key.to_vec())
-            )));
+            if o.early >= MAX_EARLY {
+                return Err(StoreError::InvalidArgument(format!(
+                    "store key {}: {} consumers reported and no consumer count was set",
+                    StoreKey(key.to_vec()),
+                    o.early
+                )));
+            }
+            o.early += 1;
+            return Ok(false);
         }
         o.consumers -= 1;
         Ok(o.consumers == 0 && self.remove(key))
@@ -666,6 +687,29 @@ mod tests {
             }
         }
         done
+    }
+
+    #[test]
+    fn a_consumer_faster_than_the_lease_is_counted_when_it_comes() {
+        let mut s = PoolState::new(40 * P, Marks { high: 40 * P, low: 30 * P }, false);
+        put(&mut s, "a", P, Retention::Pinned).unwrap();
+        // Consumed between the put and the producer's set_lease: kept, then counted.
+        assert!(!s.consumed(b"a").unwrap());
+        assert!(s.exists(b"a"));
+        s.set_lease(b"a", 2, None).unwrap();
+        assert!(s.exists(b"a"), "one of two consumers is still to come");
+        assert!(s.consumed(b"a").unwrap(), "the second one removes it");
+        // Every consumer came first: the lease removes it at once.
+        put(&mut s, "b", P, Retention::Pinned).unwrap();
+        s.consumed(b"b").unwrap();
+        s.set_lease(b"b", 1, None).unwrap();
+        assert!(!s.exists(b"b"));
+        // A caller that never sets a count is told, past the bound.
+        put(&mut s, "c", P, Retention::Pinned).unwrap();
+        for _ in 0..MAX_EARLY {
+            s.consumed(b"c").unwrap();
+        }
+        assert!(s.consumed(b"c").is_err());
     }
 
     #[test]
