@@ -13,7 +13,7 @@ use tensorwire_benches::report::Line;
 use tensorwire_benches::store::StoreMode;
 use tensorwire_benches::suite::{self, Plan};
 
-use crate::demo::DemoArgs;
+use crate::demo::{DemoArgs, MixArgs};
 use crate::plot::{Chart, PALETTE, Series};
 
 /// `bench` options.
@@ -194,16 +194,18 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let _ = writeln!(md);
     eprintln!("bench: demo (TTFF)");
     let demo = DemoArgs {
-        models: vec![
-            "wan2.1-t2v-1.3b-480p".into(),
-            "flux.1-dev-1024".into(),
-            "qwen-image-1328".into(),
-        ],
-        profiles: None,
+        mix: MixArgs {
+            models: vec![
+                "wan2.1-t2v-1.3b-480p".into(),
+                "flux.1-dev-1024".into(),
+                "qwen-image-1328".into(),
+            ],
+            profiles: None,
+            gpus: 8,
+            split: None,
+            time_scale: 0.02,
+        },
         requests: 24,
-        gpus: 8,
-        split: None,
-        time_scale: 0.02,
         prompts: 6,
         processes: false,
         chaos: None,
@@ -244,7 +246,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let _ = writeln!(
         md,
         "## TTFF: disaggregated vs colocated\n\nThe demo's workload ({} requests, 8 simulated GPUs, service times x{}): disaggregated {} vs colocated.\n",
-        demo.requests, demo.time_scale, d.layout
+        demo.requests, demo.mix.time_scale, d.layout
     );
     let _ = writeln!(
         md,

@@ -29,9 +29,9 @@ use tensorwire_tcp::{TcpBackend, TcpConfig};
 use crate::profiles::{self, Model};
 use crate::report::Summary;
 
-/// Demo settings.
+/// The request mix and the worker pools, shared by `demo` and `soak`.
 #[derive(Debug, Clone, clap::Args)]
-pub(crate) struct DemoArgs {
+pub(crate) struct MixArgs {
     /// Models in the request mix (names from the profiles), round robin.
     #[arg(
         long,
@@ -42,9 +42,6 @@ pub(crate) struct DemoArgs {
     /// Profile file (default: the copy built into the binary).
     #[arg(long)]
     pub(crate) profiles: Option<PathBuf>,
-    /// Requests.
-    #[arg(long, default_value_t = 24)]
-    pub(crate) requests: u64,
     /// Simulated GPUs (workers), for both layouts.
     #[arg(long, default_value_t = 8)]
     pub(crate) gpus: u32,
@@ -55,6 +52,33 @@ pub(crate) struct DemoArgs {
     /// Multiplies every profiled service time (0.05 runs 50 s of GPU work in 2.5 s).
     #[arg(long, default_value_t = 0.05)]
     pub(crate) time_scale: f64,
+}
+
+impl MixArgs {
+    /// The models of the mix and the split of `gpus` workers into pools.
+    pub(crate) fn resolve(&self) -> Result<(Vec<Model>, Split), String> {
+        if self.time_scale.is_nan() || self.time_scale <= 0.0 || self.time_scale > 10.0 {
+            return Err(format!("--time-scale {}: must be in (0, 10]", self.time_scale));
+        }
+        let all = profiles::load(self.profiles.as_deref())?;
+        let mix = profiles::pick(&all, &self.models)?;
+        let split = match &self.split {
+            Some(s) => parse_split(s, self.gpus)?,
+            None => auto_split(&mix, self.gpus)?,
+        };
+        Ok((mix.iter().map(|m| (*m).clone()).collect(), split))
+    }
+}
+
+/// Demo settings.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct DemoArgs {
+    /// The mix and the pools.
+    #[command(flatten)]
+    pub(crate) mix: MixArgs,
+    /// Requests.
+    #[arg(long, default_value_t = 24)]
+    pub(crate) requests: u64,
     /// Distinct prompts per model (requests reuse them round robin; a repeated prompt hits the
     /// embedding cache).
     #[arg(long, default_value_t = 6)]
@@ -525,9 +549,6 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
 
 /// Runs both layouts on the same requests.
 pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> {
-    if a.time_scale.is_nan() || a.time_scale <= 0.0 || a.time_scale > 10.0 {
-        return Err(format!("--time-scale {}: must be in (0, 10]", a.time_scale));
-    }
     if let Some(c) = a.chaos {
         if !a.processes || !(0.05..=3600.0).contains(&c) {
             return Err(format!("--chaos {c}: needs --processes and 0.05..=3600 seconds"));
@@ -536,13 +557,7 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
     if a.requests == 0 || a.requests > 10_000 {
         return Err(format!("--requests {}: must be in 1..=10000", a.requests));
     }
-    let all = profiles::load(a.profiles.as_deref())?;
-    let mix = profiles::pick(&all, &a.models)?;
-    let split = match &a.split {
-        Some(s) => parse_split(s, a.gpus)?,
-        None => auto_split(&mix, a.gpus)?,
-    };
-    let models: Vec<Model> = mix.iter().map(|m| (*m).clone()).collect();
+    let (models, split) = a.mix.resolve()?;
     let reqs = |n: u64| -> Vec<Req> {
         (0..n)
             .map(|i| Req { model: (i as usize) % models.len(), prompt: i % a.prompts.max(1) })
@@ -551,10 +566,10 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
     println!(
         "tensorwire demo: {} requests over {} on {} simulated GPUs; service times x{} (profiles: {})",
         a.requests,
-        a.models.join(", "),
-        a.gpus,
-        a.time_scale,
-        a.profiles.as_ref().map_or("built-in".to_string(), |p| p.display().to_string())
+        a.mix.models.join(", "),
+        a.mix.gpus,
+        a.mix.time_scale,
+        a.mix.profiles.as_ref().map_or("built-in".to_string(), |p| p.display().to_string())
     );
     if a.processes {
         // No prompt reuse: the worker processes keep no embedding cache, nor does colocated here.
@@ -562,10 +577,10 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
             .map(|i| Req { model: (i as usize) % models.len(), prompt: i })
             .collect();
         let d = crate::procs::disaggregated(a, &models, split).await?;
-        let c = colocated(&models, &unique, a.gpus, a.time_scale).await;
+        let c = colocated(&models, &unique, a.mix.gpus, a.mix.time_scale).await;
         return Ok((d, c));
     }
-    let d = disaggregated(&models, reqs(a.requests), split, a.time_scale).await?;
-    let c = colocated(&models, &reqs(a.requests), a.gpus, a.time_scale).await;
+    let d = disaggregated(&models, reqs(a.requests), split, a.mix.time_scale).await?;
+    let c = colocated(&models, &reqs(a.requests), a.mix.gpus, a.mix.time_scale).await;
     Ok((d, c))
 }

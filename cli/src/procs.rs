@@ -426,8 +426,8 @@ pub(crate) async fn disaggregated(
     split: Split,
 ) -> Result<Summary, String> {
     let ca = ClusterArgs {
-        time_scale: a.time_scale,
-        profiles: a.profiles.clone(),
+        time_scale: a.mix.time_scale,
+        profiles: a.mix.profiles.clone(),
         chaos: a.chaos,
         seed: a.seed,
     };

@@ -5,14 +5,12 @@
 //! batch's releases have landed. It fails if a request is lost or if any of the parent's figures
 //! or the store's ends well above where it stood after the first sample (growth without bound).
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use crate::demo::{Split, auto_split, parse_split};
+use crate::demo::MixArgs;
 use crate::procs::{Cluster, ClusterArgs};
-use crate::profiles;
 
 /// `tensorwire soak` arguments.
 #[derive(Debug, Args)]
@@ -32,25 +30,9 @@ pub(crate) struct SoakArgs {
     /// Requests per batch (submitted together; the next batch starts when all have ended).
     #[arg(long, default_value_t = 24)]
     pub(crate) batch: u64,
-    /// Models in the request mix.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "wan2.1-t2v-1.3b-480p,flux.1-dev-1024,qwen-image-1328"
-    )]
-    pub(crate) models: Vec<String>,
-    /// Profile file (default: built in).
-    #[arg(long)]
-    pub(crate) profiles: Option<PathBuf>,
-    /// Worker processes (split automatically unless --split).
-    #[arg(long, default_value_t = 8)]
-    pub(crate) gpus: u32,
-    /// E:N:M workers.
-    #[arg(long)]
-    pub(crate) split: Option<String>,
-    /// Multiplies every profiled service time.
-    #[arg(long, default_value_t = 0.02)]
-    pub(crate) time_scale: f64,
+    /// The mix and the pools.
+    #[command(flatten)]
+    pub(crate) mix: MixArgs,
 }
 
 /// One sample.
@@ -101,16 +83,10 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
     if a.batch == 0 || a.batch > 10_000 {
         return Err(format!("--batch {}: must be in 1..=10000", a.batch));
     }
-    let all = profiles::load(a.profiles.as_deref())?;
-    let mix = profiles::pick(&all, &a.models)?;
-    let split: Split = match &a.split {
-        Some(s) => parse_split(s, a.gpus)?,
-        None => auto_split(&mix, a.gpus)?,
-    };
-    let models: Vec<_> = mix.iter().map(|m| (*m).clone()).collect();
+    let (models, split) = a.mix.resolve()?;
     let ca = ClusterArgs {
-        time_scale: a.time_scale,
-        profiles: a.profiles.clone(),
+        time_scale: a.mix.time_scale,
+        profiles: a.mix.profiles.clone(),
         chaos: (a.chaos > 0.0).then_some(a.chaos),
         seed: a.seed,
     };
