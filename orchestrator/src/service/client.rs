@@ -17,7 +17,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use super::wire::{Ending, FRAMING, MAX_DATA, Msg, Role, read_msg};
+use super::wire::{Ending, FRAMING, MAX_DATA, Msg, Role, read_msg, write_msgs};
 use crate::error::{OrchestratorError, Result};
 
 /// Bound on connecting and the handshake.
@@ -52,16 +52,6 @@ async fn open(
         Error::AccessDenied(m) => OrchestratorError::Refused(m),
         e => e.into(),
     })
-}
-
-/// Writes every message of `rx` to `wr` until either side closes.
-async fn write_all(mut wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Msg>) {
-    while let Some(m) = rx.recv().await {
-        let Ok(frame) = m.encode() else { break };
-        if wr.write_all(&frame).await.is_err() {
-            break;
-        }
-    }
 }
 
 /// An item the orchestrator assigned to this worker.
@@ -108,7 +98,7 @@ impl WorkerClient {
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
         let (tx, rx) = mpsc::channel(1024);
         let mut tasks = JoinSet::new();
-        tasks.spawn(write_all(wr, out_rx));
+        tasks.spawn(write_msgs(wr, out_rx));
         tasks.spawn(async move {
             loop {
                 let a = match read_msg(&mut rd).await {
@@ -237,7 +227,7 @@ impl SubmitClient {
         let (mut rd, wr, _) = open(addr, secret, Role::Submitter).await?;
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
         let mut tasks = JoinSet::new();
-        tasks.spawn(write_all(wr, out_rx));
+        tasks.spawn(write_msgs(wr, out_rx));
         let waiting: Waiters = Arc::default();
         let w = waiting.clone();
         tasks.spawn(async move {

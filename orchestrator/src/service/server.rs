@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg};
+use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg, write_msgs};
 use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
@@ -135,7 +135,7 @@ async fn connection(
     .await
     .map_err(|_| Error::timeout("orchestrator handshake", hs))??;
     let (mut rd, mut wr) = sock.into_split();
-    let (out_tx, mut out_rx) = mpsc::channel::<Msg>(1024);
+    let (out_tx, out_rx) = mpsc::channel::<Msg>(1024);
     let (reply, id) = tokio::sync::oneshot::channel();
     events
         .send(Event::Join { role: role.clone(), tx: out_tx.clone(), reply })
@@ -143,15 +143,7 @@ async fn connection(
         .map_err(|_| OrchestratorError::Stopped)?;
     let worker = id.await.map_err(|_| OrchestratorError::Stopped)?;
     wr.write_all(&Msg::Welcome { worker }.encode()?).await.map_err(Error::from)?;
-    let mut writer = tokio::spawn(async move {
-        while let Some(m) = out_rx.recv().await {
-            let Ok(frame) = m.encode() else { break };
-            if wr.write_all(&frame).await.is_err() {
-                break;
-            }
-        }
-        let _ = wr.shutdown().await;
-    });
+    let mut writer = tokio::spawn(write_msgs(wr, out_rx));
     let is_worker = matches!(role, Role::Worker { .. });
     // A worker's only sender is the driver's: when the driver drops it (the worker was declared
     // dead), the writer ends and so does this connection.

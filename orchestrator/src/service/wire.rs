@@ -251,6 +251,21 @@ impl Msg {
     }
 }
 
+/// Writes every message of `rx` to `wr` until either side closes, then ends the stream.
+pub(crate) async fn write_msgs(
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: tokio::sync::mpsc::Receiver<Msg>,
+) {
+    use tokio::io::AsyncWriteExt;
+    while let Some(m) = rx.recv().await {
+        let Ok(frame) = m.encode() else { break };
+        if wr.write_all(&frame).await.is_err() {
+            break;
+        }
+    }
+    let _ = wr.shutdown().await;
+}
+
 /// Reads one message from `s`; `Ok(None)` at a clean end of stream. A handshake `Reject` is
 /// [`Error::AccessDenied`] with the server's reason.
 pub async fn read_msg(s: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<Option<Msg>> {
