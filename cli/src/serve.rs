@@ -22,7 +22,7 @@ use crate::{profiles, secret};
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ServeArgs {
     /// TOML file with any of: listen, data_listen, store_listen, store_mib, spill_dir,
-    /// orchestrator_listen, secret_file, insecure.
+    /// orchestrator_listen, journal, secret_file, insecure.
     #[arg(long)]
     pub(crate) config: Option<PathBuf>,
     /// Engine control endpoint.
@@ -43,6 +43,10 @@ pub(crate) struct ServeArgs {
     /// Also serve the orchestrator here.
     #[arg(long)]
     pub(crate) orchestrator_listen: Option<SocketAddr>,
+    /// The orchestrator's journal file: with one, a restarted orchestrator resumes every
+    /// request it had (workers and submitters reconnect on their own).
+    #[arg(long)]
+    pub(crate) journal: Option<PathBuf>,
     /// File holding the cluster secret (every process of the cluster uses the same; make one
     /// with `tensorwire secret new FILE`). Needed to listen on an address other hosts can reach.
     #[arg(long)]
@@ -65,6 +69,7 @@ struct ServeFile {
     store_mib: Option<u64>,
     spill_dir: Option<PathBuf>,
     orchestrator_listen: Option<SocketAddr>,
+    journal: Option<PathBuf>,
     secret_file: Option<PathBuf>,
     insecure: Option<bool>,
 }
@@ -116,7 +121,8 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     );
     let _orch = match a.orchestrator_listen.or(f.orchestrator_listen) {
         Some(at) => {
-            let cfg = ServiceConfig { secret, insecure, ..ServiceConfig::default() };
+            let journal = a.journal.or(f.journal);
+            let cfg = ServiceConfig { secret, insecure, journal, ..ServiceConfig::default() };
             let o = OrchestratorService::serve(at, cfg).await.map_err(|e| e.to_string())?;
             println!("orchestrator {}", o.addr());
             Some(o)

@@ -1,5 +1,6 @@
 //! `tensorwire serve` with the orchestrator service and three `tensorwire worker` processes:
-//! requests submitted to the service complete. A port already in use is one clear error line.
+//! requests submitted to the service complete, also across a SIGKILL of the service process
+//! when it keeps a journal. A port already in use is one clear error line.
 //! Secure by default: a reachable listener needs a secret or `--insecure` (which warns), secret
 //! files are made private by `tensorwire secret new` and bad ones are refused with their reason.
 
@@ -87,6 +88,62 @@ async fn serve_and_three_workers_complete_requests() {
             tokio::time::timeout(Duration::from_secs(60), o).await.expect("request hung").unwrap();
         assert!(r.is_ok(), "{r:?}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tensorwire serve` with the orchestrator on `at` and its journal in `dir`; returns the
+/// process once it listens.
+fn orchestrator_process(at: &str, dir: &std::path::Path) -> Kill {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--store-listen", "127.0.0.1:0"])
+        .args(["--store-mib", "16", "--for-secs", "120", "--orchestrator-listen", at])
+        .arg("--journal")
+        .arg(dir.join("orchestrator.journal"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = BufReader::new(c.child_stdout());
+    let up = out.lines().map_while(Result::ok).any(|l| l.starts_with("orchestrator "));
+    assert!(up, "serve did not start its orchestrator");
+    Kill(c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orchestrator_survives_sigkill_and_every_request_completes_once() {
+    let dir = std::env::temp_dir().join(format!("tw-sigkill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let at = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let mut serve = orchestrator_process(&at, &dir);
+    let mut workers = Vec::new();
+    for role in ["encode", "denoise", "decode"] {
+        let c = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+            .args(["worker", "--role", role, "--connect", &at, "--time-scale", "0.005"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        workers.push(Kill(c));
+    }
+    let sub = SubmitClient::connect(at.parse().unwrap(), None).await.unwrap();
+    let mut outs = Vec::new();
+    for r in 0..24 {
+        outs.push(sub.submit(r, Priority::Batch).await.unwrap());
+    }
+    let mut outs = outs.into_iter();
+    for o in outs.by_ref().take(4) {
+        let r = tokio::time::timeout(Duration::from_secs(60), o).await.expect("hung").unwrap();
+        assert!(r.is_ok(), "{r:?}");
+    }
+    // SIGKILL mid-run, then the same command again: the journal brings every request back.
+    serve.0.kill().unwrap();
+    serve.0.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _serve = orchestrator_process(&at, &dir);
+    for (i, o) in outs.enumerate() {
+        let r = tokio::time::timeout(Duration::from_secs(60), o).await;
+        assert!(matches!(r, Ok(Ok(Ok(())))), "request {}: {r:?}", i + 4);
+    }
+    drop(workers);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -11,6 +11,12 @@
 //! giving them to another if it leaves first. A worker that dies at any stage before that finds
 //! its inputs where they were when the item is re-queued, and a stage whose p2p output died
 //! with its producer can run again from its own inputs (see [`StageResult::LostInput`]).
+//!
+//! Durability: with [`Driver::record_facts`] on, every decision that says where a request is
+//! comes out as a journal [`Fact`] ([`Driver::take_facts`]); the service writes them to disk
+//! before it acts on them, and a restarted service rebuilds its driver from their fold
+//! ([`Driver::restore`]). Workers that reconnect claim the items they still run
+//! ([`Driver::claim`]); submitters ask for their requests again ([`Driver::resume`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -18,9 +24,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use crate::Stage;
-
+use crate::journal::{Book, Fact, RECENT, release_list};
 use crate::sched::{
-    Dispatch, ItemKey, Outcome, RoutingPolicy, SchedConfig, SchedStats, Scheduler, Submit, WorkerId,
+    Dispatch, ItemKey, Outcome, Restore, RoutingPolicy, SchedConfig, SchedStats, Scheduler, Submit,
+    WorkerId,
 };
 
 /// A snapshot of an orchestrator.
@@ -43,6 +50,8 @@ pub struct OrchestratorStats {
     pub duplicated: u64,
     /// Ended requests whose outputs no worker has said it released yet.
     pub unreleased: usize,
+    /// Items rebuilt after a restart that wait for their worker to claim them.
+    pub parked: usize,
 }
 
 /// The clock of a driver loop: time since the loop started, and a tick so the scheduler's timers
@@ -142,6 +151,11 @@ pub struct Driver<W, R> {
     duplicated: u64,
     busy: [Duration; 3],
     next_worker: u64,
+    /// Journal facts not yet taken (`None`: not recording).
+    facts: Option<Vec<Fact>>,
+    /// The last [`RECENT`] outcomes, for a submitter asking again (oldest first).
+    recent: std::collections::VecDeque<u64>,
+    recent_by: HashMap<u64, Outcome>,
 }
 
 impl<W, R> std::fmt::Debug for Driver<W, R> {
@@ -169,7 +183,102 @@ impl<W, R> Driver<W, R> {
             duplicated: 0,
             busy: [Duration::ZERO; 3],
             next_worker: 0,
+            facts: None,
+            recent: std::collections::VecDeque::new(),
+            recent_by: HashMap::new(),
         }
+    }
+
+    /// From now on, keep the journal facts for [`Driver::take_facts`].
+    pub fn record_facts(&mut self) {
+        self.facts.get_or_insert_with(Vec::new);
+    }
+
+    /// The facts recorded since the last call.
+    pub fn take_facts(&mut self) -> Vec<Fact> {
+        self.facts.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn record(&mut self, f: Fact) {
+        if let Some(v) = &mut self.facts {
+            v.push(f);
+        }
+    }
+
+    fn remember(&mut self, o: &Outcome) {
+        if self.recent.len() >= RECENT {
+            if let Some(old) = self.recent.pop_front() {
+                self.recent_by.remove(&old);
+            }
+        }
+        self.recent.push_back(o.request());
+        self.recent_by.insert(o.request(), o.clone());
+    }
+
+    /// Rebuilds the state a journal replayed to, at `now`: requests in flight wait at the stage
+    /// they had reached, those handed out parked until `now + grace` so the workers that ran
+    /// them can claim them, the others queued; ended requests' outputs wait to be released; recent outcomes answer submitters
+    /// that ask again. Call on a fresh driver, before any worker joins.
+    pub fn restore(&mut self, book: &Book, now: Duration, grace: Duration) {
+        for o in &book.recent {
+            self.remember(o);
+        }
+        for (&request, e) in &book.entries {
+            if let Some(o) = &e.ended {
+                self.remember(o);
+                let outputs = e.to_release();
+                if !outputs.is_empty() {
+                    self.unreleased.insert(request, Pending { outputs, by: None });
+                }
+                continue;
+            }
+            let r = Restore {
+                request,
+                priority: e.priority,
+                stage: e.stage,
+                attempt: e.attempt,
+                reruns: e.reruns,
+            };
+            // Only a try handed out before the restart may have a worker to claim it.
+            let until = if e.dispatched { now + grace } else { now };
+            if !self.sched.restore(r, until, now) {
+                continue;
+            }
+            if !e.outputs.is_empty() {
+                self.outputs.insert(request, e.outputs.clone());
+            }
+            if !e.announced.is_empty() {
+                self.announced.insert(request, e.announced.clone());
+            }
+            let mut done = [false; 3];
+            for s in Stage::ALL.into_iter().take_while(|s| *s != e.stage) {
+                done[s.index()] = true;
+            }
+            self.accepted.insert(request, done);
+        }
+    }
+
+    /// `worker` (reconnected) says it runs `key` on `attempt`: see [`Scheduler::claim`].
+    pub fn claim(&mut self, worker: WorkerId, key: ItemKey, attempt: u32, now: Duration) -> bool {
+        let ok = self.sched.claim(key, worker, attempt, now);
+        if ok {
+            self.started.insert(key, now);
+        }
+        ok
+    }
+
+    /// A submitter asks for `s` again (it reconnected): `waiter` gets the outcome of the request
+    /// in flight, or at once (as the error) the outcome of one that ended recently; a request
+    /// never seen is submitted now.
+    pub fn resume(&mut self, s: Submit, waiter: R, now: Duration) -> Result<(), (R, Outcome)> {
+        if self.sched.in_flight_request(s.request) {
+            self.waiting.insert(s.request, waiter);
+            return Ok(());
+        }
+        if let Some(o) = self.recent_by.get(&s.request) {
+            return Err((waiter, o.clone()));
+        }
+        self.submit(s, waiter, now)
     }
 
     /// The scheduler (read-only).
@@ -238,13 +347,19 @@ impl<W, R> Driver<W, R> {
     /// A new request; `waiter` gets its outcome. A duplicate id is refused: the waiter comes back
     /// with the failed outcome.
     pub fn submit(&mut self, s: Submit, waiter: R, now: Duration) -> Result<(), (R, Outcome)> {
-        let request = s.request;
+        let (request, priority) = (s.request, s.priority);
         if !self.sched.submit(s, now) {
             let reason = format!("request id {request} is already in flight");
             return Err((waiter, Outcome::Failed { request, reason }));
         }
+        self.record(Fact::Submitted { request, priority });
         self.waiting.insert(request, waiter);
         Ok(())
+    }
+
+    /// Who waits for `request`.
+    pub fn waiter(&self, request: u64) -> Option<&R> {
+        self.waiting.get(&request)
     }
 
     /// A worker ended an item. Returns false when the result was ignored (a late or foreign
@@ -259,6 +374,9 @@ impl<W, R> Driver<W, R> {
         let accepted = match result {
             StageResult::Done(outputs) => {
                 let accepted = self.sched.finished(key, worker, now);
+                if accepted {
+                    self.record(Fact::Accepted { key, outputs: outputs.clone() });
+                }
                 if accepted && !outputs.is_empty() {
                     self.outputs.entry(key.request).or_default().push((key.stage, outputs));
                 }
@@ -274,6 +392,7 @@ impl<W, R> Driver<W, R> {
                 let accepted = self.sched.lost_input(key, worker, &reason, now);
                 if let (true, Some(p)) = (accepted, key.stage.prev()) {
                     self.accepted.entry(key.request).or_default()[p.index()] = false;
+                    self.record(Fact::LostInput { key });
                 }
                 accepted
             }
@@ -291,7 +410,8 @@ impl<W, R> Driver<W, R> {
         if self.sched.holder(key) == Some(worker) && !data.is_empty() {
             let a = self.announced.entry(key.request).or_default();
             if !a.contains(&data) {
-                a.push(data);
+                a.push(data.clone());
+                self.record(Fact::Announced { request: key.request, data });
             }
         }
     }
@@ -306,6 +426,9 @@ impl<W, R> Driver<W, R> {
         }
         for d in &decisions {
             self.started.insert(d.item.key, now);
+            if let Some(v) = &mut self.facts {
+                v.push(Fact::Dispatched { key: d.item.key, attempt: d.item.attempt });
+            }
         }
         decisions
             .into_iter()
@@ -330,18 +453,16 @@ impl<W, R> Driver<W, R> {
             .map(|outcome| {
                 let r = outcome.request();
                 self.accepted.remove(&r);
-                let mut outputs: Vec<Vec<u8>> = self
+                self.record(Fact::Ended(outcome.clone()));
+                let outputs: Vec<Vec<u8>> = self
                     .outputs
                     .remove(&r)
                     .unwrap_or_default()
                     .into_iter()
                     .map(|(_, o)| o)
                     .collect();
-                for a in self.announced.remove(&r).unwrap_or_default() {
-                    if !outputs.contains(&a) {
-                        outputs.push(a);
-                    }
-                }
+                let outputs = release_list(outputs, &self.announced.remove(&r).unwrap_or_default());
+                self.remember(&outcome);
                 if !outputs.is_empty() {
                     self.unreleased.insert(r, Pending { outputs, by: None });
                 }
@@ -386,6 +507,7 @@ impl<W, R> Driver<W, R> {
     pub fn released(&mut self, worker: WorkerId, request: u64) {
         if self.unreleased.get(&request).is_some_and(|p| p.by == Some(worker)) {
             self.unreleased.remove(&request);
+            self.record(Fact::Released { request });
         }
     }
 
@@ -402,6 +524,7 @@ impl<W, R> Driver<W, R> {
             elapsed: now,
             duplicated: self.duplicated,
             unreleased: self.unreleased.len(),
+            parked: self.sched.parked(),
             ..OrchestratorStats::default()
         };
         for stage in Stage::ALL {

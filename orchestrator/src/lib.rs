@@ -29,6 +29,7 @@
 
 mod driver;
 mod error;
+pub mod journal;
 mod library;
 pub mod queue;
 pub mod sched;

@@ -18,6 +18,10 @@
 //!   accepted) says so, and the stage before runs again: stages are idempotent given their
 //!   inputs, and inputs are released only when the request ends (see the driver), so that
 //!   stage's own inputs are still there. At most `max_attempts` such re-runs per request.
+//! - Recovery: requests rebuilt from the service's journal after a restart
+//!   ([`Scheduler::restore`]) are parked for a grace period, so the worker still running an item
+//!   when the orchestrator went down can claim it when it reconnects ([`Scheduler::claim`])
+//!   instead of another worker running it a second time; what nobody claims is queued then.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
@@ -171,6 +175,21 @@ impl Submit {
     }
 }
 
+/// A request rebuilt after a restart: where it was.
+#[derive(Debug, Clone)]
+pub struct Restore {
+    /// Request id.
+    pub request: u64,
+    /// Class.
+    pub priority: Priority,
+    /// The stage it waits for (or runs).
+    pub stage: Stage,
+    /// That stage's try number.
+    pub attempt: u32,
+    /// Re-runs after lost inputs so far.
+    pub reruns: u32,
+}
+
 /// A decision: run `item` on `worker`.
 #[derive(Debug, Clone)]
 pub struct Dispatch {
@@ -266,6 +285,8 @@ pub struct Scheduler {
     last_scan: Option<Duration>,
     /// Workers declared dead since [`Scheduler::take_dead`] was last called.
     dead: Vec<WorkerId>,
+    /// Restored items waiting for their worker to claim them, until the deadline.
+    parked: HashMap<ItemKey, (Item, Duration)>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -302,6 +323,7 @@ impl Scheduler {
             running_by: [0; 3],
             last_scan: None,
             dead: Vec::new(),
+            parked: HashMap::new(),
         }
     }
 
@@ -408,6 +430,54 @@ impl Scheduler {
         };
         self.enqueue(item, now);
         true
+    }
+
+    /// A request rebuilt from a journal after a restart, at the stage it had reached. Its item
+    /// is parked until `until` for [`Scheduler::claim`], then queued. A live id is refused
+    /// (false).
+    pub fn restore(&mut self, r: Restore, until: Duration, now: Duration) -> bool {
+        if self.live.contains_key(&r.request) {
+            return false;
+        }
+        self.live.insert(r.request, r.reruns);
+        let key = ItemKey { request: r.request, stage: r.stage };
+        let item = Item {
+            key,
+            priority: r.priority,
+            deadline: Duration::MAX,
+            attempt: r.attempt.max(1),
+            affinity_host: None,
+            affinity_labels: vec![],
+            enqueued: now,
+            seq: 0,
+        };
+        self.parked.insert(key, (item, until));
+        true
+    }
+
+    /// `worker` says it runs `key` on `attempt` (it reconnected after a restart): if that item
+    /// is parked with that attempt, it runs on `worker` from now on, and its result will be
+    /// accepted. Returns false otherwise (the worker's eventual result is then ignored).
+    pub fn claim(&mut self, key: ItemKey, worker: WorkerId, attempt: u32, now: Duration) -> bool {
+        let fits = self.parked.get(&key).is_some_and(|(i, _)| i.attempt == attempt)
+            && self.workers.get(&worker).is_some_and(|w| w.stage == key.stage);
+        if !fits {
+            return false;
+        }
+        let Some((item, _)) = self.parked.remove(&key) else { return false };
+        let w = self.workers.get_mut(&worker).expect("checked above");
+        w.busy += 1;
+        w.last_seen = now;
+        w.items.push(key);
+        self.reindex(worker);
+        self.running_by[key.stage.index()] += 1;
+        self.running.insert(key, (worker, item));
+        true
+    }
+
+    /// Restored items not claimed yet.
+    pub fn parked(&self) -> usize {
+        self.parked.len()
     }
 
     /// A worker joined (or rejoined: a known id is reset, holding nothing).
@@ -584,6 +654,15 @@ impl Scheduler {
                 .map(|(&id, _)| id)
                 .collect()
         };
+        if !self.parked.is_empty() {
+            let due: Vec<ItemKey> =
+                self.parked.iter().filter(|(_, (_, t))| *t <= now).map(|(k, _)| *k).collect();
+            for k in due {
+                if let Some((item, _)) = self.parked.remove(&k) {
+                    self.enqueue(item, now);
+                }
+            }
+        }
         for id in dead {
             self.stats.dead_workers += 1;
             self.lose_worker(id, now, "worker missed its heartbeats");

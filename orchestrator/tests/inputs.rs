@@ -126,25 +126,25 @@ async fn a_failed_request_has_its_outputs_released() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_declared_dead_is_disconnected_and_may_rejoin() {
+async fn a_worker_declared_dead_is_disconnected_and_rejoins() {
     let sched =
         SchedConfig { heartbeat_timeout: Duration::from_millis(300), ..SchedConfig::default() };
     let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
     let s = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
     // Heartbeats far apart: the service declares it dead, and closes its connection rather than
-    // keep a zombie that would never get work again.
+    // keep a zombie that would never get work again; the client joins again by itself.
     let slow = Duration::from_secs(30);
-    let (_w, mut rx) =
+    let (w, _rx) =
         WorkerClient::connect(s.addr(), None, Stage::Decode, 1, "h", slow).await.unwrap();
-    let closed = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
-    assert!(matches!(closed, Ok(None)), "the assignment stream should end: {closed:?}");
-    assert_eq!(s.stats().await.unwrap().sched.dead_workers, 1);
-    // It may join again (with heartbeats in time now).
-    let hb = Duration::from_millis(50);
-    let (_w, _rx) = WorkerClient::connect(s.addr(), None, Stage::Decode, 1, "h", hb).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let first = w.id();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while w.id() == first && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_ne!(w.id(), first, "the worker should have rejoined under a new id");
     let st = s.stats().await.unwrap();
-    assert_eq!((st.sched.dead_workers, st.slots[Stage::Decode.index()]), (1, 1));
+    assert!(st.sched.dead_workers >= 1, "{st:?}");
+    assert_eq!(st.slots[Stage::Decode.index()], 1, "one live decode worker at a time");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -175,9 +175,18 @@ async fn a_partitioned_worker_loses_its_items_to_others_and_is_closed_once_heale
     assert!(r.is_ok(), "{r:?}");
     let st = s.stats().await.unwrap();
     assert_eq!((st.sched.dead_workers, st.duplicated), (1, 0));
-    // Healed: the far worker's late result is ignored and it learns it was closed.
+    // Healed: the far worker was closed; it rejoins, says what it held, and its late result is
+    // ignored (acknowledged, never accepted).
+    let first = far.id();
     proxy.set(Fault::None);
-    let closed = tokio::time::timeout(Duration::from_secs(10), far_rx.recv()).await;
-    assert!(matches!(closed, Ok(None)), "{closed:?}");
-    assert_eq!(s.stats().await.unwrap().sched.completed, 1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while far.id() == first && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_ne!(far.id(), first, "the far worker should have rejoined");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let st = s.stats().await.unwrap();
+    assert_eq!((st.sched.completed, st.duplicated), (1, 0));
+    assert!(st.sched.ignored >= 1, "the late result is ignored: {st:?}");
+    assert!(far_rx.try_recv().is_err(), "nothing more for the far worker");
 }

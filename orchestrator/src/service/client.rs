@@ -1,11 +1,21 @@
 //! Clients of the orchestrator service: a stage worker (receives assignments, reports results,
 //! sends heartbeats on its own) and a submitter (sends requests, awaits outcomes).
+//!
+//! Both outlive a restart of the service (or a broken connection): when the connection breaks,
+//! the client reconnects with backoff for up to [`RECONNECT_FOR`] and catches up before
+//! anything else goes out. A worker says which items it still holds (running, or finished with
+//! a result not yet acknowledged), announces again what it announced, and resends its
+//! unacknowledged results; a submitter asks again for every request it waits for. Only when
+//! reconnecting fails for that long (or the service refuses the client) does the worker's
+//! assignment stream end, or the submitter's waits fail with [`OrchestratorError::Stopped`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::sched::ItemKey;
 use crate::{Priority, Stage};
 use parking_lot::Mutex;
 use tensorwire_core::Error;
@@ -17,11 +27,15 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use super::wire::{Ending, FRAMING, MAX_DATA, Msg, Role, read_msg, write_msgs};
+use super::wire::{Ending, FRAMING, MAX_DATA, Msg, Role, read_msg};
 use crate::error::{OrchestratorError, Result};
 
 /// Bound on connecting and the handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client keeps trying to reconnect after its connection breaks.
+pub const RECONNECT_FOR: Duration = Duration::from_secs(60);
+/// First and longest pause between reconnection tries.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(2));
 
 /// Connects, runs the authenticated handshake, says what this client is and reads its welcome.
 async fn open(
@@ -54,6 +68,132 @@ async fn open(
     })
 }
 
+/// Where a client connects, as what.
+#[derive(Debug, Clone)]
+struct Link {
+    addr: SocketAddr,
+    secret: Option<ClusterSecret>,
+    role: Role,
+}
+
+impl Link {
+    /// Opens a new connection, with backoff, for up to [`RECONNECT_FOR`]; `None` when that
+    /// fails or the service refuses this client.
+    async fn reopen(&self) -> Option<(OwnedReadHalf, OwnedWriteHalf, u64)> {
+        let deadline = tokio::time::Instant::now() + RECONNECT_FOR;
+        let mut pause = BACKOFF.0;
+        loop {
+            match open(self.addr, self.secret.as_ref(), self.role.clone()).await {
+                Ok(c) => return Some(c),
+                Err(OrchestratorError::Refused(why)) => {
+                    tracing::warn!(addr = %self.addr, "orchestrator refused a reconnect: {why}");
+                    return None;
+                }
+                Err(e) if tokio::time::Instant::now() + pause >= deadline => {
+                    tracing::warn!(addr = %self.addr, error = %e, "orchestrator: giving up");
+                    return None;
+                }
+                Err(_) => {}
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(BACKOFF.1);
+        }
+    }
+}
+
+/// Writes `rx`'s messages to `wr` until `stop` fires or a write fails (false), or `rx` closes
+/// (true); gives `rx` back.
+async fn write_until(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Msg>,
+    mut stop: oneshot::Receiver<()>,
+) -> (mpsc::Receiver<Msg>, bool) {
+    loop {
+        let m = tokio::select! {
+            m = rx.recv() => m,
+            _ = &mut stop => return (rx, false),
+        };
+        let Some(m) = m else {
+            let _ = wr.shutdown().await;
+            return (rx, true);
+        };
+        let Ok(frame) = m.encode() else { continue };
+        if wr.write_all(&frame).await.is_err() {
+            return (rx, false);
+        }
+    }
+}
+
+/// A client's connection for as long as its user keeps it: writes what comes on `out`, passes
+/// what arrives to `inbox`, and after a break reconnects ([`Link::reopen`]) and writes
+/// `catch_up(new id)` before anything else. What was queued on `out` meanwhile is dropped (the
+/// catch-up covers it) but for the messages `keep` names. Ends when `out` closes, or
+/// reconnecting fails (`inbox` then closes).
+async fn session(
+    link: Link,
+    first: (OwnedReadHalf, OwnedWriteHalf),
+    mut out: mpsc::Receiver<Msg>,
+    inbox: mpsc::Sender<Msg>,
+    catch_up: impl Fn(u64) -> Vec<Msg>,
+    keep: fn(&Msg) -> bool,
+) {
+    let (mut rd, mut wr) = first;
+    loop {
+        let (stop, stopped) = oneshot::channel();
+        let mut writer = tokio::spawn(write_until(wr, out, stopped));
+        let to = inbox.clone();
+        let mut reader = tokio::spawn(async move {
+            while let Ok(Some(m)) = read_msg(&mut rd).await {
+                if to.send(m).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let ended = tokio::select! {
+            w = &mut writer => {
+                reader.abort();
+                w
+            }
+            _ = &mut reader => {
+                let _ = stop.send(());
+                writer.await
+            }
+        };
+        let Ok((rx, closed)) = ended else { return };
+        out = rx;
+        if closed {
+            return;
+        }
+        // Broken: reconnect, and catch up before anything queued meanwhile.
+        loop {
+            let Some((r, mut w, id)) = link.reopen().await else { return };
+            // Drained before the catch-up is taken: whatever is queued after it is sent after
+            // it, and is either covered by it or new.
+            let mut kept = Vec::new();
+            while let Ok(m) = out.try_recv() {
+                if keep(&m) {
+                    kept.push(m);
+                }
+            }
+            let mut msgs = catch_up(id);
+            msgs.extend(kept);
+            let frames: Option<Vec<Vec<u8>>> = msgs.iter().map(|m| m.encode().ok()).collect();
+            let mut sent = true;
+            for f in frames.unwrap_or_default() {
+                if w.write_all(&f).await.is_err() {
+                    sent = false;
+                    break;
+                }
+            }
+            if sent {
+                tracing::info!(addr = %link.addr, id, "orchestrator: reconnected");
+                (rd, wr) = (r, w);
+                break;
+            }
+        }
+    }
+}
+
 /// An item the orchestrator assigned to this worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Assignment {
@@ -73,18 +213,53 @@ pub struct Assignment {
     pub release_only: bool,
 }
 
+/// What a worker has not been told it may forget about one item.
+#[derive(Debug, Default)]
+struct Held {
+    attempt: u32,
+    announced: Vec<Vec<u8>>,
+    result: Option<Msg>,
+}
+
+/// A worker's state that outlives its connections.
+#[derive(Debug, Default)]
+struct WorkerState {
+    id: AtomicU64,
+    /// Items assigned and not yet acknowledged.
+    held: Mutex<BTreeMap<ItemKey, Held>>,
+}
+
+impl WorkerState {
+    /// What a reconnected worker says first.
+    fn catch_up(&self, id: u64) -> Vec<Msg> {
+        self.id.store(id, Ordering::Relaxed);
+        let mut v = Vec::new();
+        for (k, h) in self.held.lock().iter() {
+            let (request, stage) = (k.request, k.stage);
+            v.push(Msg::Holding { request, stage, attempt: h.attempt });
+            for data in &h.announced {
+                v.push(Msg::Announce { request, stage, data: data.clone() });
+            }
+            v.extend(h.result.clone());
+        }
+        v
+    }
+}
+
 /// A stage worker connected to the service.
 #[derive(Debug)]
 pub struct WorkerClient {
-    id: u64,
+    state: Arc<WorkerState>,
     out: mpsc::Sender<Msg>,
-    /// Writer, reader and heartbeat tasks (aborted when the client drops).
+    /// Connection, reader and heartbeat tasks (aborted when the client drops).
     _tasks: JoinSet<()>,
 }
 
 impl WorkerClient {
     /// Joins as a worker of `stage` with `slots`; heartbeats go out every `heartbeat`.
-    /// Assignments arrive on the returned receiver (closed when the service goes away).
+    /// Assignments arrive on the returned receiver (closed when the service is gone for good:
+    /// see the module documentation). The first connection is not retried: an error here says
+    /// why it failed.
     pub async fn connect(
         addr: SocketAddr,
         secret: Option<&ClusterSecret>,
@@ -94,23 +269,34 @@ impl WorkerClient {
         heartbeat: Duration,
     ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
         let role = Role::Worker { stage, slots, host: host.into(), labels: vec![] };
-        let (mut rd, wr, id) = open(addr, secret, role).await?;
+        let (rd, wr, id) = open(addr, secret, role.clone()).await?;
+        let state = Arc::new(WorkerState { id: AtomicU64::new(id), ..WorkerState::default() });
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
+        let (inbox, mut arrived) = mpsc::channel::<Msg>(1024);
         let (tx, rx) = mpsc::channel(1024);
         let mut tasks = JoinSet::new();
-        tasks.spawn(write_msgs(wr, out_rx));
+        let link = Link { addr, secret: secret.cloned(), role };
+        let st = state.clone();
+        // Results and announcements are in the catch-up; a release report is not.
+        let keep = |m: &Msg| matches!(m, Msg::Released { .. } | Msg::Credit { .. });
+        tasks.spawn(session(link, (rd, wr), out_rx, inbox, move |id| st.catch_up(id), keep));
+        let st = state.clone();
         tasks.spawn(async move {
-            loop {
-                let a = match read_msg(&mut rd).await {
-                    Ok(Some(Msg::Assign { request, stage, attempt, data })) => Assignment {
-                        request,
-                        stage,
-                        attempt,
-                        inputs: data,
-                        held: Vec::new(),
-                        release_only: false,
-                    },
-                    Ok(Some(Msg::Release { request, held })) => Assignment {
+            while let Some(m) = arrived.recv().await {
+                let a = match m {
+                    Msg::Assign { request, stage, attempt, data } => {
+                        let held = Held { attempt, ..Held::default() };
+                        st.held.lock().insert(ItemKey { request, stage }, held);
+                        Assignment {
+                            request,
+                            stage,
+                            attempt,
+                            inputs: data,
+                            held: Vec::new(),
+                            release_only: false,
+                        }
+                    }
+                    Msg::Release { request, held } => Assignment {
                         request,
                         stage,
                         attempt: 0,
@@ -118,7 +304,15 @@ impl WorkerClient {
                         held,
                         release_only: true,
                     },
-                    _ => break,
+                    Msg::Ack { request, stage } => {
+                        let mut h = st.held.lock();
+                        let key = ItemKey { request, stage };
+                        if h.get(&key).is_some_and(|h| h.result.is_some()) {
+                            h.remove(&key);
+                        }
+                        continue;
+                    }
+                    _ => continue,
                 };
                 if tx.send(a).await.is_err() {
                     break;
@@ -135,12 +329,12 @@ impl WorkerClient {
                 }
             }
         });
-        Ok((WorkerClient { id, out, _tasks: tasks }, rx))
+        Ok((WorkerClient { state, out, _tasks: tasks }, rx))
     }
 
-    /// The id the service gave this worker.
+    /// The id the service gave this worker (a new one after each reconnect).
     pub fn id(&self) -> u64 {
-        self.id
+        self.state.id.load(Ordering::Relaxed)
     }
 
     /// Reports the end of an assignment (an error re-queues it; its text is the reason).
@@ -176,6 +370,10 @@ impl WorkerClient {
                 data.len()
             )));
         }
+        let key = ItemKey { request: a.request, stage: a.stage };
+        if let Some(h) = self.state.held.lock().get_mut(&key) {
+            h.announced.push(data.clone());
+        }
         let m = Msg::Announce { request: a.request, stage: a.stage, data };
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
     }
@@ -206,33 +404,57 @@ impl WorkerClient {
             )));
         }
         let m = Msg::Result { request: a.request, stage: a.stage, ending, reason, data };
+        let key = ItemKey { request: a.request, stage: a.stage };
+        // Kept until the service says it has it: resent after a reconnect.
+        self.state
+            .held
+            .lock()
+            .entry(key)
+            .or_insert_with(|| Held { attempt: a.attempt, ..Held::default() })
+            .result = Some(m.clone());
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
     }
 }
 
-type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>>;
+type Waiters = Arc<Mutex<HashMap<u64, (Priority, oneshot::Sender<Result<()>>)>>>;
 
 /// A client that submits requests.
 #[derive(Debug)]
 pub struct SubmitClient {
     out: mpsc::Sender<Msg>,
     waiting: Waiters,
-    /// Writer and reader tasks (aborted when the client drops).
+    /// Connection and reader tasks (aborted when the client drops).
     _tasks: JoinSet<()>,
 }
 
 impl SubmitClient {
-    /// Connects as a submitter.
+    /// Connects as a submitter (the first connection is not retried).
     pub async fn connect(addr: SocketAddr, secret: Option<&ClusterSecret>) -> Result<SubmitClient> {
-        let (mut rd, wr, _) = open(addr, secret, Role::Submitter).await?;
+        let (rd, wr, _) = open(addr, secret, Role::Submitter).await?;
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
+        let (inbox, mut arrived) = mpsc::channel::<Msg>(1024);
         let mut tasks = JoinSet::new();
-        tasks.spawn(write_msgs(wr, out_rx));
         let waiting: Waiters = Arc::default();
+        let link = Link { addr, secret: secret.cloned(), role: Role::Submitter };
+        let w = waiting.clone();
+        let catch_up = move |_| {
+            let mut v: Vec<Msg> = w
+                .lock()
+                .iter()
+                .map(|(&request, (priority, _))| Msg::Resume { request, priority: *priority })
+                .collect();
+            v.sort_by_key(|m| match m {
+                Msg::Resume { request, .. } => *request,
+                _ => 0,
+            });
+            v
+        };
+        tasks.spawn(session(link, (rd, wr), out_rx, inbox, catch_up, |_| false));
         let w = waiting.clone();
         tasks.spawn(async move {
-            while let Ok(Some(Msg::Outcome { request, ok, reason })) = read_msg(&mut rd).await {
-                if let Some(tx) = w.lock().remove(&request) {
+            while let Some(m) = arrived.recv().await {
+                let Msg::Outcome { request, ok, reason } = m else { continue };
+                if let Some((_, tx)) = w.lock().remove(&request) {
                     let r = if ok {
                         Ok(())
                     } else {
@@ -241,7 +463,7 @@ impl SubmitClient {
                     let _ = tx.send(r);
                 }
             }
-            for (_, tx) in w.lock().drain() {
+            for (_, (_, tx)) in w.lock().drain() {
                 let _ = tx.send(Err(OrchestratorError::Stopped));
             }
         });
@@ -255,7 +477,7 @@ impl SubmitClient {
         priority: Priority,
     ) -> Result<oneshot::Receiver<Result<()>>> {
         let (tx, rx) = oneshot::channel();
-        self.waiting.lock().insert(request, tx);
+        self.waiting.lock().insert(request, (priority, tx));
         let m = Msg::Submit { request, priority, deadline_ms: 0 };
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)?;
         Ok(rx)

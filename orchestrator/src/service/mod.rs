@@ -2,8 +2,9 @@
 //! the server ([`OrchestratorService`]) and its clients ([`WorkerClient`], [`SubmitClient`]).
 
 mod client;
+mod logfile;
 mod server;
 pub mod wire;
 
-pub use client::{Assignment, SubmitClient, WorkerClient};
+pub use client::{Assignment, RECONNECT_FOR, SubmitClient, WorkerClient};
 pub use server::{OrchestratorService, ServiceConfig};

@@ -2,8 +2,18 @@
 //! worker or a submitter, opened with the authenticated handshake (the cluster secret, when one
 //! is configured). A worker whose connection closes (a killed process) leaves at once and its
 //! items are re-queued; one that goes silent is declared dead after the heartbeat timeout.
+//!
+//! With a journal ([`ServiceConfig::journal`]) the service survives its own restart: every fact
+//! that says where a request is (submitted, dispatched, result accepted, ended, released) is
+//! written and synced to the journal before the service acts on it (one sync per loop turn for
+//! everything that arrived meanwhile), and a result is acknowledged only once it is durable. A
+//! restarted service replays the journal, parks the items that were running for a grace
+//! period, and lets the reconnecting workers claim them ([`Msg::Holding`]) and resend results
+//! not yet acknowledged; submitters ask for their requests again ([`Msg::Resume`]). If the
+//! journal cannot be written, the service stops rather than run on without it.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +25,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use super::logfile::JournalFile;
 use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg, write_msgs};
 use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker};
 use crate::error::{OrchestratorError, Result};
@@ -33,6 +44,14 @@ pub struct ServiceConfig {
     pub insecure: bool,
     /// Bound on a client's handshake.
     pub handshake_timeout: Duration,
+    /// The journal file (created if missing, replayed if present). Without one, a restarted
+    /// service knows nothing of the requests before it.
+    pub journal: Option<PathBuf>,
+    /// How long items rebuilt from the journal wait for their workers to reconnect and claim
+    /// them before they are queued for anyone (default: the heartbeat timeout).
+    pub recovery_grace: Option<Duration>,
+    /// A journal past this size (and twice its last compacted size) is compacted.
+    pub compact_bytes: u64,
 }
 
 impl Default for ServiceConfig {
@@ -45,6 +64,9 @@ impl Default for ServiceConfig {
             secret: None,
             insecure: false,
             handshake_timeout: Duration::from_secs(10),
+            journal: None,
+            recovery_grace: None,
+            compact_bytes: 8 << 20,
         }
     }
 }
@@ -60,8 +82,10 @@ enum Event {
     Gone { worker: u64 },
     Heartbeat { worker: u64 },
     Credit { worker: u64, slots: u32 },
-    Result { worker: u64, key: ItemKey, result: StageResult },
+    Result { worker: u64, key: ItemKey, result: StageResult, ack: Option<mpsc::Sender<Msg>> },
+    Holding { worker: u64, key: ItemKey, attempt: u32 },
     Submit { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
+    Resume { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
     Stats { reply: tokio::sync::oneshot::Sender<OrchestratorStats> },
     Released { worker: u64, request: u64 },
     Announce { worker: u64, key: ItemKey, data: Vec<u8> },
@@ -84,18 +108,41 @@ impl OrchestratorService {
             Error::InvalidArgument(format!("orchestrator: cannot listen on {listen}: {e}"))
         })?;
         let addr = l.local_addr().map_err(Error::from)?;
+        let grace = cfg.recovery_grace.unwrap_or(cfg.sched.heartbeat_timeout);
+        let mut driver = Driver::new(cfg.sched, cfg.policy);
+        let journal = match &cfg.journal {
+            Some(path) => {
+                let j = JournalFile::open(path, cfg.compact_bytes).map_err(|e| {
+                    Error::InvalidArgument(format!("orchestrator journal {}: {e}", path.display()))
+                })?;
+                driver.restore(j.book(), Duration::ZERO, grace);
+                driver.record_facts();
+                let st = driver.stats(Duration::ZERO);
+                tracing::info!(
+                    journal = %path.display(),
+                    in_flight = st.parked,
+                    to_release = st.unreleased,
+                    "orchestrator: journal replayed"
+                );
+                Some(j)
+            }
+            None => None,
+        };
         let (tx, rx) = mpsc::channel(4096);
         let mut tasks = JoinSet::new();
-        tasks.spawn(run(Driver::new(cfg.sched, cfg.policy), rx));
+        tasks.spawn(run(driver, journal, rx));
         let secret = cfg.secret.clone().map(Arc::new);
         let hs = cfg.handshake_timeout;
         let events = tx.clone();
         tasks.spawn(async move {
+            // The connections live in here: stopping the service closes every one of them.
+            let mut conns = JoinSet::new();
             loop {
+                while conns.try_join_next().is_some() {}
                 let Ok((sock, peer)) = l.accept().await else { continue };
                 let _ = sock.set_nodelay(true);
                 let (tx, secret) = (tx.clone(), secret.clone());
-                tokio::spawn(async move {
+                conns.spawn(async move {
                     if let Err(e) = connection(sock, peer, tx, secret, hs).await {
                         tracing::debug!(error = %e, "orchestrator: connection ended");
                     }
@@ -146,7 +193,9 @@ async fn connection(
     let mut writer = tokio::spawn(write_msgs(wr, out_rx));
     let is_worker = matches!(role, Role::Worker { .. });
     // A worker's only sender is the driver's: when the driver drops it (the worker was declared
-    // dead), the writer ends and so does this connection.
+    // dead), the writer ends and so does this connection. Acknowledgements go through a weak
+    // one.
+    let weak = out_tx.downgrade();
     let out_tx = (!is_worker).then_some(out_tx);
     let r = async {
         loop {
@@ -171,11 +220,18 @@ async fn connection(
                         Ending::Failed => StageResult::Failed(reason),
                         Ending::LostInput => StageResult::LostInput(reason),
                     };
-                    Event::Result { worker, key, result }
+                    Event::Result { worker, key, result, ack: weak.upgrade() }
+                }
+                Msg::Holding { request, stage, attempt } if is_worker => {
+                    Event::Holding { worker, key: ItemKey { request, stage }, attempt }
                 }
                 Msg::Submit { request, priority, .. } if !is_worker => {
                     let Some(tx) = out_tx.clone() else { break };
                     Event::Submit { request, priority, tx }
+                }
+                Msg::Resume { request, priority } if !is_worker => {
+                    let Some(tx) = out_tx.clone() else { break };
+                    Event::Resume { request, priority, tx }
                 }
                 other => {
                     let e = Error::protocol(format!("orchestrator: unexpected {other:?}"));
@@ -198,43 +254,78 @@ async fn connection(
 
 type ServiceDriver = Driver<mpsc::Sender<Msg>, mpsc::Sender<Msg>>;
 
-async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
+/// Messages to send once what they depend on is durable.
+type Outbox = Vec<(mpsc::Sender<Msg>, Msg)>;
+
+/// Most events taken in one loop turn (one journal sync covers them all).
+const BATCH: usize = 256;
+
+fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
+    match ev {
+        Event::Join { role, tx, reply } => {
+            let id = match role {
+                Role::Worker { stage, slots, host, labels } => {
+                    d.join(stage, slots, &host, labels, tx, now).0
+                }
+                Role::Submitter => 0,
+            };
+            let _ = reply.send(id);
+        }
+        Event::Gone { worker } => d.leave(WorkerId(worker), now),
+        Event::Heartbeat { worker } => d.heartbeat(WorkerId(worker), now),
+        Event::Credit { worker, slots } => d.credit(WorkerId(worker), slots, now),
+        Event::Result { worker, key, result, ack } => {
+            d.result(WorkerId(worker), key, result, now);
+            // Accepted or not, the worker may forget it once this turn is durable.
+            if let Some(tx) = ack {
+                out.push((tx, Msg::Ack { request: key.request, stage: key.stage }));
+            }
+        }
+        Event::Holding { worker, key, attempt } => {
+            let kept = d.claim(WorkerId(worker), key, attempt, now);
+            tracing::debug!(worker, request = key.request, ?key.stage, kept, "orchestrator: claim");
+        }
+        Event::Submit { request, priority, tx } => {
+            // Sent before a reconnect and again after it (the catch-up's resume went first).
+            if d.waiter(request).is_some_and(|w| w.same_channel(&tx)) {
+                return;
+            }
+            if let Err((tx, o)) = d.submit(Submit::new(request, priority), tx, now) {
+                out.push((tx, outcome_msg(o)));
+            }
+        }
+        Event::Resume { request, priority, tx } => {
+            if let Err((tx, o)) = d.resume(Submit::new(request, priority), tx, now) {
+                out.push((tx, outcome_msg(o)));
+            }
+        }
+        Event::Stats { reply } => {
+            let _ = reply.send(d.stats(now));
+        }
+        Event::Released { worker, request } => d.released(WorkerId(worker), request),
+        Event::Announce { worker, key, data } => d.announce(WorkerId(worker), key, data),
+    }
+}
+
+async fn run(
+    mut d: ServiceDriver,
+    mut journal: Option<JournalFile>,
+    mut rx: mpsc::Receiver<Event>,
+) {
     let mut clock = Ticker::new(Duration::from_millis(100));
     while let Some((now, ev)) = clock.next(&mut rx).await {
-        match ev {
-            Some(Event::Join { role, tx, reply }) => {
-                let id = match role {
-                    Role::Worker { stage, slots, host, labels } => {
-                        d.join(stage, slots, &host, labels, tx, now).0
-                    }
-                    Role::Submitter => 0,
-                };
-                let _ = reply.send(id);
-            }
-            Some(Event::Gone { worker }) => d.leave(WorkerId(worker), now),
-            Some(Event::Heartbeat { worker }) => d.heartbeat(WorkerId(worker), now),
-            Some(Event::Credit { worker, slots }) => d.credit(WorkerId(worker), slots, now),
-            Some(Event::Result { worker, key, result }) => {
-                d.result(WorkerId(worker), key, result, now);
-            }
-            Some(Event::Submit { request, priority, tx }) => {
-                let sub = Submit::new(request, priority);
-                if let Err((tx, o)) = d.submit(sub, tx, now) {
-                    let _ = tx.try_send(outcome_msg(o));
-                }
-            }
-            Some(Event::Stats { reply }) => {
-                let _ = reply.send(d.stats(now));
-            }
-            Some(Event::Released { worker, request }) => d.released(WorkerId(worker), request),
-            Some(Event::Announce { worker, key, data }) => d.announce(WorkerId(worker), key, data),
-            None => {}
+        let mut out = Outbox::new();
+        if let Some(ev) = ev {
+            handle(&mut d, ev, now, &mut out);
         }
-        // A worker that cannot take its assignment (gone or flooded) gives its items back.
-        let refused: Vec<WorkerId> = d
+        for _ in 1..BATCH {
+            let Ok(ev) = rx.try_recv() else { break };
+            handle(&mut d, ev, now, &mut out);
+        }
+        let assigned: Vec<(WorkerId, mpsc::Sender<Msg>, Msg)> = d
             .dispatch(now)
             .into_iter()
-            .filter_map(|a| {
+            .map(|a| {
                 let item = &a.dispatch.item;
                 let m = Msg::Assign {
                     request: item.key.request,
@@ -242,20 +333,38 @@ async fn run(mut d: ServiceDriver, mut rx: mpsc::Receiver<Event>) {
                     attempt: item.attempt,
                     data: a.inputs.to_vec(),
                 };
-                a.worker.try_send(m).is_err().then_some(a.dispatch.worker)
+                (a.dispatch.worker, a.worker.clone(), m)
             })
             .collect();
-        for w in refused {
-            d.leave(w, now);
-        }
         for (id, endpoint) in d.take_dead() {
             tracing::warn!(worker = id.0, "orchestrator: worker missed its heartbeats; closing it");
             drop(endpoint); // its connection closes; the worker may rejoin
         }
         for e in d.take_outcomes() {
             if let Some(tx) = e.waiter {
-                let _ = tx.try_send(outcome_msg(e.outcome));
+                out.push((tx, outcome_msg(e.outcome)));
             }
+        }
+        // Nothing leaves before the facts it depends on are durable.
+        if let Some(j) = &mut journal {
+            for f in d.take_facts() {
+                j.append(&f);
+            }
+            if let Err(e) = j.commit() {
+                tracing::error!(error = %e, "orchestrator: cannot write the journal; stopping");
+                return;
+            }
+        }
+        for (tx, m) in out {
+            let _ = tx.try_send(m);
+        }
+        // A worker that cannot take its assignment (gone or flooded) gives its items back.
+        let refused: Vec<WorkerId> = assigned
+            .into_iter()
+            .filter_map(|(id, tx, m)| tx.try_send(m).is_err().then_some(id))
+            .collect();
+        for w in refused {
+            d.leave(w, now);
         }
         // Ended requests' outputs go to a live worker to release (again to another, should it
         // leave before it says it did).

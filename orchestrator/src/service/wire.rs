@@ -11,10 +11,10 @@ use tensorwire_core::{Error, Result};
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
-/// The service's framing (version 3: results say whether an input was lost; ended requests'
-/// outputs are handed to workers to release, who say when they did).
+/// The service's framing (version 4: results are acknowledged; a reconnecting worker says what
+/// it still runs, a reconnecting submitter what it still waits for).
 pub const FRAMING: Framing =
-    Framing { name: "orchestrator", magic: *b"TO", version: 3, max_payload: MAX_PAYLOAD };
+    Framing { name: "orchestrator", magic: *b"TO", version: 4, max_payload: MAX_PAYLOAD };
 const MAX_TEXT: usize = 1024;
 const MAX_LABELS: usize = 8;
 /// Largest opaque stage data (inputs / outputs) in one message.
@@ -81,6 +81,15 @@ pub enum Msg {
     /// outputs exist (e.g. with the key of a store put about to start), so that they are
     /// released when the request ends even if this worker dies before its result.
     Announce { request: u64, stage: Stage, data: Vec<u8> },
+    /// Worker, right after a reconnect: it still runs (or ran, result not yet acknowledged)
+    /// this item on `attempt`; the service lets it keep the item if it can.
+    Holding { request: u64, stage: Stage, attempt: u32 },
+    /// Server -> worker: the result for this item is recorded (or will never be accepted):
+    /// the worker may forget it.
+    Ack { request: u64, stage: Stage },
+    /// Submitter, after a reconnect: it still waits for `request` (submitted before); the
+    /// service answers with its outcome, now or when it ends, and submits it if never seen.
+    Resume { request: u64, priority: Priority },
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -176,6 +185,22 @@ impl Msg {
                 w.bytes(data);
                 11
             }
+            Msg::Holding { request, stage, attempt } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                w.u32(*attempt);
+                12
+            }
+            Msg::Ack { request, stage } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                13
+            }
+            Msg::Resume { request, priority } => {
+                w.u64(*request);
+                priority.encode(&mut w);
+                14
+            }
         };
         (kind, w.finish())
     }
@@ -244,6 +269,11 @@ impl Msg {
                 stage: Stage::decode(&mut r)?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
             },
+            12 => {
+                Msg::Holding { request: r.u64()?, stage: Stage::decode(&mut r)?, attempt: r.u32()? }
+            }
+            13 => Msg::Ack { request: r.u64()?, stage: Stage::decode(&mut r)? },
+            14 => Msg::Resume { request: r.u64()?, priority: Priority::decode(&mut r)? },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -310,6 +340,9 @@ mod tests {
             Msg::Release { request: 4, held: vec![vec![5; 3], vec![]] },
             Msg::Released { request: 4 },
             Msg::Announce { request: 4, stage: Stage::Encode, data: vec![6, 7] },
+            Msg::Holding { request: 4, stage: Stage::Denoise, attempt: 2 },
+            Msg::Ack { request: 4, stage: Stage::Decode },
+            Msg::Resume { request: 4, priority: Priority::Batch },
             Msg::Heartbeat,
         ];
         for m in msgs {

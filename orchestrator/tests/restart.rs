@@ -1,0 +1,100 @@
+//! The service survives its own restart with a journal: it is stopped mid-run (its tasks
+//! aborted, as a crash would) and started again on the same address from the same journal.
+//! Workers and the submitter reconnect on their own; the items that were running are claimed
+//! by the workers that ran them, results finished meanwhile are resent, and every request
+//! completes once, each of its stages run once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tensorwire_orchestrator::sched::SchedConfig;
+use tensorwire_orchestrator::service::{
+    OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
+};
+use tensorwire_orchestrator::{Priority, Stage};
+
+type Runs = Arc<Mutex<HashMap<(u64, Stage), u32>>>;
+
+async fn serve(at: SocketAddr, journal: &Path) -> OrchestratorService {
+    let sched = SchedConfig { heartbeat_timeout: Duration::from_secs(3), ..SchedConfig::default() };
+    let cfg = ServiceConfig {
+        sched,
+        journal: Some(journal.to_path_buf()),
+        compact_bytes: 16 << 10, // compacts a few times during the run
+        ..ServiceConfig::default()
+    };
+    OrchestratorService::serve(at, cfg).await.unwrap()
+}
+
+/// A worker whose items take `ms`; it checks its input is the previous stage's output and
+/// counts its runs.
+async fn worker(at: SocketAddr, stage: Stage, ms: u64, runs: Runs) -> Arc<WorkerClient> {
+    let hb = Duration::from_millis(100);
+    let (w, mut rx) = WorkerClient::connect(at, None, stage, 2, "h", hb).await.unwrap();
+    let w = Arc::new(w);
+    let me = w.clone();
+    tokio::spawn(async move {
+        while let Some(a) = rx.recv().await {
+            let (w, runs) = (me.clone(), runs.clone());
+            tokio::spawn(async move {
+                if a.release_only {
+                    let _ = w.released(&a).await;
+                    return;
+                }
+                *runs.lock().entry((a.request, a.stage)).or_default() += 1;
+                let want = a.stage.prev().map(|p| format!("{}:{}", p.name(), a.request));
+                assert_eq!(want.map(String::into_bytes).unwrap_or_default(), a.inputs);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                let out = format!("{}:{}", a.stage.name(), a.request).into_bytes();
+                let _ = w.report_with(&a, Ok::<_, String>(out)).await;
+            });
+        }
+    });
+    w
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_completes_once_across_a_restart() {
+    let dir = std::env::temp_dir().join(format!("tw-restart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let journal = dir.join("orchestrator.journal");
+    let _ = std::fs::remove_file(&journal);
+    let svc = serve("127.0.0.1:0".parse().unwrap(), &journal).await;
+    let at = svc.addr();
+    let runs: Runs = Arc::default();
+    let mut workers = Vec::new();
+    for (stage, ms) in [(Stage::Encode, 20), (Stage::Denoise, 60), (Stage::Decode, 30)] {
+        workers.push(worker(at, stage, ms, runs.clone()).await);
+    }
+    let sub = SubmitClient::connect(at, None).await.unwrap();
+    let n = 40u64;
+    let mut outs = Vec::new();
+    for r in 0..n {
+        outs.push(sub.submit(r, Priority::Batch).await.unwrap());
+    }
+    // Mid-run: some requests done, some running at every stage.
+    while runs.lock().keys().filter(|(_, s)| *s == Stage::Decode).count() < 8 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(svc);
+    tokio::time::sleep(Duration::from_millis(300)).await; // results pile up meanwhile
+    let svc = serve(at, &journal).await;
+    for (r, o) in outs.into_iter().enumerate() {
+        let got = tokio::time::timeout(Duration::from_secs(30), o).await;
+        assert!(matches!(got, Ok(Ok(Ok(())))), "request {r}: {got:?}");
+    }
+    let st = svc.stats().await.unwrap();
+    assert_eq!((st.duplicated, st.parked), (0, 0), "{st:?}");
+    let runs = runs.lock();
+    for r in 0..n {
+        for stage in Stage::ALL {
+            assert_eq!(runs.get(&(r, stage)), Some(&1), "request {r} at {stage:?}");
+        }
+    }
+    drop(workers);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
