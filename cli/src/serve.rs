@@ -37,7 +37,8 @@ pub(crate) struct ServeArgs {
     /// Store pool size, MiB.
     #[arg(long)]
     pub(crate) store_mib: Option<u64>,
-    /// Spill directory for the store.
+    /// Spill directory for the store. Objects there survive a restart: a node started on it
+    /// finds them again, and a clean stop (Ctrl-C, --for-secs) writes the pool there first.
     #[arg(long)]
     pub(crate) spill_dir: Option<PathBuf>,
     /// Also serve the orchestrator here.
@@ -107,6 +108,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     let store_cfg = StoreConfig {
         capacity: a.store_mib.or(f.store_mib).unwrap_or(1024) << 20,
         spill_dir: a.spill_dir.or(f.spill_dir),
+        persist: true, // with a spill directory, objects there survive a restart of the node
         shared: true,
         ..StoreConfig::default()
     };
@@ -132,6 +134,11 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     match a.for_secs {
         Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
         None => tokio::signal::ctrl_c().await.map_err(|e| e.to_string())?,
+    }
+    match store.shutdown() {
+        Ok(n) if n > 0 => println!("store: {n} objects written to the spill tier"),
+        Ok(_) => {}
+        Err(e) => eprintln!("store: writing the pool to the spill tier failed: {e}"),
     }
     engine.shutdown().await;
     Ok(())

@@ -271,7 +271,9 @@ impl<W, R> Driver<W, R> {
     /// in flight, or at once (as the error) the outcome of one that ended recently; a request
     /// never seen is submitted now.
     pub fn resume(&mut self, s: Submit, waiter: R, now: Duration) -> Result<(), (R, Outcome)> {
-        if self.sched.in_flight_request(s.request) {
+        // In flight, or ended in this very turn (its outcome not taken yet): the waiter gets
+        // the outcome when it is.
+        if self.sched.in_flight_request(s.request) || self.sched.ended_untaken(s.request) {
             self.waiting.insert(s.request, waiter);
             return Ok(());
         }
@@ -657,6 +659,35 @@ mod tests {
         assert_eq!((r.len(), r[0].outputs), (1, &want[..]));
     }
 
+    #[test]
+    fn a_resume_finds_a_request_in_flight_ended_this_turn_or_ended_before() {
+        let mut d: Driver<(), u32> = Driver::new(SchedConfig::default(), Box::new(MaxFreeCredit));
+        let t = Duration::from_millis;
+        let w = d.join(Stage::Encode, 1, "h", vec![], (), t(0));
+        d.join(Stage::Denoise, 1, "h", vec![], (), t(0));
+        let dec = d.join(Stage::Decode, 1, "h", vec![], (), t(0));
+        d.submit(submit(1), 10, t(0)).unwrap();
+        d.resume(submit(1), 11, t(0)).unwrap(); // in flight: the new waiter takes over
+        for stage in Stage::ALL {
+            let a = d.dispatch(t(1));
+            let (key, by) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+            assert_eq!(key.stage, stage);
+            d.result(by, key, StageResult::Done(vec![]), t(2));
+        }
+        // Ended in this turn, outcome not yet taken: the resume must not submit it again.
+        d.resume(submit(1), 12, t(2)).unwrap();
+        assert_eq!(d.sched().in_flight(), 0);
+        let out = d.take_outcomes();
+        assert_eq!((out.len(), out[0].waiter), (1, Some(12)));
+        // Ended before: answered at once.
+        let (waiter, o) = d.resume(submit(1), 13, t(3)).unwrap_err();
+        assert_eq!((waiter, o), (13, Outcome::Completed { request: 1 }));
+        // Never seen: submitted.
+        d.resume(submit(2), 14, t(3)).unwrap();
+        assert_eq!(d.sched().in_flight(), 1);
+        let _ = (w, dec);
+    }
+
     proptest::proptest! {
         /// Random joins, departures, results, failures, lost inputs and release reports: every
         /// output a stage reported is handed out for release once its request ends, and stays
@@ -730,6 +761,114 @@ mod tests {
                     proptest::prop_assert_eq!(&got, &want, "request {}", r);
                 }
             }
+        }
+
+        /// Random work with a crash at a random point: the facts recorded until then rebuild a
+        /// fresh driver; some running items are claimed by their reconnecting workers (with
+        /// their results, some finished while the service was down), the rest wait out the
+        /// grace. Then everything runs to the end. Every request ends exactly once over both
+        /// lives, no stage result is accepted twice, and every output reported is handed out
+        /// for release.
+        #[test]
+        fn a_restart_from_the_journal_loses_and_repeats_nothing(
+            before in proptest::collection::vec((0u8..5, 0u64..8), 1..120),
+            claims in proptest::collection::vec(0u8..2, 0..40),
+        ) {
+            use std::collections::{BTreeMap, BTreeSet};
+            use crate::journal::Book;
+            let cfg = SchedConfig { heartbeat_timeout: Duration::from_secs(3600), max_attempts: 50, ..SchedConfig::default() };
+            let t = Duration::from_millis;
+            let mut d: Driver<(), ()> = Driver::new(cfg.clone(), Box::new(MaxFreeCredit));
+            d.record_facts();
+            let mut book = Book::default();
+            let mut ended: BTreeMap<u64, u32> = BTreeMap::new();
+            let mut reported: BTreeMap<u64, BTreeSet<Vec<u8>>> = BTreeMap::new();
+            let mut accepted: BTreeMap<ItemKey, u32> = BTreeMap::new();
+            let mut running: Vec<(WorkerId, ItemKey, u32)> = Vec::new();
+            let mut next_req = 0u64;
+            let mut n_out = 0u64;
+            for s in Stage::ALL {
+                d.join(s, 2, "h", vec![], (), t(0));
+            }
+            let done = |key: ItemKey, n: &mut u64| { *n += 1; format!("{}:{:?}:{n}", key.request, key.stage).into_bytes() };
+            // Life one.
+            for (i, (op, b)) in before.into_iter().enumerate() {
+                let now = t(i as u64);
+                match op {
+                    0 | 1 => { let _ = d.submit(Submit::new(next_req, Priority::Batch), (), now); next_req += 1; }
+                    2 | 3 if !running.is_empty() => {
+                        let (w, key, _) = running.swap_remove((b as usize) % running.len());
+                        let out = done(key, &mut n_out);
+                        if d.result(w, key, StageResult::Done(out.clone()), now) {
+                            reported.entry(key.request).or_default().insert(out);
+                            *accepted.entry(key).or_default() += 1;
+                        }
+                    }
+                    _ if !running.is_empty() => {
+                        let (w, key, _) = running.swap_remove((b as usize) % running.len());
+                        d.result(w, key, StageResult::Failed("x".into()), now);
+                    }
+                    _ => {}
+                }
+                for a in d.dispatch(now) {
+                    running.push((a.dispatch.worker, a.dispatch.item.key, a.dispatch.item.attempt));
+                }
+                for e in d.take_outcomes() { *ended.entry(e.outcome.request()).or_default() += 1; }
+                // What the service syncs each turn.
+                for f in d.take_facts() { book.apply(&f); }
+            }
+            // Crash. Life two, from the journal alone.
+            let mut d: Driver<(), ()> = Driver::new(cfg, Box::new(MaxFreeCredit));
+            d.record_facts();
+            let grace = t(1000);
+            let t0 = t(10_000);
+            d.restore(&book, t0, grace);
+            let mut live: Vec<WorkerId> = Stage::ALL.iter().map(|s| d.join(*s, 64, "h", vec![], (), t0)).collect();
+            let mut again: Vec<(WorkerId, ItemKey)> = Vec::new();
+            for (i, (_, key, attempt)) in running.iter().enumerate() {
+                match claims.get(i).copied().unwrap_or(0) {
+                    0 => {} // the worker died with the service
+                    _ => {
+                        let w = d.join(key.stage, 1, "h", vec![], (), t0);
+                        live.push(w);
+                        // It still runs the item, or finished it while the service was down
+                        // and resends the result: either way it claims it first.
+                        if d.claim(w, *key, *attempt, t0) {
+                            again.push((w, *key));
+                        }
+                    }
+                }
+            }
+            let mut now = t0;
+            let mut running: Vec<(WorkerId, ItemKey)> = again;
+            for _ in 0..10_000 {
+                now += t(50);
+                if let Some((w, key)) = running.pop() {
+                    let out = done(key, &mut n_out);
+                    if d.result(w, key, StageResult::Done(out.clone()), now) {
+                        reported.entry(key.request).or_default().insert(out);
+                        *accepted.entry(key).or_default() += 1;
+                    }
+                }
+                for a in d.dispatch(now) { running.push((a.dispatch.worker, a.dispatch.item.key)); }
+                for e in d.take_outcomes() { *ended.entry(e.outcome.request()).or_default() += 1; }
+                for r in d.releases().into_iter().map(|r| (r.id, r.request, r.outputs.to_vec())).collect::<Vec<_>>() {
+                    let want = reported.get(&r.1).cloned().unwrap_or_default();
+                    let got: BTreeSet<Vec<u8>> = r.2.into_iter().collect();
+                    proptest::prop_assert!(want.is_subset(&got), "request {}: {:?} not all in {:?}", r.1, want, got);
+                    d.released(r.0, r.1);
+                }
+                if running.is_empty() && d.sched().in_flight() == 0 && d.unreleased() == 0 { break; }
+            }
+            for r in 0..next_req {
+                proptest::prop_assert_eq!(ended.get(&r).copied(), Some(1), "request {} ends once", r);
+                for stage in Stage::ALL {
+                    let n = accepted.get(&ItemKey { request: r, stage }).copied().unwrap_or(0);
+                    proptest::prop_assert_eq!(n, 1, "request {} at {:?}: each stage accepted once", r, stage);
+                }
+            }
+            proptest::prop_assert_eq!(d.stats(now).duplicated, 0);
+            proptest::prop_assert_eq!(d.unreleased(), 0);
         }
     }
 }

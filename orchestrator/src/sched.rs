@@ -395,6 +395,11 @@ impl Scheduler {
         self.live.contains_key(&request)
     }
 
+    /// Whether `request` ended since [`Scheduler::take_outcomes`] was last called.
+    pub fn ended_untaken(&self, request: u64) -> bool {
+        self.outcomes.iter().any(|o| o.request() == request)
+    }
+
     /// Drains the requests that ended since the last call.
     pub fn take_outcomes(&mut self) -> Vec<Outcome> {
         std::mem::take(&mut self.outcomes)

@@ -20,9 +20,13 @@ use tensorwire_orchestrator::{Priority, Stage};
 type Runs = Arc<Mutex<HashMap<(u64, Stage), u32>>>;
 
 async fn serve(at: SocketAddr, journal: &Path) -> OrchestratorService {
-    let sched = SchedConfig { heartbeat_timeout: Duration::from_secs(3), ..SchedConfig::default() };
+    // No worker is declared dead on a loaded machine (that would re-run its item legitimately);
+    // the workers reconnect well within the grace.
+    let sched =
+        SchedConfig { heartbeat_timeout: Duration::from_secs(60), ..SchedConfig::default() };
     let cfg = ServiceConfig {
         sched,
+        recovery_grace: Some(Duration::from_secs(5)),
         journal: Some(journal.to_path_buf()),
         compact_bytes: 16 << 10, // compacts a few times during the run
         ..ServiceConfig::default()

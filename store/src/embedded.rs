@@ -30,6 +30,11 @@ pub struct StoreConfig {
     pub low_watermark: f64,
     /// Spill evicted objects to this directory instead of dropping them.
     pub spill_dir: Option<PathBuf>,
+    /// The spill tier outlives the store: at start, the objects in `spill_dir` are found again
+    /// (each file's bytes checked; a bad file is deleted with a log line);
+    /// [`EmbeddedStore::shutdown`] writes the objects still in the pool there; dropping the
+    /// store leaves the files. Without it, the store deletes its files when dropped.
+    pub persist: bool,
     /// Let peers of the engine read and write the pool (needed to serve it as a store node).
     pub shared: bool,
     /// A reserved put not committed within this time is dropped (a client that died mid-put).
@@ -46,6 +51,7 @@ impl Default for StoreConfig {
             high_watermark: 0.95,
             low_watermark: 0.85,
             spill_dir: None,
+            persist: false,
             shared: false,
             put_ttl: Duration::from_secs(30),
             read_ttl: Duration::from_secs(30),
@@ -104,9 +110,26 @@ impl EmbeddedStore {
             low: (cap as f64 * cfg.low_watermark) as u64,
         };
         let spill = cfg.spill_dir.as_deref().map(Spill::new).transpose()?;
+        let mut state = PoolState::new(cap, marks, spill.is_some());
+        if let (Some(s), true) = (&spill, cfg.persist) {
+            let found = s.scan()?;
+            let bytes: u64 = found.iter().map(|f| f.header.len).sum();
+            let n = found.len();
+            for f in found {
+                state.recover(f);
+            }
+            for io in state.take_io() {
+                if let Io::Delete(id) = io {
+                    s.remove(id);
+                }
+            }
+            if n > 0 {
+                tracing::info!(objects = n, bytes, "store: objects found in the spill tier");
+            }
+        }
         Ok(Arc::new(EmbeddedStore {
             pool,
-            state: Mutex::new(PoolState::new(cap, marks, spill.is_some())),
+            state: Mutex::new(state),
             io_done: Condvar::new(),
             spill,
             cfg,
@@ -196,7 +219,7 @@ impl EmbeddedStore {
                         });
                         let r = r.and_then(|s| {
                             let block = self.pool.slice(j.off, j.size)?;
-                            let written = s.write(j.id, &j.key, &j.meta, &block, j.len);
+                            let written = s.write(j.id, &j.key, &j.meta, &j.lease, &block, j.len);
                             if written.is_err() {
                                 s.remove(j.id); // no partial file is left behind
                             }
@@ -365,8 +388,28 @@ impl EmbeddedStore {
     }
 }
 
+impl EmbeddedStore {
+    /// A clean shutdown of a persistent store ([`StoreConfig::persist`]): writes every object
+    /// still in the pool to the spill tier (pinned ones first) and returns how many it wrote.
+    /// The store stays usable (reads load them back). Without `persist` it does nothing.
+    pub fn shutdown(&self) -> Result<usize> {
+        if !self.cfg.persist {
+            return Ok(0);
+        }
+        let (n, io) = {
+            let mut st = self.lock();
+            (st.spill_all(), st.take_io())
+        };
+        self.carry_out(io)?;
+        Ok(n)
+    }
+}
+
 impl Drop for EmbeddedStore {
     fn drop(&mut self) {
+        if self.cfg.persist {
+            return; // the files are the store's state across restarts
+        }
         if let Some(spill) = &self.spill {
             for id in self.state.lock().files() {
                 spill.remove(id);

@@ -1,7 +1,11 @@
 //! The file spill tier: an evicted object becomes one file, `<dir>/<object id>.twspill`: a
-//! 4 KiB header (magic, version, key, TensorMeta, length, crc32c of the bytes, crc32c of the
+//! 4 KiB header (magic and version, key, TensorMeta, length, crc32c of the bytes, the lease as
+//! of the spill: retention, consumers expected, expiry in Unix milliseconds; then crc32c of the
 //! header) then the bytes at offset 4096. Reads land straight in the destination memory and are
 //! verified; a truncated or corrupt file is reported as [`StoreError::Corrupt`], never served.
+//! Since a file says everything about its object, a store that restarts on the same directory
+//! rebuilds its index from the headers ([`Spill::scan`]), checking every file's bytes; a file
+//! that fails is deleted with a log line.
 //! This is the only place the store touches bytes outside `MemSlice`'s safe accessors: file I/O
 //! into registered host memory. File I/O goes through io_uring when the kernel allows it and
 //! positioned `pread`/`pwrite` otherwise; writes of pool blocks use `O_DIRECT` when the file system
@@ -10,16 +14,17 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{MemSlice, TensorMeta};
 
 use crate::alloc::ALIGN;
-use crate::api::MAX_KEY;
+use crate::api::{MAX_KEY, Retention};
 use crate::error::{Result, StoreError, StoreKey};
 use crate::uring::FileIo;
 
-const MAGIC: &[u8; 8] = b"TWSPILL1";
+const MAGIC: &[u8; 8] = b"TWSPILL2";
 const HEADER: u64 = 4096;
 
 /// The spill directory.
@@ -73,12 +78,13 @@ impl Spill {
     }
 
     /// Writes an object's `len` bytes, held at the start of `block` (its whole, page-aligned pool
-    /// block), to its file.
+    /// block), to its file, with its lease as of now.
     pub(crate) fn write(
         &self,
         id: u64,
         key: &[u8],
         meta: &TensorMeta,
+        lease: &Lease,
         block: &MemSlice,
         len: u64,
     ) -> Result<()> {
@@ -87,6 +93,7 @@ impl Spill {
         w.raw(MAGIC).bytes(key);
         meta.encode(&mut w);
         w.u64(len).u32(data.crc32c()?);
+        w.u8(lease.retention.tag()).u32(lease.consumers).u64(lease.expires_ms);
         let mut head = w.finish();
         let hcrc = crc32c::crc32c(&head);
         head.extend_from_slice(&hcrc.to_le_bytes());
@@ -181,7 +188,11 @@ impl Spill {
         self.io
             .read_exact_at(&f, &mut head, 0)
             .map_err(|e| corrupt(format!("header unreadable ({e}): truncated")))?;
-        let (meta, stored_len, crc) = parse_header(&head, key).map_err(corrupt)?;
+        let h = parse_header(&head).map_err(corrupt)?;
+        if h.key != key {
+            return Err(corrupt(format!("holds key {}", StoreKey(h.key))));
+        }
+        let (meta, stored_len, crc) = (h.meta, h.len, h.crc);
         if stored_len != len {
             return Err(corrupt(format!("holds {stored_len} bytes, expected {len}")));
         }
@@ -202,21 +213,142 @@ impl Spill {
     pub(crate) fn file(&self, id: u64) -> PathBuf {
         self.path(id)
     }
+
+    /// Every object the directory holds, each file's header parsed and its bytes checked
+    /// against the header's checksum; a file that fails either is deleted with a log line, as is
+    /// one whose lease expired. Other files are left alone.
+    pub(crate) fn scan(&self) -> Result<Vec<Found>> {
+        let what = format!("list {}", self.dir.display());
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(&self.dir).map_err(io_err(what.clone()))? {
+            let path = entry.map_err(io_err(what.clone()))?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            let Some(id) = name
+                .strip_suffix(".twspill")
+                .filter(|h| h.len() == 16)
+                .and_then(|h| u64::from_str_radix(h, 16).ok())
+            else {
+                continue;
+            };
+            match self.check(&path) {
+                Ok(h) if h.expired() => {
+                    tracing::info!(file = %path.display(), "store: spilled object expired; deleted");
+                    self.remove(id);
+                }
+                Ok(h) => found.push(Found { id, header: h }),
+                Err(why) => {
+                    tracing::warn!(file = %path.display(), "store: dropping spill file: {why}");
+                    self.remove(id);
+                }
+            }
+        }
+        found.sort_by_key(|f| f.id);
+        Ok(found)
+    }
+
+    /// Parses a file's header and checks its bytes (read in pieces, never all at once).
+    fn check(&self, path: &Path) -> std::result::Result<Header, String> {
+        let f = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+        let mut head = vec![0u8; HEADER as usize];
+        self.io.read_exact_at(&f, &mut head, 0).map_err(|e| format!("header unreadable: {e}"))?;
+        let h = parse_header(&head)?;
+        let size = f.metadata().map_err(|e| e.to_string())?.len();
+        if size != HEADER + h.len {
+            return Err(format!(
+                "{} data bytes, the header says {}",
+                size - HEADER.min(size),
+                h.len
+            ));
+        }
+        let mut crc = 0u32;
+        let mut buf = vec![0u8; (1 << 20).min(h.len) as usize];
+        let mut at = 0u64;
+        while at < h.len {
+            let n = buf.len().min((h.len - at) as usize);
+            self.io
+                .read_exact_at(&f, &mut buf[..n], HEADER + at)
+                .map_err(|e| format!("data unreadable: {e}"))?;
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            at += n as u64;
+        }
+        if crc != h.crc {
+            return Err(format!("checksum {crc:#010x}, expected {:#010x}", h.crc));
+        }
+        Ok(h)
+    }
+}
+
+/// An object's lease as a spill file keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Lease {
+    pub(crate) retention: Retention,
+    pub(crate) consumers: u32,
+    /// Expiry in milliseconds since the Unix epoch (0: none).
+    pub(crate) expires_ms: u64,
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Lease {
+    /// `expires` (a monotonic deadline) as wall-clock milliseconds.
+    pub(crate) fn new(retention: Retention, consumers: u32, expires: Option<Instant>) -> Lease {
+        let expires_ms = expires.map_or(0, |t| {
+            let left = t.saturating_duration_since(Instant::now());
+            unix_ms(SystemTime::now() + left).max(1)
+        });
+        Lease { retention, consumers, expires_ms }
+    }
+
+    /// The expiry as a monotonic deadline (`None`: none).
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        (self.expires_ms != 0).then(|| {
+            let left = self.expires_ms.saturating_sub(unix_ms(SystemTime::now()));
+            Instant::now() + Duration::from_millis(left)
+        })
+    }
+}
+
+/// A spill file's header.
+#[derive(Debug, Clone)]
+pub(crate) struct Header {
+    pub(crate) key: Vec<u8>,
+    pub(crate) meta: TensorMeta,
+    pub(crate) len: u64,
+    crc: u32,
+    pub(crate) lease: Lease,
+}
+
+impl Header {
+    fn expired(&self) -> bool {
+        self.lease.expires_ms != 0 && self.lease.expires_ms <= unix_ms(SystemTime::now())
+    }
+}
+
+/// An object found by [`Spill::scan`].
+#[derive(Debug, Clone)]
+pub(crate) struct Found {
+    pub(crate) id: u64,
+    pub(crate) header: Header,
 }
 
 /// Parses and checks a spill header; the error says what is wrong with it. Never panics.
-fn parse_header(head: &[u8], key: &[u8]) -> std::result::Result<(TensorMeta, u64, u32), String> {
+fn parse_header(head: &[u8]) -> std::result::Result<Header, String> {
     let mut r = Reader::new(head, "spill header");
     let magic = r.raw(MAGIC.len()).map_err(|e| e.to_string())?;
     if magic != MAGIC {
-        return Err("not a tensorwire spill file (bad magic)".into());
+        return Err("not a tensorwire spill file of this version (bad magic)".into());
     }
     let fields = (|| {
-        let stored_key = r.bytes(MAX_KEY, "key")?;
+        let key = r.bytes(MAX_KEY, "key")?.to_vec();
         let meta = TensorMeta::decode(&mut r)?;
-        Ok::<_, tensorwire_core::Error>((stored_key, meta, r.u64()?, r.u32()?))
+        let (len, crc) = (r.u64()?, r.u32()?);
+        let retention = Retention::from_tag(r.u8()?)?;
+        let lease = Lease { retention, consumers: r.u32()?, expires_ms: r.u64()? };
+        Ok::<_, tensorwire_core::Error>(Header { key, meta, len, crc, lease })
     })();
-    let (stored_key, meta, len, crc) = fields.map_err(|e| e.to_string())?;
+    let h = fields.map_err(|e| e.to_string())?;
     let used = head.len() - r.rest().len();
     let hcrc = head
         .get(used..used + 4)
@@ -227,10 +359,7 @@ fn parse_header(head: &[u8], key: &[u8]) -> std::result::Result<(TensorMeta, u64
     if hcrc != actual {
         return Err(format!("header checksum {actual:#010x}, expected {hcrc:#010x}"));
     }
-    if stored_key != key {
-        return Err(format!("holds key {}", StoreKey(stored_key.to_vec())));
-    }
-    Ok((meta, len, crc))
+    Ok(h)
 }
 
 /// One page-aligned page (for O_DIRECT header writes).
@@ -280,7 +409,7 @@ mod tests {
     proptest! {
         #[test]
         fn header_parse_is_total(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = parse_header(&bytes, b"k");
+            let _ = parse_header(&bytes);
         }
     }
 }

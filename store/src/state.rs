@@ -118,6 +118,8 @@ pub(crate) struct SpillJob {
     /// The block (offset and size) holding the bytes.
     pub(crate) off: u64,
     pub(crate) size: u64,
+    /// The object's lease now (the file keeps it).
+    pub(crate) lease: crate::spill::Lease,
 }
 
 /// A spilled object to read back into the pool block at `off`; report with
@@ -313,19 +315,85 @@ impl PoolState {
             self.release(Hold::Block(off), false);
             return true;
         }
+        self.start_spill(&key);
+        true
+    }
+
+    /// Starts writing `key`'s block to its file, if it is in the pool.
+    fn start_spill(&mut self, key: &[u8]) {
+        let Some(o) = self.objs.get_mut(key) else { return };
+        let Loc::Pool(off) = o.loc else { return };
         o.loc = Loc::Spilling(off);
         let job = SpillJob {
             id: o.id,
-            key: key.clone(),
+            key: key.to_vec(),
             meta: o.meta.clone(),
             len: o.len,
             off,
             size: self.blocks.get(&off).map_or(0, |b| b.size),
+            lease: crate::spill::Lease::new(o.retention, o.consumers, o.expires),
         };
         self.spilling += job.size;
         self.hold(Hold::Block(off));
         self.io.push(Io::Spill(job));
-        true
+    }
+
+    /// A clean shutdown: every object still only in the pool is written to its file (pinned
+    /// ones first), so that a store opened on the same spill directory finds them all. Needs a
+    /// spill tier; returns how many spills were queued.
+    pub(crate) fn spill_all(&mut self) -> usize {
+        if !self.spill {
+            return 0;
+        }
+        let mut keys: Vec<(bool, Vec<u8>)> = self
+            .objs
+            .iter()
+            .filter(|(_, o)| matches!(o.loc, Loc::Pool(_)))
+            .map(|(k, o)| (o.retention != Retention::Pinned, k.clone()))
+            .collect();
+        keys.sort();
+        for (_, k) in &keys {
+            self.start_spill(k);
+            self.relist(k, false); // out of the LRU while it spills
+        }
+        keys.len()
+    }
+
+    /// An object found in the spill tier at start (a store restarted on its spill directory).
+    /// Of two files with the same key (a crash between a re-spill and the old file's
+    /// deletion), the newer id wins and the other file is deleted.
+    pub(crate) fn recover(&mut self, f: crate::spill::Found) {
+        let key = f.header.key;
+        if let Some(o) = self.objs.get(&key) {
+            let (older, newer) = if o.id < f.id { (o.id, f.id) } else { (f.id, o.id) };
+            if newer == f.id {
+                self.files.remove(&older);
+                self.objs.remove(&key);
+            }
+            self.io.push(Io::Delete(older));
+            if newer != f.id {
+                return;
+            }
+        }
+        self.next = self.next.max(f.id);
+        self.tick += 1;
+        let lease = f.header.lease;
+        self.files.insert(f.id, Held { owned: true, holders: 0 });
+        self.objs.insert(
+            key,
+            Obj {
+                id: f.id,
+                meta: f.header.meta,
+                len: f.header.len,
+                retention: lease.retention,
+                pins: 0,
+                tick: self.tick,
+                loc: Loc::Spilled,
+                consumers: lease.consumers,
+                early: 0,
+                expires: lease.deadline(),
+            },
+        );
     }
 
     /// A block for `len` bytes, evicting as needed.

@@ -24,6 +24,7 @@ pub const TARGETS: &[&str] = &[
     "error_body",
     "frame_header",
     "handshake",
+    "orchestrator_journal",
     "orchestrator_msg",
     "payload_ref",
     "queue_message",
@@ -52,6 +53,10 @@ pub fn valid(target: &str, input: &[u8]) -> bool {
             Open::decode(input).is_ok()
                 || Challenge::decode(input).is_ok()
                 || Proof::decode(input).is_ok()
+        }
+        "orchestrator_journal" => {
+            let r = tensorwire_orchestrator::journal::replay(input);
+            r.stopped.is_none() && !r.facts.is_empty()
         }
         "orchestrator_msg" => input.split_first().is_some_and(|(&k, b)| Msg::decode(k, b).is_ok()),
         "payload_ref" => PayloadRef::from_bytes(input).is_ok(),

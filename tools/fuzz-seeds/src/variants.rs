@@ -32,6 +32,7 @@ pub fn add_all(c: &mut Corpus, refs: &[PayloadRef]) {
     control(c);
     store_rpc(c);
     orchestrator(c);
+    journal(c);
     queue_messages(c, refs);
 }
 
@@ -289,12 +290,43 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Release { request: 2, held: vec![b"refs".to_vec(), b"latent refs".to_vec()] },
         Msg::Released { request: 2 },
         Msg::Announce { request: 2, stage: Stage::Encode, data: b"refs".to_vec() },
+        Msg::Holding { request: 2, stage: Stage::Denoise, attempt: 1 },
+        Msg::Ack { request: 2, stage: Stage::Denoise },
+        Msg::Resume { request: 2, priority: Priority::Interactive },
     ];
     for m in msgs {
         let (kind, mut body) = m.encode_body();
         body.insert(0, kind);
         c.add("orchestrator_msg", body);
     }
+}
+
+/// Journal records of every kind, alone and as one journal of a request's life, and its
+/// compacted form.
+fn journal(c: &mut Corpus) {
+    use tensorwire_orchestrator::Outcome;
+    use tensorwire_orchestrator::journal::{Book, Fact};
+    use tensorwire_orchestrator::sched::ItemKey;
+    let key = |stage| ItemKey { request: 5, stage };
+    let life = [
+        Fact::Submitted { request: 5, priority: Priority::Batch },
+        Fact::Dispatched { key: key(Stage::Encode), attempt: 1 },
+        Fact::Announced { request: 5, data: b"refs".to_vec() },
+        Fact::Accepted { key: key(Stage::Encode), outputs: b"refs".to_vec() },
+        Fact::Dispatched { key: key(Stage::Denoise), attempt: 2 },
+        Fact::Accepted { key: key(Stage::Denoise), outputs: b"latent refs".to_vec() },
+        Fact::LostInput { key: key(Stage::Decode) },
+        Fact::Ended(Outcome::Failed { request: 5, reason: "too many attempts".into() }),
+        Fact::Ended(Outcome::Completed { request: 6 }),
+    ];
+    let mut book = Book::default();
+    for f in &life {
+        c.add("orchestrator_journal", f.encode());
+        book.apply(f);
+    }
+    c.add("orchestrator_journal", life.iter().flat_map(Fact::encode).collect());
+    c.add("orchestrator_journal", book.snapshot().iter().flat_map(Fact::encode).collect());
+    c.add("orchestrator_journal", Fact::Released { request: 5 }.encode());
 }
 
 /// Queue messages carrying the recorded refs, for every stage and priority.
