@@ -140,7 +140,7 @@ async fn run_item(
 /// A worker process that moves payloads (called from `tensorwire worker --store-engine ...`).
 pub(crate) async fn payload_worker(
     stage: Stage,
-    orch: SocketAddr,
+    orch: tensorwire_orchestrator::service::Target,
     (store_engine, store_rpc): (SocketAddr, SocketAddr),
     secret: Option<ClusterSecret>,
     models: Vec<Model>,
@@ -157,8 +157,8 @@ pub(crate) async fn payload_worker(
         wait_timeout: Duration::from_secs(30),
     };
     let conn = Arc::new(DiffusionConnector::new(engine, Some(store), cfg));
-    let (w, mut rx) = WorkerClient::connect(
-        orch,
+    let (w, mut rx) = WorkerClient::connect_to(
+        orch.clone(),
         secret.as_ref(),
         stage,
         slots.max(1),
@@ -191,7 +191,7 @@ pub(crate) async fn payload_worker(
             }
         });
     }
-    Err(format!("the orchestrator at {orch} closed the connection"))
+    Err(format!("the orchestrator at {orch:?} closed the connection"))
 }
 
 /// Whether a stage failed because an input payload is gone for good.

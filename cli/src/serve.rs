@@ -12,7 +12,7 @@ use serde::Deserialize;
 use tensorwire_core::auth::is_exposed;
 use tensorwire_core::{Engine, EngineConfig};
 use tensorwire_orchestrator::Stage;
-use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, WorkerClient};
+use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, Target, WorkerClient};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
@@ -22,7 +22,7 @@ use crate::{profiles, secret};
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ServeArgs {
     /// TOML file with any of: listen, data_listen, store_listen, store_mib, spill_dir,
-    /// orchestrator_listen, journal, secret_file, insecure.
+    /// orchestrator_listen, journal, etcd, cluster, lease_secs, secret_file, insecure.
     #[arg(long)]
     pub(crate) config: Option<PathBuf>,
     /// Engine control endpoint.
@@ -48,6 +48,18 @@ pub(crate) struct ServeArgs {
     /// request it had (workers and submitters reconnect on their own).
     #[arg(long)]
     pub(crate) journal: Option<PathBuf>,
+    /// etcd endpoint (e.g. http://10.0.0.9:2379): register the engine and the store node there,
+    /// and run the orchestrator as one of a standby group (elected through etcd, its journal kept
+    /// there; `--orchestrator-listen` then needs a fixed port).
+    #[arg(long)]
+    pub(crate) etcd: Option<String>,
+    /// Cluster name (the key prefix in etcd).
+    #[arg(long)]
+    pub(crate) cluster: Option<String>,
+    /// Lease of the etcd registrations and candidacy, seconds: how long a dead process's entry
+    /// (or a dead leader) lasts.
+    #[arg(long)]
+    pub(crate) lease_secs: Option<u64>,
     /// File holding the cluster secret (every process of the cluster uses the same; make one
     /// with `tensorwire secret new FILE`). Needed to listen on an address other hosts can reach.
     #[arg(long)]
@@ -71,6 +83,9 @@ struct ServeFile {
     spill_dir: Option<PathBuf>,
     orchestrator_listen: Option<SocketAddr>,
     journal: Option<PathBuf>,
+    etcd: Option<String>,
+    cluster: Option<String>,
+    lease_secs: Option<u64>,
     secret_file: Option<PathBuf>,
     insecure: Option<bool>,
 }
@@ -121,19 +136,77 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         store.pool().len >> 20,
         store.spill_io().map_or(String::new(), |s| format!(", spill: {s}"))
     );
-    let _orch = match a.orchestrator_listen.or(f.orchestrator_listen) {
-        Some(at) => {
+    let cluster = a.cluster.or(f.cluster).unwrap_or_else(|| "default".into());
+    let ttl = Duration::from_secs(a.lease_secs.or(f.lease_secs).unwrap_or(5).max(1));
+    let etcd = match a.etcd.or(f.etcd) {
+        Some(url) => Some(crate::cluster::Etcd::connect(&url, &cluster, ttl).await?),
+        None => None,
+    };
+    let _registered = match &etcd {
+        Some(c) => Some(c.register(&engine, node.addr()).await?),
+        None => None,
+    };
+    // The orchestrator this process serves (once elected, with --etcd), for its closing line.
+    let serving: crate::cluster::Serving = Default::default();
+    let mut leading: Option<tokio::task::JoinHandle<String>> = None;
+    match (a.orchestrator_listen.or(f.orchestrator_listen), &etcd) {
+        (Some(at), None) => {
             let journal = a.journal.or(f.journal);
             let cfg = ServiceConfig { secret, insecure, journal, ..ServiceConfig::default() };
             let o = OrchestratorService::serve(at, cfg).await.map_err(|e| e.to_string())?;
             println!("orchestrator {}", o.addr());
-            Some(o)
+            *serving.lock().await = Some(o);
         }
-        None => None,
+        (Some(at), Some(c)) => {
+            if at.port() == 0 {
+                return Err(format!(
+                    "--orchestrator-listen {at}: with --etcd the orchestrator needs a fixed port \
+                     (its address is what the leader publishes)"
+                ));
+            }
+            if a.journal.is_some() || f.journal.is_some() {
+                return Err("--journal: with --etcd the orchestrator's journal is in etcd".into());
+            }
+            let cfg = ServiceConfig { secret, insecure, ..ServiceConfig::default() };
+            println!("standby orchestrator {at}: campaigning to lead cluster {cluster}");
+            leading = Some(tokio::spawn(c.clone().lead(at, cfg, serving.clone())));
+        }
+        (None, _) => {}
+    }
+    // Stops cleanly at the end of --for-secs or on Ctrl-C (SIGINT), whichever comes first.
+    let stop = async {
+        let secs = async {
+            match a.for_secs {
+                Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = secs => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
     };
-    match a.for_secs {
-        Some(s) => tokio::time::sleep(Duration::from_secs(s)).await,
-        None => tokio::signal::ctrl_c().await.map_err(|e| e.to_string())?,
+    let lost = async {
+        match &mut leading {
+            Some(t) => t.await.unwrap_or_else(|e| e.to_string()),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        () = stop => {}
+        why = lost => return Err(why),
+    }
+    if let Some(o) = serving.lock().await.as_ref() {
+        if let Ok(st) = o.stats().await {
+            println!(
+                "orchestrator: completed {}, failed {}, duplicated {}, re-queued {}, unreleased {}",
+                st.sched.completed,
+                st.sched.failed,
+                st.duplicated,
+                st.sched.requeued,
+                st.unreleased
+            );
+        }
     }
     match store.shutdown() {
         Ok(n) if n > 0 => println!("store: {n} objects written to the spill tier"),
@@ -150,9 +223,16 @@ pub(crate) struct WorkerArgs {
     /// encode, denoise or decode.
     #[arg(long)]
     pub(crate) role: String,
-    /// Orchestrator service address.
-    #[arg(long)]
-    pub(crate) connect: SocketAddr,
+    /// Orchestrator service address...
+    #[arg(long, required_unless_present = "etcd")]
+    pub(crate) connect: Option<SocketAddr>,
+    /// ...or an etcd endpoint where the cluster's orchestrator leader is found (again at every
+    /// reconnection, so the worker follows a new leader).
+    #[arg(long, conflicts_with = "connect")]
+    pub(crate) etcd: Option<String>,
+    /// With --etcd: the cluster name.
+    #[arg(long, default_value = "default")]
+    pub(crate) cluster: String,
     /// Model whose stage time each item takes.
     #[arg(long, default_value = "wan2.1-t2v-1.3b-480p")]
     pub(crate) model: String,
@@ -189,13 +269,23 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         .find(|s| s.name() == a.role)
         .ok_or_else(|| format!("--role {:?}: expected encode, denoise or decode", a.role))?;
     let secret = secret::read(a.secret_file.as_deref())?;
-    if secret.is_none() && is_exposed(a.connect) && !a.insecure {
-        return Err(format!(
-            "joining the orchestrator at {} without a cluster secret: pass --secret-file FILE (the \
-             orchestrator's; `tensorwire secret new FILE` makes one) or --insecure",
-            a.connect
-        ));
-    }
+    let target: Target = match (a.connect, &a.etcd) {
+        (Some(addr), _) => {
+            if secret.is_none() && is_exposed(addr) && !a.insecure {
+                return Err(format!(
+                    "joining the orchestrator at {addr} without a cluster secret: pass \
+                     --secret-file FILE (the orchestrator's; `tensorwire secret new FILE` makes \
+                     one) or --insecure"
+                ));
+            }
+            addr.into()
+        }
+        (None, Some(url)) => {
+            let ttl = Duration::from_secs(5);
+            crate::cluster::Etcd::connect(url, &a.cluster, ttl).await?.leader_target()
+        }
+        (None, None) => return Err("worker: pass --connect ADDR or --etcd URL".into()),
+    };
     let all = profiles::load(a.profiles.as_deref())?;
     if let (Some(se), Some(st)) = (a.store_engine, a.store) {
         let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
@@ -204,7 +294,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         let store = (se, st);
         return crate::procs::payload_worker(
             stage,
-            a.connect,
+            target,
             store,
             secret,
             mix,
@@ -220,8 +310,8 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         Stage::Decode => m.decode_ms,
     };
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
-    let (w, mut rx) = WorkerClient::connect(
-        a.connect,
+    let (w, mut rx) = WorkerClient::connect_to(
+        target.clone(),
         secret.as_ref(),
         stage,
         a.slots.max(1),
@@ -230,7 +320,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
     )
     .await
     .map_err(|e| e.to_string())?;
-    println!("worker {} ({}) joined {}", w.id(), a.role, a.connect);
+    println!("worker {} ({}) joined {target:?}", w.id(), a.role);
     let w = std::sync::Arc::new(w);
     while let Some(job) = rx.recv().await {
         let w = w.clone();
@@ -240,5 +330,5 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
             let _ = w.report(&job, Ok::<(), String>(())).await;
         });
     }
-    Err(format!("the orchestrator at {} closed the connection", a.connect))
+    Err(format!("the orchestrator at {target:?} closed the connection"))
 }

@@ -63,6 +63,8 @@ mod completion;
 #[cfg(not(loom))]
 mod copy;
 #[cfg(not(loom))]
+pub mod discovery;
+#[cfg(not(loom))]
 mod engine;
 #[cfg(not(loom))]
 mod exposure;

@@ -68,10 +68,62 @@ async fn open(
     })
 }
 
+/// Asked for the service's address before every connection (e.g. the current leader of a
+/// standby group, from discovery); `None`: none known now.
+pub type Resolver = Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<SocketAddr>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// How a client finds the service.
+#[derive(Clone)]
+pub enum Target {
+    /// Always this address.
+    Addr(SocketAddr),
+    /// Whatever the resolver says at each (re)connection.
+    Resolve(Resolver),
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Addr(a) => write!(f, "{a}"),
+            Target::Resolve(_) => f.write_str("(resolved at each connection)"),
+        }
+    }
+}
+
+impl From<SocketAddr> for Target {
+    fn from(a: SocketAddr) -> Target {
+        Target::Addr(a)
+    }
+}
+
+impl Target {
+    async fn addr(&self) -> Result<SocketAddr> {
+        match self {
+            Target::Addr(a) => Ok(*a),
+            Target::Resolve(r) => r().await.ok_or_else(|| {
+                OrchestratorError::from(Error::PeerClosed("no orchestrator is known now".into()))
+            }),
+        }
+    }
+
+    /// Resolves, then connects.
+    async fn open(
+        &self,
+        secret: Option<&ClusterSecret>,
+        role: Role,
+    ) -> Result<(OwnedReadHalf, OwnedWriteHalf, u64)> {
+        open(self.addr().await?, secret, role).await
+    }
+}
+
 /// Where a client connects, as what.
 #[derive(Debug, Clone)]
 struct Link {
-    addr: SocketAddr,
+    target: Target,
     secret: Option<ClusterSecret>,
     role: Role,
 }
@@ -83,14 +135,14 @@ impl Link {
         let deadline = tokio::time::Instant::now() + RECONNECT_FOR;
         let mut pause = BACKOFF.0;
         loop {
-            match open(self.addr, self.secret.as_ref(), self.role.clone()).await {
+            match self.target.open(self.secret.as_ref(), self.role.clone()).await {
                 Ok(c) => return Some(c),
                 Err(OrchestratorError::Refused(why)) => {
-                    tracing::warn!(addr = %self.addr, "orchestrator refused a reconnect: {why}");
+                    tracing::warn!(target = ?self.target, "orchestrator refused a reconnect: {why}");
                     return None;
                 }
                 Err(e) if tokio::time::Instant::now() + pause >= deadline => {
-                    tracing::warn!(addr = %self.addr, error = %e, "orchestrator: giving up");
+                    tracing::warn!(target = ?self.target, error = %e, "orchestrator: giving up");
                     return None;
                 }
                 Err(_) => {}
@@ -186,7 +238,7 @@ async fn session(
                 }
             }
             if sent {
-                tracing::info!(addr = %link.addr, id, "orchestrator: reconnected");
+                tracing::info!(target = ?link.target, id, "orchestrator: reconnected");
                 (rd, wr) = (r, w);
                 break;
             }
@@ -268,14 +320,27 @@ impl WorkerClient {
         host: &str,
         heartbeat: Duration,
     ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
+        Self::connect_to(addr.into(), secret, stage, slots, host, heartbeat).await
+    }
+
+    /// [`WorkerClient::connect`] to wherever `target` says, asked again at every reconnection
+    /// (e.g. the leader of a standby group).
+    pub async fn connect_to(
+        target: Target,
+        secret: Option<&ClusterSecret>,
+        stage: Stage,
+        slots: u32,
+        host: &str,
+        heartbeat: Duration,
+    ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
         let role = Role::Worker { stage, slots, host: host.into(), labels: vec![] };
-        let (rd, wr, id) = open(addr, secret, role.clone()).await?;
+        let (rd, wr, id) = target.open(secret, role.clone()).await?;
         let state = Arc::new(WorkerState { id: AtomicU64::new(id), ..WorkerState::default() });
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
         let (inbox, mut arrived) = mpsc::channel::<Msg>(1024);
         let (tx, rx) = mpsc::channel(1024);
         let mut tasks = JoinSet::new();
-        let link = Link { addr, secret: secret.cloned(), role };
+        let link = Link { target, secret: secret.cloned(), role };
         let st = state.clone();
         // Results and announcements are in the catch-up; a release report is not.
         let keep = |m: &Msg| matches!(m, Msg::Released { .. } | Msg::Credit { .. });
@@ -430,12 +495,20 @@ pub struct SubmitClient {
 impl SubmitClient {
     /// Connects as a submitter (the first connection is not retried).
     pub async fn connect(addr: SocketAddr, secret: Option<&ClusterSecret>) -> Result<SubmitClient> {
-        let (rd, wr, _) = open(addr, secret, Role::Submitter).await?;
+        Self::connect_to(addr.into(), secret).await
+    }
+
+    /// [`SubmitClient::connect`] to wherever `target` says, asked again at every reconnection.
+    pub async fn connect_to(
+        target: Target,
+        secret: Option<&ClusterSecret>,
+    ) -> Result<SubmitClient> {
+        let (rd, wr, _) = target.open(secret, Role::Submitter).await?;
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
         let (inbox, mut arrived) = mpsc::channel::<Msg>(1024);
         let mut tasks = JoinSet::new();
         let waiting: Waiters = Arc::default();
-        let link = Link { addr, secret: secret.cloned(), role: Role::Submitter };
+        let link = Link { target, secret: secret.cloned(), role: Role::Submitter };
         let w = waiting.clone();
         let catch_up = move |_| {
             let mut v: Vec<Msg> = w

@@ -12,12 +12,25 @@ use std::path::{Path, PathBuf};
 
 use crate::journal::{Book, Fact, replay};
 
+/// Where a service's journal lives: a local file ([`JournalFile`]) or a shared store (the
+/// `tensorwire-etcd` crate keeps a standby orchestrator's journal in etcd). Opened (and replayed)
+/// before the service starts; the service appends each turn's facts and commits them before it
+/// acts on them.
+#[async_trait::async_trait]
+pub trait JournalStore: Send + std::fmt::Debug {
+    /// What the journal said when it was opened, plus everything appended since.
+    fn book(&self) -> &Book;
+    /// Adds a fact; durable at the next commit.
+    fn append(&mut self, f: &Fact);
+    /// Makes every appended fact durable. An error stops the service.
+    async fn commit(&mut self) -> std::io::Result<()>;
+}
+
 /// The file's first bytes.
 const MAGIC: &[u8; 8] = b"TWJRNL01";
 
-/// An open journal.
-#[derive(Debug)]
-pub(crate) struct JournalFile {
+/// An open journal file.
+pub struct JournalFile {
     path: PathBuf,
     file: File,
     book: Book,
@@ -27,14 +40,25 @@ pub(crate) struct JournalFile {
     compact_min: u64,
 }
 
+impl std::fmt::Debug for JournalFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JournalFile")
+            .field("path", &self.path)
+            .field("bytes", &self.len)
+            .field("requests", &self.book.entries.len())
+            .finish()
+    }
+}
+
 fn sync_dir(path: &Path) -> std::io::Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     File::open(dir)?.sync_all()
 }
 
 impl JournalFile {
-    /// Opens (or creates) the journal at `path` and replays it.
-    pub(crate) fn open(path: &Path, compact_min: u64) -> std::io::Result<JournalFile> {
+    /// Opens (or creates) the journal at `path` and replays it; past `compact_min` bytes (and
+    /// twice its last compacted size) it is compacted.
+    pub fn open(path: &Path, compact_min: u64) -> std::io::Result<JournalFile> {
         let mut file =
             OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
         let mut bytes = Vec::new();
@@ -80,19 +104,8 @@ impl JournalFile {
         })
     }
 
-    /// What the journal says so far (committed or not).
-    pub(crate) fn book(&self) -> &Book {
-        &self.book
-    }
-
-    /// Adds a fact; durable at the next [`JournalFile::commit`].
-    pub(crate) fn append(&mut self, f: &Fact) {
-        self.pending.extend_from_slice(&f.encode());
-        self.book.apply(f);
-    }
-
     /// Makes every appended fact durable; compacts when the file has grown enough.
-    pub(crate) fn commit(&mut self) -> std::io::Result<()> {
+    fn commit_now(&mut self) -> std::io::Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -133,6 +146,24 @@ impl JournalFile {
     }
 }
 
+#[async_trait::async_trait]
+impl JournalStore for JournalFile {
+    fn book(&self) -> &Book {
+        &self.book
+    }
+
+    fn append(&mut self, f: &Fact) {
+        self.pending.extend_from_slice(&f.encode());
+        self.book.apply(f);
+    }
+
+    /// One write and one `fdatasync`, on the caller's thread (the service's loop waits for it
+    /// anyway: nothing goes out before it).
+    async fn commit(&mut self) -> std::io::Result<()> {
+        self.commit_now()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,7 +182,7 @@ mod tests {
             if r % 2 == 0 {
                 j.append(&Fact::Ended(Outcome::Completed { request: r }));
             }
-            j.commit().unwrap();
+            j.commit_now().unwrap();
         }
         let book = j.book().clone();
         assert!(j.len() < 200 * 40, "compacted as it grew ({} bytes)", j.len());

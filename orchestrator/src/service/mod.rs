@@ -6,5 +6,6 @@ mod logfile;
 mod server;
 pub mod wire;
 
-pub use client::{Assignment, RECONNECT_FOR, SubmitClient, WorkerClient};
+pub use client::{Assignment, RECONNECT_FOR, Resolver, SubmitClient, Target, WorkerClient};
+pub use logfile::{JournalFile, JournalStore};
 pub use server::{OrchestratorService, ServiceConfig};

@@ -25,7 +25,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::logfile::JournalFile;
+use super::logfile::{JournalFile, JournalStore};
 use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg, write_msgs};
 use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker};
 use crate::error::{OrchestratorError, Result};
@@ -44,9 +44,12 @@ pub struct ServiceConfig {
     pub insecure: bool,
     /// Bound on a client's handshake.
     pub handshake_timeout: Duration,
-    /// The journal file (created if missing, replayed if present). Without one, a restarted
-    /// service knows nothing of the requests before it.
+    /// The journal file (created if missing, replayed if present). Without one (and without
+    /// `journal_store`), a restarted service knows nothing of the requests before it.
     pub journal: Option<PathBuf>,
+    /// A journal opened elsewhere (e.g. in etcd, for a standby orchestrator); exclusive with
+    /// `journal`.
+    pub journal_store: Option<Box<dyn JournalStore>>,
     /// How long items rebuilt from the journal wait for their workers to reconnect and claim
     /// them before they are queued for anyone (default: the heartbeat timeout).
     pub recovery_grace: Option<Duration>,
@@ -65,6 +68,7 @@ impl Default for ServiceConfig {
             insecure: false,
             handshake_timeout: Duration::from_secs(10),
             journal: None,
+            journal_store: None,
             recovery_grace: None,
             compact_bytes: 8 << 20,
         }
@@ -110,24 +114,31 @@ impl OrchestratorService {
         let addr = l.local_addr().map_err(Error::from)?;
         let grace = cfg.recovery_grace.unwrap_or(cfg.sched.heartbeat_timeout);
         let mut driver = Driver::new(cfg.sched, cfg.policy);
-        let journal = match &cfg.journal {
-            Some(path) => {
+        let journal: Option<Box<dyn JournalStore>> = match (&cfg.journal, cfg.journal_store) {
+            (Some(_), Some(_)) => {
+                return Err(OrchestratorError::InvalidArgument(
+                    "orchestrator: a journal file and a journal store are exclusive".into(),
+                ));
+            }
+            (Some(path), None) => {
                 let j = JournalFile::open(path, cfg.compact_bytes).map_err(|e| {
                     Error::InvalidArgument(format!("orchestrator journal {}: {e}", path.display()))
                 })?;
-                driver.restore(j.book(), Duration::ZERO, grace);
-                driver.record_facts();
-                let st = driver.stats(Duration::ZERO);
-                tracing::info!(
-                    journal = %path.display(),
-                    in_flight = st.parked,
-                    to_release = st.unreleased,
-                    "orchestrator: journal replayed"
-                );
-                Some(j)
+                Some(Box::new(j))
             }
-            None => None,
+            (None, store) => store,
         };
+        if let Some(j) = &journal {
+            driver.restore(j.book(), Duration::ZERO, grace);
+            driver.record_facts();
+            let st = driver.stats(Duration::ZERO);
+            tracing::info!(
+                journal = ?j,
+                in_flight = st.parked + st.queued.iter().sum::<usize>(),
+                to_release = st.unreleased,
+                "orchestrator: journal replayed"
+            );
+        }
         let (tx, rx) = mpsc::channel(4096);
         let mut tasks = JoinSet::new();
         tasks.spawn(run(driver, journal, rx));
@@ -309,7 +320,7 @@ fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
 
 async fn run(
     mut d: ServiceDriver,
-    mut journal: Option<JournalFile>,
+    mut journal: Option<Box<dyn JournalStore>>,
     mut rx: mpsc::Receiver<Event>,
 ) {
     let mut clock = Ticker::new(Duration::from_millis(100));
@@ -350,7 +361,7 @@ async fn run(
             for f in d.take_facts() {
                 j.append(&f);
             }
-            if let Err(e) = j.commit() {
+            if let Err(e) = j.commit().await {
                 tracing::error!(error = %e, "orchestrator: cannot write the journal; stopping");
                 return;
             }

@@ -19,6 +19,7 @@ use tensorwire_store::rpc::{self, Request, Response};
 pub const TARGETS: &[&str] = &[
     "chunk_plan",
     "connector_control",
+    "discovery_entry",
     "engine_descriptor",
     "envelope",
     "error_body",
@@ -45,6 +46,9 @@ pub fn valid(target: &str, input: &[u8]) -> bool {
     match target {
         "chunk_plan" => input.len() >= 5 && meta(&input[5..]),
         "connector_control" => matches!(Control::decode(input), Ok(Some(_))),
+        "discovery_entry" => {
+            tensorwire_core::discovery::Entry::decode_value("store", "n1", input).is_ok()
+        }
         "engine_descriptor" => EngineDescriptor::decode(input).is_ok(),
         "envelope" => Envelope::decode(input).is_ok(),
         "error_body" => decode_error(input).is_ok(),

@@ -33,6 +33,7 @@ pub fn add_all(c: &mut Corpus, refs: &[PayloadRef]) {
     store_rpc(c);
     orchestrator(c);
     journal(c);
+    discovery(c);
     queue_messages(c, refs);
 }
 
@@ -298,6 +299,34 @@ fn orchestrator(c: &mut Corpus) {
         let (kind, mut body) = m.encode_body();
         body.insert(0, kind);
         c.add("orchestrator_msg", body);
+    }
+}
+
+/// Discovery entries as etcd stores them: an engine, a store node naming its engine, IPv6.
+fn discovery(c: &mut Corpus) {
+    use tensorwire_core::discovery::Entry;
+    let entries = [
+        Entry {
+            kind: "engine".into(),
+            id: "e1".into(),
+            addr: ([10, 0, 0, 5], 7000).into(),
+            meta: vec![],
+        },
+        Entry {
+            kind: "store".into(),
+            id: "e1".into(),
+            addr: ([10, 0, 0, 5], 7100).into(),
+            meta: b"10.0.0.5:7000".to_vec(),
+        },
+        Entry {
+            kind: "orchestrator".into(),
+            id: "o".into(),
+            addr: "[::1]:7200".parse().unwrap(),
+            meta: vec![],
+        },
+    ];
+    for e in entries {
+        c.add("discovery_entry", e.encode_value());
     }
 }
 
