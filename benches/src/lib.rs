@@ -10,6 +10,7 @@ pub type Result<T, E = BenchError> = std::result::Result<T, E>;
 
 pub mod child_peer;
 pub mod connector;
+pub mod latency;
 pub mod measure;
 pub mod memcpy;
 pub mod orchestrator;

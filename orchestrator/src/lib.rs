@@ -29,6 +29,7 @@
 
 mod driver;
 mod error;
+mod fasthash;
 pub mod journal;
 mod library;
 pub mod queue;

@@ -23,8 +23,10 @@
 //!   when the orchestrator went down can claim it when it reconnects ([`Scheduler::claim`])
 //!   instead of another worker running it a second time; what nobody claims is queued then.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
+
+use crate::fasthash::FastMap;
 
 use crate::{Priority, Stage};
 
@@ -268,11 +270,12 @@ struct StageQueue {
 pub struct Scheduler {
     cfg: SchedConfig,
     policy: Box<dyn RoutingPolicy>,
-    queues: HashMap<Stage, StageQueue>,
-    workers: BTreeMap<WorkerId, Worker>,
-    running: HashMap<ItemKey, (WorkerId, Item)>,
+    /// Per stage (indexed by [`Stage::index`]).
+    queues: [StageQueue; 3],
+    workers: FastMap<WorkerId, Worker>,
+    running: FastMap<ItemKey, (WorkerId, Item)>,
     /// Requests not yet ended, with the re-runs each has had.
-    live: HashMap<u64, u32>,
+    live: FastMap<u64, u32>,
     outcomes: Vec<Outcome>,
     seq: u64,
     stats: SchedStats,
@@ -286,7 +289,7 @@ pub struct Scheduler {
     /// Workers declared dead since [`Scheduler::take_dead`] was last called.
     dead: Vec<WorkerId>,
     /// Restored items waiting for their worker to claim them, until the deadline.
-    parked: HashMap<ItemKey, (Item, Duration)>,
+    parked: FastMap<ItemKey, (Item, Duration)>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -311,10 +314,10 @@ impl Scheduler {
         Scheduler {
             cfg,
             policy,
-            queues: HashMap::new(),
-            workers: BTreeMap::new(),
-            running: HashMap::new(),
-            live: HashMap::new(),
+            queues: Default::default(),
+            workers: FastMap::default(),
+            running: FastMap::default(),
+            live: FastMap::default(),
             outcomes: Vec::new(),
             seq: 0,
             stats: SchedStats::default(),
@@ -323,7 +326,7 @@ impl Scheduler {
             running_by: [0; 3],
             last_scan: None,
             dead: Vec::new(),
-            parked: HashMap::new(),
+            parked: FastMap::default(),
         }
     }
 
@@ -346,7 +349,7 @@ impl Scheduler {
 
     /// Items queued at `stage`.
     pub fn queued(&self, stage: Stage) -> usize {
-        self.queues.get(&stage).map_or(0, |q| q.order.len())
+        self.queues[stage.index()].order.len()
     }
 
     /// Items running at `stage`.
@@ -410,7 +413,7 @@ impl Scheduler {
         item.seq = self.seq;
         item.enqueued = now;
         let key = (class(item.priority), item.deadline, item.seq);
-        let q = self.queues.entry(item.key.stage).or_default();
+        let q = &mut self.queues[item.key.stage.index()];
         if item.priority == Priority::Batch {
             q.batch.push_back((now, key));
         }
@@ -650,7 +653,7 @@ impl Scheduler {
         if due {
             self.last_scan = Some(now);
         }
-        let dead: Vec<WorkerId> = if !due {
+        let mut dead: Vec<WorkerId> = if !due {
             Vec::new()
         } else {
             self.workers
@@ -659,9 +662,11 @@ impl Scheduler {
                 .map(|(&id, _)| id)
                 .collect()
         };
+        dead.sort_unstable(); // the same order every run, whatever the map's
         if !self.parked.is_empty() {
-            let due: Vec<ItemKey> =
+            let mut due: Vec<ItemKey> =
                 self.parked.iter().filter(|(_, (_, t))| *t <= now).map(|(k, _)| *k).collect();
+            due.sort_unstable();
             for k in due {
                 if let Some((item, _)) = self.parked.remove(&k) {
                     self.enqueue(item, now);
@@ -674,7 +679,7 @@ impl Scheduler {
             self.dead.push(id);
         }
         let aging = self.cfg.aging;
-        for q in self.queues.values_mut() {
+        for q in &mut self.queues {
             while let Some(&(t, key)) = q.batch.front() {
                 if now.saturating_sub(t) < aging {
                     break;
@@ -697,42 +702,57 @@ impl Scheduler {
     pub fn dispatch(&mut self, now: Duration) -> Vec<Dispatch> {
         self.tick(now);
         let mut out = Vec::new();
+        let mut picked: Vec<(WorkerId, ItemKey)> = Vec::new();
         for stage in [Stage::Decode, Stage::Denoise, Stage::Encode] {
+            // The stage's candidates are listed once per call and kept current as items go
+            // (a worker leaves the list when its last free slot is taken); the workers
+            // themselves are updated after the stage's loop.
+            let mut candidates: Vec<Candidate<'_>> = Vec::new();
+            let mut listed = false;
             loop {
                 if stage == Stage::Denoise && !self.downstream_room() {
                     break;
                 }
-                let Some((&qk, item)) = self.queues.get(&stage).and_then(|q| q.order.iter().next())
-                else {
+                let Some((&qk, item)) = self.queues[stage.index()].order.iter().next() else {
                     break;
                 };
-                let candidates: Vec<Candidate<'_>> = self.free[stage.index()]
-                    .iter()
-                    .filter_map(|id| self.workers.get(id).map(|w| (id, w)))
-                    .filter(|(_, w)| w.busy < w.slots)
-                    .map(|(&id, w)| Candidate {
-                        id,
-                        free: w.slots - w.busy,
-                        host: &w.host,
-                        labels: &w.labels,
-                    })
-                    .collect();
+                if !listed {
+                    candidates = self.free[stage.index()]
+                        .iter()
+                        .filter_map(|id| self.workers.get(id).map(|w| (id, w)))
+                        .filter(|(_, w)| w.busy < w.slots)
+                        .map(|(&id, w)| Candidate {
+                            id,
+                            free: w.slots - w.busy,
+                            host: &w.host,
+                            labels: &w.labels,
+                        })
+                        .collect();
+                    listed = true;
+                }
                 if candidates.is_empty() {
                     break;
                 }
                 let pick = self.policy.pick(item, &candidates).min(candidates.len() - 1);
                 let wid = candidates[pick].id;
-                drop(candidates);
-                let q = self.queues.get_mut(&stage).expect("queue exists");
-                let item = q.order.remove(&qk).expect("item exists");
-                let w = self.workers.get_mut(&wid).expect("worker exists");
-                w.busy += 1;
-                w.items.push(item.key);
-                self.reindex(wid);
+                candidates[pick].free -= 1;
+                if candidates[pick].free == 0 {
+                    candidates.remove(pick);
+                }
+                let item = self.queues[stage.index()].order.remove(&qk).expect("item exists");
+                picked.push((wid, item.key));
                 self.running_by[stage.index()] += 1;
                 self.running.insert(item.key, (wid, item.clone()));
                 self.stats.dispatched += 1;
                 out.push(Dispatch { item, worker: wid });
+            }
+            drop(candidates);
+            for (wid, key) in picked.drain(..) {
+                if let Some(w) = self.workers.get_mut(&wid) {
+                    w.busy += 1;
+                    w.items.push(key);
+                }
+                self.reindex(wid);
             }
         }
         out
@@ -743,6 +763,7 @@ impl Scheduler {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashMap;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
@@ -1005,7 +1026,7 @@ mod tests {
                     *ended.entry(r).or_default() += 1;
                 }
                 // Nothing lost: every live request is queued or running somewhere.
-                let accounted = s.queues.values().map(|q| q.order.len()).sum::<usize>() + s.running.len();
+                let accounted = s.queues.iter().map(|q| q.order.len()).sum::<usize>() + s.running.len();
                 prop_assert_eq!(accounted, s.in_flight());
             }
             prop_assert!(ended.values().all(|&n| n == 1), "a request ended twice");

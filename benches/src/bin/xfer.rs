@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend tcp --sizes 64M,256M --runs 5
 //! cargo run --release -p tensorwire-benches --bin xfer -- --store remote --sizes 64M
+//! cargo run --release -p tensorwire-benches --bin xfer -- --backend shm --latency
 //! ```
 //! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs, then a
 //! summary line. Progress goes to stderr.
@@ -46,6 +47,16 @@ struct Args {
     /// --workers workers and --requests requests (one core, no I/O).
     #[arg(long)]
     orchestrator: bool,
+    /// Measure the latency of one op at a time (p50 and p99 of --samples ops of each of
+    /// --latency-sizes, both directions) next to the raw medium's round trip.
+    #[arg(long)]
+    latency: bool,
+    /// Sizes for --latency.
+    #[arg(long, default_value = "4K,1M", value_delimiter = ',')]
+    latency_sizes: Vec<String>,
+    /// Ops of each side per (size, direction) for --latency.
+    #[arg(long, default_value_t = 1000)]
+    samples: usize,
     /// Workers for --orchestrator.
     #[arg(long, default_value_t = 1000)]
     workers: u32,
@@ -150,6 +161,37 @@ async fn run(args: Args) -> Result<()> {
         OpArg::Write => vec![true],
         OpArg::Both => vec![true, false],
     };
+    if args.latency {
+        let mut sizes = Vec::new();
+        for s in &args.latency_sizes {
+            sizes.push(parse_size(s).filter(|&n| n > 0).ok_or_else(|| {
+                Error::InvalidArgument(format!("--latency-sizes: cannot read {s:?}"))
+            })?);
+        }
+        let lines = tensorwire_benches::latency::run(
+            &args.backend,
+            args.streams,
+            &sizes,
+            &ops,
+            args.samples.max(1),
+        )
+        .await?;
+        for l in lines {
+            eprintln!(
+                "latency {} {} {}: p50 {:.1} us, p99 {:.1} us; {}: p50 {:.1} us, p99 {:.1} us",
+                l.backend,
+                l.op,
+                fmt_size(l.size),
+                l.p50_us,
+                l.p99_us,
+                l.raw,
+                l.raw_p50_us,
+                l.raw_p99_us
+            );
+            println!("{}", serde_json::to_string(&l).map_err(|e| Error::protocol(e.to_string()))?);
+        }
+        return Ok(());
+    }
     let budget = Budget { min_time: Duration::from_millis(args.min_time_ms), ..Budget::default() };
     let started = Instant::now();
     let (name, lines) = match args.store {
