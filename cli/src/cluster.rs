@@ -101,6 +101,23 @@ impl Etcd {
     pub(crate) fn leader_target(&self) -> Target {
         Target::Resolve(tensorwire_etcd::leader_resolver(self.client.clone(), &self.cluster))
     }
+
+    /// A store node registered in the cluster (the one with the lowest id, so that every worker
+    /// picks the same): its engine's control address and its RPC address.
+    pub(crate) async fn find_store(&self) -> Result<(SocketAddr, SocketAddr), String> {
+        use tensorwire_core::discovery::Discovery;
+        let d = tensorwire_etcd::EtcdDiscovery::new(self.client.clone(), &self.cluster, self.ttl);
+        let mut stores = d.list("store").await.map_err(|e| format!("etcd: {e}"))?;
+        stores.sort_by(|a, b| a.id.cmp(&b.id));
+        let s = stores.first().ok_or_else(|| {
+            format!("no store node is registered in etcd for cluster {}", self.cluster)
+        })?;
+        let engine = std::str::from_utf8(&s.meta)
+            .ok()
+            .and_then(|m| m.parse().ok())
+            .ok_or_else(|| format!("store node {} in etcd names no engine address", s.id))?;
+        Ok((engine, s.addr))
+    }
 }
 
 #[cfg(not(feature = "etcd"))]
@@ -119,6 +136,10 @@ impl Etcd {
     }
 
     pub(crate) fn leader_target(&self) -> Target {
+        match self.never {}
+    }
+
+    pub(crate) async fn find_store(&self) -> Result<(SocketAddr, SocketAddr), String> {
         match self.never {}
     }
 }

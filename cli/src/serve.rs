@@ -258,6 +258,8 @@ pub(crate) struct WorkerArgs {
     #[arg(long, requires = "store_engine")]
     pub(crate) store: Option<SocketAddr>,
     /// With payloads: the request mix (request r uses model r mod len), as in `demo --models`.
+    /// With `--etcd` and without the two store options, `--models` alone moves payloads through
+    /// the store node found in etcd (the registered one with the lowest id).
     #[arg(long, value_delimiter = ',')]
     pub(crate) models: Vec<String>,
 }
@@ -269,6 +271,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         .find(|s| s.name() == a.role)
         .ok_or_else(|| format!("--role {:?}: expected encode, denoise or decode", a.role))?;
     let secret = secret::read(a.secret_file.as_deref())?;
+    let mut etcd = None;
     let target: Target = match (a.connect, &a.etcd) {
         (Some(addr), _) => {
             if secret.is_none() && is_exposed(addr) && !a.insecure {
@@ -281,17 +284,23 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
             addr.into()
         }
         (None, Some(url)) => {
-            let ttl = Duration::from_secs(5);
-            crate::cluster::Etcd::connect(url, &a.cluster, ttl).await?.leader_target()
+            let e = crate::cluster::Etcd::connect(url, &a.cluster, Duration::from_secs(5)).await?;
+            let t = e.leader_target();
+            etcd = Some(e);
+            t
         }
         (None, None) => return Err("worker: pass --connect ADDR or --etcd URL".into()),
     };
     let all = profiles::load(a.profiles.as_deref())?;
-    if let (Some(se), Some(st)) = (a.store_engine, a.store) {
+    let store = match (a.store_engine.zip(a.store), &etcd) {
+        (Some(s), _) => Some(s),
+        (None, Some(e)) if !a.models.is_empty() => Some(e.find_store().await?),
+        (None, _) => None,
+    };
+    if let Some(store) = store {
         let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
         let mix: Vec<crate::profiles::Model> =
             profiles::pick(&all, &names)?.into_iter().cloned().collect();
-        let store = (se, st);
         return crate::procs::payload_worker(
             stage,
             target,

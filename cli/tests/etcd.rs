@@ -5,7 +5,8 @@
 //! - two `serve --orchestrator-listen --etcd` processes: one leads, one waits; workers found the
 //!   leader through etcd (`worker --etcd`); the leader is killed with SIGKILL mid-run; the standby
 //!   is elected, rebuilds the queues from the journal in etcd, the workers and the submitter
-//!   follow it, and every request completes.
+//!   follow it, and every request completes;
+//! - payload workers given only `--etcd` find both the orchestrator and the store node there.
 //!
 //! Needs the cli's `etcd` feature (`.ci/run` runs it with it).
 #![cfg(feature = "etcd")]
@@ -159,5 +160,39 @@ async fn a_standby_orchestrator_takes_over_after_sigkill_and_every_request_compl
     let (_, line) = wait_line(&rx, |l| l.starts_with("orchestrator: completed"));
     eprintln!("new leader: {line}");
     assert!(line.contains("duplicated 0,"), "{line}");
+    drop(workers);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_workers_find_the_orchestrator_and_the_store_node_through_etcd() {
+    let Some(etcd) = etcd() else { return };
+    let (tx, rx) = mpsc::sync_channel(1024);
+    let _serve = serve(&etcd.url, "pay", Some(free_port()), 0, &tx);
+    wait_line(&rx, |l| l.contains("(leader of cluster pay)"));
+    let mut workers = Vec::new();
+    for role in ["encode", "denoise", "decode"] {
+        // No --connect, no --store-engine/--store: both come from etcd.
+        let w = Command::new(EXE)
+            .args(["worker", "--role", role, "--etcd", &etcd.url, "--cluster", "pay"])
+            .args(["--models", "wan2.1-t2v-1.3b-480p", "--time-scale", "0.002"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        workers.push(Kill(w));
+    }
+    let c = tensorwire_etcd::connect(std::slice::from_ref(&etcd.url), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let sub =
+        SubmitClient::connect_to(Target::Resolve(leader_resolver(c, "pay")), None).await.unwrap();
+    let mut outs = Vec::new();
+    for r in 0..4 {
+        outs.push(sub.submit(r, Priority::Interactive).await.unwrap());
+    }
+    // Each payload worker checks every byte it receives: a completed request moved real bytes.
+    for (r, o) in outs.into_iter().enumerate() {
+        let got = tokio::time::timeout(Duration::from_secs(60), o).await;
+        assert!(matches!(got, Ok(Ok(Ok(())))), "request {r}: {got:?}");
+    }
     drop(workers);
 }
