@@ -39,9 +39,12 @@ pub(crate) struct Service {
 #[pymethods]
 impl Service {
     /// Serves on `listen`; on an address other hosts can reach it needs `secret_file` or
-    /// `insecure=True`.
+    /// `insecure=True`. With `journal` (a file path) a service started again on the same
+    /// journal resumes every request the previous one had; workers and submitters reconnect by
+    /// themselves.
     #[new]
-    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, heartbeat_timeout = 10.0, max_attempts = 3, timeout = 30.0))]
+    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, heartbeat_timeout = 10.0, max_attempts = 3, journal = None, timeout = 30.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         listen: &str,
@@ -49,12 +52,14 @@ impl Service {
         insecure: bool,
         heartbeat_timeout: f64,
         max_attempts: u32,
+        journal: Option<std::path::PathBuf>,
         timeout: f64,
     ) -> PyResult<Service> {
         let listen = addr(listen).raise(py)?;
         let mut cfg = ServiceConfig {
             secret: secret(secret_file).raise(py)?,
             insecure,
+            journal,
             ..ServiceConfig::default()
         };
         cfg.sched.heartbeat_timeout = seconds(heartbeat_timeout).raise(py)?;

@@ -110,3 +110,29 @@ def test_announced_outputs_are_released_when_the_request_ends():
     r = w.next(timeout=10)
     assert r.release_only and r.held == [b"put:3"]
     w.released(r)
+
+
+def test_a_service_restarted_on_its_journal_resumes_the_requests_it_had(tmp_path):
+    journal = str(tmp_path / "orchestrator.journal")
+    service = Service(journal=journal)
+    address = service.address
+    out = Submitter(address).submit(5)  # no worker yet: it waits at encode, in the journal
+    time.sleep(0.3)
+    del service  # stopped; what it had is in the journal
+    deadline = time.monotonic() + 10
+    while True:  # the old listener closes as its tasks stop
+        try:
+            service = Service(address, journal=journal)
+            break
+        except tw.TensorwireError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    stop = threading.Event()
+    threads = [threading.Thread(target=serve_stage, args=(address, s, lambda a: b"x"),
+                                kwargs={"stop": stop, "poll": 0.1}, daemon=True)
+               for s in ("encode", "denoise", "decode")]
+    for t in threads:
+        t.start()
+    out.wait(timeout=30)  # the submitter reconnected and asked again: it completes
+    stop.set()
