@@ -9,7 +9,10 @@
 //! - [`connector`]: [`DiffusionConnector`], publish and consume, p2p or store-relayed, with chunked
 //!   handoff that overlaps transfer and decode; its decisions are the sans-IO state machines of
 //!   [`handoff`], its messages those of [`control`], its errors [`ConnectorError`].
+//! - [`cache`]: stable cache keys (embedding, CFG, checkpoint) and a best-effort cache over the
+//!   store, shared by every process that sees it.
 
+pub mod cache;
 pub mod connector;
 pub mod control;
 mod error;
