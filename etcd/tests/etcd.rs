@@ -11,7 +11,7 @@ use tensorwire_etcd::testing::EtcdServer;
 use tensorwire_etcd::{EtcdDiscovery, EtcdJournal, Leadership, leader_addr};
 use tensorwire_orchestrator::journal::Fact;
 use tensorwire_orchestrator::service::JournalStore;
-use tensorwire_orchestrator::{Outcome, Priority};
+use tensorwire_orchestrator::{Outcome, Priority, Stage};
 
 fn etcd() -> Option<EtcdServer> {
     match EtcdServer::start() {
@@ -57,7 +57,12 @@ async fn a_standby_is_elected_when_the_leader_goes_and_the_old_one_cannot_write(
     let first = Leadership::campaign(&c, "el", a, ttl).await.unwrap();
     assert_eq!(leader_addr(&c, "el").await, Some(a));
     let mut j = EtcdJournal::open(&c, "el", first.guard(), 1000).await.unwrap();
-    j.append(&Fact::Submitted { request: 1, priority: Priority::Batch });
+    j.append(&Fact::Submitted {
+        request: 1,
+        priority: Priority::Batch,
+        start: Stage::Encode,
+        inputs: vec![],
+    });
     j.commit().await.unwrap();
     let c2 = c.clone();
     let standby = tokio::spawn(async move { Leadership::campaign(&c2, "el", b, ttl).await });
@@ -71,7 +76,12 @@ async fn a_standby_is_elected_when_the_leader_goes_and_the_old_one_cannot_write(
     let mut j2 = EtcdJournal::open(&c, "el", second.guard(), 3).await.unwrap();
     assert!(j2.book().entries.contains_key(&1), "the new leader reads what the old one wrote");
     for r in 2..10 {
-        j2.append(&Fact::Submitted { request: r, priority: Priority::Batch });
+        j2.append(&Fact::Submitted {
+            request: r,
+            priority: Priority::Batch,
+            start: Stage::Encode,
+            inputs: vec![],
+        });
         j2.append(&Fact::Ended(Outcome::Completed { request: r }));
         j2.commit().await.unwrap(); // compacts every 3 turns
     }

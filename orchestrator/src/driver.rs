@@ -91,6 +91,9 @@ pub struct Assignment<'a, W> {
     pub worker: &'a W,
     /// What the previous stage reported for this request (empty for the first stage).
     pub inputs: &'a [u8],
+    /// The item's last checkpoint (step, saved state), if a worker that ran it before made one:
+    /// resume from there.
+    pub resume: Option<(u32, &'a [u8])>,
 }
 
 /// A request's outputs to release, given to a worker.
@@ -148,6 +151,11 @@ pub struct Driver<W, R> {
     unreleased: std::collections::BTreeMap<u64, Pending>,
     /// Per request, outputs announced by workers before they existed.
     announced: HashMap<u64, Vec<Vec<u8>>>,
+    /// Per request that started past the first stage: that stage and its given inputs (never
+    /// released: they are not the request's own, e.g. a cache entry).
+    given: HashMap<u64, (Stage, Vec<u8>)>,
+    /// Per item: its last checkpoint (step, saved state).
+    checkpoints: HashMap<ItemKey, (u32, Vec<u8>)>,
     duplicated: u64,
     busy: [Duration; 3],
     next_worker: u64,
@@ -180,6 +188,8 @@ impl<W, R> Driver<W, R> {
             accepted: HashMap::new(),
             unreleased: std::collections::BTreeMap::new(),
             announced: HashMap::new(),
+            given: HashMap::new(),
+            checkpoints: HashMap::new(),
             duplicated: 0,
             busy: [Duration::ZERO; 3],
             next_worker: 0,
@@ -250,6 +260,10 @@ impl<W, R> Driver<W, R> {
             if !e.announced.is_empty() {
                 self.announced.insert(request, e.announced.clone());
             }
+            self.started_at(request, e.start.0, e.start.1.clone());
+            if let Some(cp) = &e.checkpoint {
+                self.checkpoints.insert(ItemKey { request, stage: e.stage }, cp.clone());
+            }
             let mut done = [false; 3];
             for s in Stage::ALL.into_iter().take_while(|s| *s != e.stage) {
                 done[s.index()] = true;
@@ -270,7 +284,13 @@ impl<W, R> Driver<W, R> {
     /// A submitter asks for `s` again (it reconnected): `waiter` gets the outcome of the request
     /// in flight, or at once (as the error) the outcome of one that ended recently; a request
     /// never seen is submitted now.
-    pub fn resume(&mut self, s: Submit, waiter: R, now: Duration) -> Result<(), (R, Outcome)> {
+    pub fn resume(
+        &mut self,
+        s: Submit,
+        inputs: Vec<u8>,
+        waiter: R,
+        now: Duration,
+    ) -> Result<(), (R, Outcome)> {
         // In flight, or ended in this very turn (its outcome not taken yet): the waiter gets
         // the outcome when it is.
         if self.sched.in_flight_request(s.request) || self.sched.ended_untaken(s.request) {
@@ -280,7 +300,7 @@ impl<W, R> Driver<W, R> {
         if let Some(o) = self.recent_by.get(&s.request) {
             return Err((waiter, o.clone()));
         }
-        self.submit(s, waiter, now)
+        self.submit_with(s, inputs, waiter, now)
     }
 
     /// The scheduler (read-only).
@@ -349,14 +369,41 @@ impl<W, R> Driver<W, R> {
     /// A new request; `waiter` gets its outcome. A duplicate id is refused: the waiter comes back
     /// with the failed outcome.
     pub fn submit(&mut self, s: Submit, waiter: R, now: Duration) -> Result<(), (R, Outcome)> {
-        let (request, priority) = (s.request, s.priority);
+        self.submit_with(s, Vec::new(), waiter, now)
+    }
+
+    /// [`Driver::submit`] with the inputs of its start stage (`s.start`), when it starts past
+    /// the first: e.g. a cached embedding's reference, and denoise runs at once. The inputs are
+    /// not the request's own outputs and are never handed out for release.
+    pub fn submit_with(
+        &mut self,
+        s: Submit,
+        inputs: Vec<u8>,
+        waiter: R,
+        now: Duration,
+    ) -> Result<(), (R, Outcome)> {
+        let (request, priority, start) = (s.request, s.priority, s.start);
         if !self.sched.submit(s, now) {
             let reason = format!("request id {request} is already in flight");
             return Err((waiter, Outcome::Failed { request, reason }));
         }
-        self.record(Fact::Submitted { request, priority });
+        self.record(Fact::Submitted { request, priority, start, inputs: inputs.clone() });
+        self.started_at(request, start, inputs);
         self.waiting.insert(request, waiter);
         Ok(())
+    }
+
+    /// Bookkeeping of a request that starts (or was restored) past the first stage.
+    fn started_at(&mut self, request: u64, start: Stage, inputs: Vec<u8>) {
+        if start == Stage::ALL[0] && inputs.is_empty() {
+            return;
+        }
+        let mut done = [false; 3];
+        for s in Stage::ALL.into_iter().take_while(|s| *s != start) {
+            done[s.index()] = true;
+        }
+        self.accepted.insert(request, done);
+        self.given.insert(request, (start, inputs));
     }
 
     /// Who waits for `request`.
@@ -399,6 +446,9 @@ impl<W, R> Driver<W, R> {
                 accepted
             }
         };
+        if accepted {
+            self.checkpoints.remove(&key); // done, or it cannot run from here: not resumed
+        }
         if let Some(t) = accepted.then(|| self.started.remove(&key)).flatten() {
             self.busy[key.stage.index()] += now.saturating_sub(t);
         }
@@ -416,6 +466,23 @@ impl<W, R> Driver<W, R> {
                 self.record(Fact::Announced { request: key.request, data });
             }
         }
+    }
+
+    /// `worker`, which runs `key`, saved its state at `step` as `data` (e.g. a step checkpoint's
+    /// reference): the item's next try resumes there, and `data` is released with the request's
+    /// outputs. Ignored from a worker that does not hold the item.
+    pub fn checkpoint(&mut self, worker: WorkerId, key: ItemKey, step: u32, data: Vec<u8>) {
+        if self.sched.holder(key) != Some(worker) {
+            return;
+        }
+        if !data.is_empty() {
+            let a = self.announced.entry(key.request).or_default();
+            if !a.contains(&data) {
+                a.push(data.clone());
+            }
+        }
+        self.record(Fact::Checkpointed { key, step, data: data.clone() });
+        self.checkpoints.insert(key, (step, data));
     }
 
     /// Every dispatch decision possible now, each with its worker's endpoint and inputs.
@@ -438,10 +505,17 @@ impl<W, R> Driver<W, R> {
                 let worker = self.workers.get(&d.worker)?;
                 let key = d.item.key;
                 let outs = self.outputs.get(&key.request).map_or(&[][..], Vec::as_slice);
-                // The latest output of the stage before (a re-run replaces an earlier one).
+                // The latest output of the stage before (a re-run replaces an earlier one), or
+                // the inputs the request was given for this stage.
                 let from = key.stage.prev().and_then(|p| outs.iter().rposition(|(s, _)| *s == p));
-                let inputs = from.map_or(&[][..], |i| outs[i].1.as_slice());
-                Some(Assignment { dispatch: d, worker, inputs })
+                let given = self.given.get(&key.request).filter(|(s, _)| *s == key.stage);
+                let inputs = match (from, given) {
+                    (Some(i), _) => outs[i].1.as_slice(),
+                    (None, Some((_, g))) => g.as_slice(),
+                    (None, None) => &[][..],
+                };
+                let resume = self.checkpoints.get(&key).map(|(s, d)| (*s, d.as_slice()));
+                Some(Assignment { dispatch: d, worker, inputs, resume })
             })
             .collect()
     }
@@ -455,6 +529,10 @@ impl<W, R> Driver<W, R> {
             .map(|outcome| {
                 let r = outcome.request();
                 self.accepted.remove(&r);
+                self.given.remove(&r);
+                for stage in Stage::ALL {
+                    self.checkpoints.remove(&ItemKey { request: r, stage });
+                }
                 self.record(Fact::Ended(outcome.clone()));
                 let outputs: Vec<Vec<u8>> = self
                     .outputs
@@ -660,6 +738,40 @@ mod tests {
     }
 
     #[test]
+    fn a_request_started_past_the_first_stage_gets_its_inputs_and_never_releases_them() {
+        let mut d: Driver<&str, ()> = Driver::new(SchedConfig::default(), Box::new(MaxFreeCredit));
+        let t = Duration::from_millis;
+        d.join(Stage::Encode, 1, "h", vec![], "enc", t(0));
+        d.join(Stage::Denoise, 1, "h", vec![], "den", t(0));
+        d.join(Stage::Decode, 1, "h", vec![], "dec", t(0));
+        d.record_facts();
+        let s = Submit { start: Stage::Denoise, ..submit(3) };
+        d.submit_with(s, b"cached embedding".to_vec(), (), t(0)).unwrap();
+        let a = d.dispatch(t(1));
+        assert_eq!(a.len(), 1, "encode never runs");
+        assert_eq!(
+            (a[0].dispatch.item.key.stage, a[0].inputs),
+            (Stage::Denoise, &b"cached embedding"[..])
+        );
+        let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        d.result(w, key, StageResult::Done(b"latent".to_vec()), t(2));
+        let a = d.dispatch(t(3));
+        let (key, w) = (a[0].dispatch.item.key, a[0].dispatch.worker);
+        d.result(w, key, StageResult::Done(vec![]), t(4));
+        assert_eq!(d.take_outcomes().len(), 1);
+        let r = d.releases();
+        assert_eq!(r[0].outputs, &[b"latent".to_vec()][..], "the given inputs are not released");
+        // The journal says where it started: a restored driver would give denoise the same.
+        let mut book = crate::journal::Book::default();
+        let facts = d.take_facts();
+        assert!(
+            matches!(&facts[0], Fact::Submitted { start: Stage::Denoise, inputs, .. } if inputs == b"cached embedding")
+        );
+        facts.iter().for_each(|f| book.apply(f));
+        assert_eq!(d.stats(t(5)).duplicated, 0);
+    }
+
+    #[test]
     fn a_resume_finds_a_request_in_flight_ended_this_turn_or_ended_before() {
         let mut d: Driver<(), u32> = Driver::new(SchedConfig::default(), Box::new(MaxFreeCredit));
         let t = Duration::from_millis;
@@ -667,7 +779,7 @@ mod tests {
         d.join(Stage::Denoise, 1, "h", vec![], (), t(0));
         let dec = d.join(Stage::Decode, 1, "h", vec![], (), t(0));
         d.submit(submit(1), 10, t(0)).unwrap();
-        d.resume(submit(1), 11, t(0)).unwrap(); // in flight: the new waiter takes over
+        d.resume(submit(1), vec![], 11, t(0)).unwrap(); // in flight: the new waiter takes over
         for stage in Stage::ALL {
             let a = d.dispatch(t(1));
             let (key, by) = (a[0].dispatch.item.key, a[0].dispatch.worker);
@@ -675,15 +787,15 @@ mod tests {
             d.result(by, key, StageResult::Done(vec![]), t(2));
         }
         // Ended in this turn, outcome not yet taken: the resume must not submit it again.
-        d.resume(submit(1), 12, t(2)).unwrap();
+        d.resume(submit(1), vec![], 12, t(2)).unwrap();
         assert_eq!(d.sched().in_flight(), 0);
         let out = d.take_outcomes();
         assert_eq!((out.len(), out[0].waiter), (1, Some(12)));
         // Ended before: answered at once.
-        let (waiter, o) = d.resume(submit(1), 13, t(3)).unwrap_err();
+        let (waiter, o) = d.resume(submit(1), vec![], 13, t(3)).unwrap_err();
         assert_eq!((waiter, o), (13, Outcome::Completed { request: 1 }));
         // Never seen: submitted.
-        d.resume(submit(2), 14, t(3)).unwrap();
+        d.resume(submit(2), vec![], 14, t(3)).unwrap();
         assert_eq!(d.sched().in_flight(), 1);
         let _ = (w, dec);
     }

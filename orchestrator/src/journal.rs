@@ -40,6 +40,10 @@ pub enum Fact {
         request: u64,
         /// Class.
         priority: Priority,
+        /// The stage it starts at.
+        start: Stage,
+        /// That stage's inputs, given with the request (empty when it starts at the first).
+        inputs: Vec<u8>,
     },
     /// An item was handed to a worker on its `attempt`.
     Dispatched {
@@ -74,6 +78,15 @@ pub enum Fact {
         /// Request.
         request: u64,
     },
+    /// The worker running `key` saved its state at `step` as `data`: a next try resumes there.
+    Checkpointed {
+        /// Item.
+        key: ItemKey,
+        /// Step reached.
+        step: u32,
+        /// The saved state's reference.
+        data: Vec<u8>,
+    },
     /// Everything about one request at once (what compaction writes).
     State {
         /// Request.
@@ -88,6 +101,9 @@ pub enum Fact {
 pub struct Entry {
     /// Class.
     pub priority: Priority,
+    /// The stage it started at, and that stage's inputs given with the request (never
+    /// released: they are not the request's, e.g. a cache entry).
+    pub start: (Stage, Vec<u8>),
     /// The stage it waits for or runs (meaningless once ended).
     pub stage: Stage,
     /// That stage's try number.
@@ -98,22 +114,26 @@ pub struct Entry {
     pub reruns: u32,
     /// Accepted outputs in order, by the stage that reported them.
     pub outputs: Vec<(Stage, Vec<u8>)>,
-    /// Outputs announced before they existed.
+    /// Outputs announced before they existed (checkpoints too: released with the request).
     pub announced: Vec<Vec<u8>>,
+    /// The current stage's last checkpoint: the step and the saved state's reference.
+    pub checkpoint: Option<(u32, Vec<u8>)>,
     /// How it ended, once it has (its outputs then wait to be released).
     pub ended: Option<Outcome>,
 }
 
 impl Entry {
-    fn new(priority: Priority) -> Entry {
+    fn new(priority: Priority, start: Stage, inputs: Vec<u8>) -> Entry {
         Entry {
             priority,
-            stage: Stage::Encode,
+            start: (start, inputs),
+            stage: start,
             attempt: 1,
             dispatched: false,
             reruns: 0,
             outputs: Vec::new(),
             announced: Vec::new(),
+            checkpoint: None,
             ended: None,
         }
     }
@@ -149,8 +169,10 @@ impl Book {
     /// never written) are ignored, except an end, which is remembered as recent.
     pub fn apply(&mut self, f: &Fact) {
         match f {
-            Fact::Submitted { request, priority } => {
-                self.entries.entry(*request).or_insert_with(|| Entry::new(*priority));
+            Fact::Submitted { request, priority, start, inputs } => {
+                self.entries
+                    .entry(*request)
+                    .or_insert_with(|| Entry::new(*priority, *start, inputs.clone()));
             }
             Fact::Dispatched { key, attempt } => {
                 if let Some(e) = self.live(key.request).filter(|e| e.stage == key.stage) {
@@ -165,17 +187,29 @@ impl Book {
                     if let Some(next) = key.stage.next() {
                         (e.stage, e.attempt, e.dispatched) = (next, 1, false);
                     }
+                    e.checkpoint = None;
                 }
             }
             Fact::LostInput { key } => {
                 if let (Some(e), Some(prev)) = (self.live(key.request), key.stage.prev()) {
                     (e.stage, e.attempt, e.reruns) = (prev, 1, e.reruns.saturating_add(1));
-                    e.dispatched = false;
+                    (e.dispatched, e.checkpoint) = (false, None);
                 }
             }
             Fact::Announced { request, data } => {
                 if let Some(e) = self.entries.get_mut(request) {
                     if !e.announced.contains(data) && e.announced.len() < MAX_OUTPUTS {
+                        e.announced.push(data.clone());
+                    }
+                }
+            }
+            Fact::Checkpointed { key, step, data } => {
+                if let Some(e) = self.live(key.request).filter(|e| e.stage == key.stage) {
+                    e.checkpoint = Some((*step, data.clone()));
+                    if !data.is_empty()
+                        && !e.announced.contains(data)
+                        && e.announced.len() < MAX_OUTPUTS
+                    {
                         e.announced.push(data.clone());
                     }
                 }
@@ -272,9 +306,11 @@ impl Fact {
     pub fn encode_body(&self) -> Vec<u8> {
         let mut w = Writer::new();
         match self {
-            Fact::Submitted { request, priority } => {
+            Fact::Submitted { request, priority, start, inputs } => {
                 w.u8(1).u64(*request);
                 priority.encode(&mut w);
+                start.encode(&mut w);
+                w.bytes(&inputs[..inputs.len().min(MAX_DATA)]);
             }
             Fact::Dispatched { key, attempt } => {
                 w.u8(2);
@@ -300,9 +336,16 @@ impl Fact {
             Fact::Released { request } => {
                 w.u8(7).u64(*request);
             }
+            Fact::Checkpointed { key, step, data } => {
+                w.u8(9);
+                put_key(&mut w, *key);
+                w.u32(*step).bytes(&data[..data.len().min(MAX_DATA)]);
+            }
             Fact::State { request, entry: e } => {
                 w.u8(8).u64(*request);
                 e.priority.encode(&mut w);
+                e.start.0.encode(&mut w);
+                w.bytes(&e.start.1[..e.start.1.len().min(MAX_DATA)]);
                 e.stage.encode(&mut w);
                 w.u32(e.attempt).u8(u8::from(e.dispatched)).u32(e.reruns);
                 w.u32(e.outputs.len().min(MAX_OUTPUTS) as u32);
@@ -314,6 +357,9 @@ impl Fact {
                 for a in e.announced.iter().take(MAX_OUTPUTS) {
                     w.bytes(&a[..a.len().min(MAX_DATA)]);
                 }
+                w.opt(e.checkpoint.as_ref(), |w, (step, d)| {
+                    w.u32(*step).bytes(&d[..d.len().min(MAX_DATA)]);
+                });
                 w.opt(e.ended.as_ref(), put_outcome);
             }
         }
@@ -325,7 +371,12 @@ impl Fact {
         let mut r = Reader::new(b, "journal record");
         let data = |r: &mut Reader<'_>| Ok::<_, Error>(r.bytes(MAX_DATA, "outputs")?.to_vec());
         let f = match r.u8()? {
-            1 => Fact::Submitted { request: r.u64()?, priority: Priority::decode(&mut r)? },
+            1 => Fact::Submitted {
+                request: r.u64()?,
+                priority: Priority::decode(&mut r)?,
+                start: Stage::decode(&mut r)?,
+                inputs: data(&mut r)?,
+            },
             2 => Fact::Dispatched { key: get_key(&mut r)?, attempt: r.u32()? },
             3 => Fact::Accepted { key: get_key(&mut r)?, outputs: data(&mut r)? },
             4 => Fact::LostInput { key: get_key(&mut r)? },
@@ -335,6 +386,7 @@ impl Fact {
             8 => {
                 let request = r.u64()?;
                 let priority = Priority::decode(&mut r)?;
+                let start = (Stage::decode(&mut r)?, data(&mut r)?);
                 let stage = Stage::decode(&mut r)?;
                 let attempt = r.u32()?;
                 let dispatched = match r.u8()? {
@@ -349,19 +401,25 @@ impl Fact {
                     .collect::<Result<Vec<_>>>()?;
                 let n = r.count(MAX_OUTPUTS, "announced")?;
                 let announced = (0..n).map(|_| data(&mut r)).collect::<Result<Vec<_>>>()?;
+                let checkpoint = r.opt("checkpoint", |r| {
+                    Ok((r.u32()?, r.bytes(MAX_DATA, "checkpoint")?.to_vec()))
+                })?;
                 let ended = r.opt("ended", get_outcome)?;
                 let entry = Entry {
                     priority,
+                    start,
                     stage,
                     attempt,
                     dispatched,
                     reruns,
                     outputs,
                     announced,
+                    checkpoint,
                     ended,
                 };
                 Fact::State { request, entry }
             }
+            9 => Fact::Checkpointed { key: get_key(&mut r)?, step: r.u32()?, data: data(&mut r)? },
             t => return Err(Error::protocol(format!("journal: unknown record tag {t}"))),
         };
         r.finish()?;
@@ -449,7 +507,12 @@ mod tests {
             }
         });
         prop_oneof![
-            (0u64..6, pri).prop_map(|(request, priority)| Fact::Submitted { request, priority }),
+            (0u64..6, pri, 0usize..2).prop_map(|(request, priority, i)| Fact::Submitted {
+                request,
+                priority,
+                start: Stage::ALL[i],
+                inputs: if i == 0 { vec![] } else { b"cached".to_vec() },
+            }),
             (0u64..6, stage.clone(), 1u32..4)
                 .prop_map(|(r, s, attempt)| Fact::Dispatched { key: key(r, s), attempt }),
             (0u64..6, stage.clone(), data.clone())
@@ -458,6 +521,9 @@ mod tests {
             (0u64..6, data).prop_map(|(request, data)| Fact::Announced { request, data }),
             outcome.prop_map(Fact::Ended),
             (0u64..6).prop_map(|request| Fact::Released { request }),
+            (0u64..6, 0usize..3, 0u32..50, proptest::collection::vec(any::<u8>(), 0..6)).prop_map(
+                |(r, s, step, data)| Fact::Checkpointed { key: key(r, Stage::ALL[s]), step, data }
+            ),
         ]
     }
 
@@ -465,7 +531,12 @@ mod tests {
     fn a_request_moves_through_its_stages_and_retires_once_released() {
         let mut b = Book::default();
         let facts = [
-            Fact::Submitted { request: 1, priority: Priority::Batch },
+            Fact::Submitted {
+                request: 1,
+                priority: Priority::Batch,
+                start: Stage::Encode,
+                inputs: vec![],
+            },
             Fact::Dispatched { key: key(1, Stage::Encode), attempt: 1 },
             Fact::Accepted { key: key(1, Stage::Encode), outputs: b"emb".to_vec() },
             Fact::Dispatched { key: key(1, Stage::Denoise), attempt: 2 },
@@ -486,7 +557,13 @@ mod tests {
 
     #[test]
     fn a_torn_or_corrupt_tail_stops_the_replay_at_the_last_whole_record() {
-        let a = Fact::Submitted { request: 1, priority: Priority::Batch }.encode();
+        let a = Fact::Submitted {
+            request: 1,
+            priority: Priority::Batch,
+            start: Stage::Encode,
+            inputs: vec![],
+        }
+        .encode();
         let b = Fact::Released { request: 1 }.encode();
         let mut all = [a.clone(), b.clone()].concat();
         for cut in 0..all.len() {

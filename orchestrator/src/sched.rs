@@ -168,12 +168,22 @@ pub struct Submit {
     pub host: Option<String>,
     /// Label hints.
     pub labels: Vec<String>,
+    /// The stage it starts at: [`Stage::Encode`], or a later one when the earlier stages'
+    /// outputs are known already (e.g. a cached condition embedding: denoise starts at once).
+    pub start: Stage,
 }
 
 impl Submit {
-    /// A request of `priority` with no deadline and no affinity hints.
+    /// A request of `priority` with no deadline and no affinity hints, from the first stage.
     pub fn new(request: u64, priority: Priority) -> Submit {
-        Submit { request, priority, deadline: None, host: None, labels: vec![] }
+        Submit {
+            request,
+            priority,
+            deadline: None,
+            host: None,
+            labels: vec![],
+            start: Stage::Encode,
+        }
     }
 }
 
@@ -420,14 +430,14 @@ impl Scheduler {
         q.order.insert(key, item);
     }
 
-    /// A new request; it starts at the encode queue. A duplicate id is refused (false).
+    /// A new request; it starts at its `start` stage's queue. A duplicate id is refused (false).
     pub fn submit(&mut self, s: Submit, now: Duration) -> bool {
         if self.live.contains_key(&s.request) {
             return false;
         }
         self.live.insert(s.request, 0);
         let item = Item {
-            key: ItemKey { request: s.request, stage: Stage::Encode },
+            key: ItemKey { request: s.request, stage: s.start },
             priority: s.priority,
             deadline: s.deadline.unwrap_or(Duration::MAX),
             attempt: 1,

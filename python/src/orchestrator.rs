@@ -258,18 +258,23 @@ impl Submitter {
     }
 
     /// Submits `request` ("interactive" or "batch"); the returned `Outcome` waits for its end.
-    #[pyo3(signature = (request, priority = "interactive", *, timeout = 30.0))]
+    /// With `start` (a stage after "encode") and `inputs`, the request starts there with those
+    /// inputs (e.g. a cached embedding's reference) and the stages before never run.
+    #[pyo3(signature = (request, priority = "interactive", *, start = "encode", inputs = None, timeout = 30.0))]
     fn submit(
         slf: &Bound<'_, Self>,
         request: u64,
         priority: &str,
+        start: &str,
+        inputs: Option<Vec<u8>>,
         timeout: f64,
     ) -> PyResult<Outcome> {
         let py = slf.py();
         let p = self::priority(priority).raise(py)?;
+        let start = stage(start).raise(py)?;
         let this = slf.get();
         let rx = wait(py, seconds(timeout).raise(py)?, "a submission", async {
-            Ok(this.inner.submit(request, p).await?)
+            Ok(this.inner.submit_from(request, p, start, inputs.unwrap_or_default()).await?)
         })?;
         Ok(Outcome { request, rx: Mutex::new(Some(rx)), _client: slf.clone().unbind() })
     }

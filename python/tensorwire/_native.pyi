@@ -135,7 +135,8 @@ class Worker:
 
 class Submitter:
     def __init__(self, address: str, *, secret_file: Optional[str] = None, timeout: float = 30.0) -> None: ...
-    def submit(self, request: int, priority: str = "interactive", *, timeout: float = 30.0) -> Outcome: ...
+    def submit(self, request: int, priority: str = "interactive", *, start: str = "encode",
+               inputs: Optional[bytes] = None, timeout: float = 30.0) -> Outcome: ...
 
 class Outcome:
     @property

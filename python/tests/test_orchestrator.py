@@ -136,3 +136,26 @@ def test_a_service_restarted_on_its_journal_resumes_the_requests_it_had(tmp_path
         t.start()
     out.wait(timeout=30)  # the submitter reconnected and asked again: it completes
     stop.set()
+
+
+def test_a_request_can_start_past_the_encoder_with_given_inputs():
+    service = Service()
+    stop = threading.Event()
+    seen = {"encode": [], "denoise": [], "decode": []}
+
+    def handler(stage):
+        def run(a):
+            seen[stage].append((a.request, a.inputs))
+            return f"{stage}:{a.request}".encode()
+        return run
+
+    threads = [threading.Thread(target=serve_stage, args=(service.address, s, handler(s)),
+                                kwargs={"stop": stop, "poll": 0.1}, daemon=True) for s in seen]
+    for t in threads:
+        t.start()
+    out = Submitter(service.address).submit(4, start="denoise", inputs=b"cached embedding ref")
+    out.wait(timeout=30)
+    stop.set()
+    assert seen["encode"] == []  # skipped: its output was given
+    assert seen["denoise"] == [(4, b"cached embedding ref")]
+    assert seen["decode"] == [(4, b"denoise:4")]

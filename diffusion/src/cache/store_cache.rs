@@ -19,6 +19,8 @@ use tensorwire_core::{MemSlice, Region, TensorMeta};
 use tensorwire_store::{Retention, Store, StoreError};
 
 use super::keys::CacheKey;
+use crate::payload::{LeasePolicy, PayloadKind};
+use crate::reference::{PayloadRef, Source};
 
 /// How long entries last and how many bytes a process keeps written.
 #[derive(Debug, Clone, Copy)]
@@ -126,6 +128,46 @@ impl StoreCache {
     fn hit(&self, bytes: u64) {
         self.count("tensorwire_cache_hits_total", &self.n.hits, 1);
         self.count("tensorwire_cache_hit_bytes_total", &self.n.hit_bytes, bytes);
+    }
+
+    /// Whether `key` is cached (counted as a hit or a miss): what a submitter asks before it
+    /// queues work, so that a hit skips the stage that would make the value.
+    pub async fn contains(&self, key: &CacheKey) -> bool {
+        match self.store.exists(&key.store_key(self.kind)).await {
+            Ok(true) => {
+                self.hit(0);
+                true
+            }
+            Ok(false) => {
+                self.miss(None);
+                false
+            }
+            Err(e) => {
+                self.miss(Some(&e));
+                false
+            }
+        }
+    }
+
+    /// A payload reference to `key`'s entry for `request`, which a consumer reads through the
+    /// connector like any store-relayed payload (`meta` is the value's, which the caller knows
+    /// from its model). Its lease is `SoftPin`: consuming or releasing it leaves the entry.
+    pub fn reference(
+        &self,
+        key: &CacheKey,
+        request: u64,
+        kind: PayloadKind,
+        meta: TensorMeta,
+    ) -> PayloadRef {
+        PayloadRef {
+            request,
+            kind,
+            source: Source::Store { key: key.store_key(self.kind) },
+            meta,
+            chunking: None,
+            lease: LeasePolicy::SoftPin,
+            checksum: None,
+        }
     }
 
     /// Looks `key` up into `dst` at `offset`; its metadata on a hit, `None` on a miss.

@@ -257,6 +257,9 @@ pub struct Assignment {
     pub attempt: u32,
     /// What the previous stage reported (empty for encode).
     pub inputs: Vec<u8>,
+    /// The item's last checkpoint, from a worker that ran it before (see
+    /// [`WorkerClient::checkpoint`]): resume from this step with this saved state.
+    pub resume: Option<(u32, Vec<u8>)>,
     /// With `release_only`: every output the request's stages reported.
     pub held: Vec<Vec<u8>>,
     /// Nothing to run: the request ended (completed or failed) and nothing will consume `held`.
@@ -270,6 +273,7 @@ pub struct Assignment {
 struct Held {
     attempt: u32,
     announced: Vec<Vec<u8>>,
+    checkpoint: Option<Msg>,
     result: Option<Msg>,
 }
 
@@ -292,6 +296,7 @@ impl WorkerState {
             for data in &h.announced {
                 v.push(Msg::Announce { request, stage, data: data.clone() });
             }
+            v.extend(h.checkpoint.clone());
             v.extend(h.result.clone());
         }
         v
@@ -349,7 +354,7 @@ impl WorkerClient {
         tasks.spawn(async move {
             while let Some(m) = arrived.recv().await {
                 let a = match m {
-                    Msg::Assign { request, stage, attempt, data } => {
+                    Msg::Assign { request, stage, attempt, data, resume_step, resume } => {
                         let held = Held { attempt, ..Held::default() };
                         st.held.lock().insert(ItemKey { request, stage }, held);
                         Assignment {
@@ -357,6 +362,7 @@ impl WorkerClient {
                             stage,
                             attempt,
                             inputs: data,
+                            resume: (!resume.is_empty()).then_some((resume_step, resume)),
                             held: Vec::new(),
                             release_only: false,
                         }
@@ -366,6 +372,7 @@ impl WorkerClient {
                         stage,
                         attempt: 0,
                         inputs: Vec::new(),
+                        resume: None,
                         held,
                         release_only: true,
                     },
@@ -443,6 +450,25 @@ impl WorkerClient {
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
     }
 
+    /// Says the item reached `step` with its state saved as `data` (e.g. the reference of a step
+    /// checkpoint in the store; at most [`MAX_DATA`] bytes, not empty): should this worker die,
+    /// the item's next try gets it as [`Assignment::resume`]. `data` is released with the
+    /// request's outputs when the request ends.
+    pub async fn checkpoint(&self, a: &Assignment, step: u32, data: Vec<u8>) -> Result<()> {
+        if data.is_empty() || data.len() > MAX_DATA {
+            return Err(OrchestratorError::InvalidArgument(format!(
+                "a checkpoint of {} bytes; 1 to {MAX_DATA}",
+                data.len()
+            )));
+        }
+        let m = Msg::Checkpoint { request: a.request, stage: a.stage, step, data };
+        let key = ItemKey { request: a.request, stage: a.stage };
+        if let Some(h) = self.state.held.lock().get_mut(&key) {
+            h.checkpoint = Some(m.clone());
+        }
+        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
+    }
+
     /// Says the outputs of a `release_only` assignment are released.
     pub async fn released(&self, a: &Assignment) -> Result<()> {
         let m = Msg::Released { request: a.request };
@@ -481,7 +507,8 @@ impl WorkerClient {
     }
 }
 
-type Waiters = Arc<Mutex<HashMap<u64, (Priority, oneshot::Sender<Result<()>>)>>>;
+/// Per request waited for: how it was submitted (priority, start stage, inputs) and who waits.
+type Waiters = Arc<Mutex<HashMap<u64, (Priority, Stage, Vec<u8>, oneshot::Sender<Result<()>>)>>>;
 
 /// A client that submits requests.
 #[derive(Debug)]
@@ -514,7 +541,12 @@ impl SubmitClient {
             let mut v: Vec<Msg> = w
                 .lock()
                 .iter()
-                .map(|(&request, (priority, _))| Msg::Resume { request, priority: *priority })
+                .map(|(&request, (priority, start, data, _))| Msg::Resume {
+                    request,
+                    priority: *priority,
+                    start: *start,
+                    data: data.clone(),
+                })
                 .collect();
             v.sort_by_key(|m| match m {
                 Msg::Resume { request, .. } => *request,
@@ -527,7 +559,7 @@ impl SubmitClient {
         tasks.spawn(async move {
             while let Some(m) = arrived.recv().await {
                 let Msg::Outcome { request, ok, reason } = m else { continue };
-                if let Some((_, tx)) = w.lock().remove(&request) {
+                if let Some((.., tx)) = w.lock().remove(&request) {
                     let r = if ok {
                         Ok(())
                     } else {
@@ -536,7 +568,7 @@ impl SubmitClient {
                     let _ = tx.send(r);
                 }
             }
-            for (_, (_, tx)) in w.lock().drain() {
+            for (_, (.., tx)) in w.lock().drain() {
                 let _ = tx.send(Err(OrchestratorError::Stopped));
             }
         });
@@ -549,9 +581,29 @@ impl SubmitClient {
         request: u64,
         priority: Priority,
     ) -> Result<oneshot::Receiver<Result<()>>> {
+        self.submit_from(request, priority, Stage::ALL[0], Vec::new()).await
+    }
+
+    /// Submits a request that starts at `start` with `inputs` as that stage's inputs (what
+    /// the stage before would have reported; at most [`MAX_DATA`] bytes), e.g. a cached
+    /// embedding's reference: the stages before never run, and the inputs are not released
+    /// when the request ends.
+    pub async fn submit_from(
+        &self,
+        request: u64,
+        priority: Priority,
+        start: Stage,
+        inputs: Vec<u8>,
+    ) -> Result<oneshot::Receiver<Result<()>>> {
+        if inputs.len() > MAX_DATA {
+            return Err(OrchestratorError::InvalidArgument(format!(
+                "start inputs of {} bytes; at most {MAX_DATA}",
+                inputs.len()
+            )));
+        }
         let (tx, rx) = oneshot::channel();
-        self.waiting.lock().insert(request, (priority, tx));
-        let m = Msg::Submit { request, priority, deadline_ms: 0 };
+        self.waiting.lock().insert(request, (priority, start, inputs.clone(), tx));
+        let m = Msg::Submit { request, priority, deadline_ms: 0, start, data: inputs };
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)?;
         Ok(rx)
     }

@@ -167,8 +167,8 @@ impl JournalStore for JournalFile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Priority;
     use crate::sched::Outcome;
+    use crate::{Priority, Stage};
 
     #[test]
     fn reopens_to_the_same_book_cuts_a_torn_tail_and_compacts() {
@@ -178,7 +178,12 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let mut j = JournalFile::open(&path, 1 << 10).unwrap();
         for r in 0..200u64 {
-            j.append(&Fact::Submitted { request: r, priority: Priority::Batch });
+            j.append(&Fact::Submitted {
+                request: r,
+                priority: Priority::Batch,
+                start: Stage::Encode,
+                inputs: vec![],
+            });
             if r % 2 == 0 {
                 j.append(&Fact::Ended(Outcome::Completed { request: r }));
             }
@@ -193,7 +198,13 @@ mod tests {
         drop(j);
         // A crash mid-append leaves a torn record: it is cut off, the rest kept.
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
-        let rec = Fact::Submitted { request: 999, priority: Priority::Batch }.encode();
+        let rec = Fact::Submitted {
+            request: 999,
+            priority: Priority::Batch,
+            start: Stage::Encode,
+            inputs: vec![],
+        }
+        .encode();
         f.write_all(&rec[..rec.len() - 3]).unwrap();
         drop(f);
         let j = JournalFile::open(&path, 1 << 10).unwrap();

@@ -88,8 +88,9 @@ enum Event {
     Credit { worker: u64, slots: u32 },
     Result { worker: u64, key: ItemKey, result: StageResult, ack: Option<mpsc::Sender<Msg>> },
     Holding { worker: u64, key: ItemKey, attempt: u32 },
-    Submit { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
-    Resume { request: u64, priority: crate::Priority, tx: mpsc::Sender<Msg> },
+    Checkpoint { worker: u64, key: ItemKey, step: u32, data: Vec<u8> },
+    Submit { sub: Submit, inputs: Vec<u8>, tx: mpsc::Sender<Msg> },
+    Resume { sub: Submit, inputs: Vec<u8>, tx: mpsc::Sender<Msg> },
     Stats { reply: tokio::sync::oneshot::Sender<OrchestratorStats> },
     Released { worker: u64, request: u64 },
     Announce { worker: u64, key: ItemKey, data: Vec<u8> },
@@ -236,13 +237,18 @@ async fn connection(
                 Msg::Holding { request, stage, attempt } if is_worker => {
                     Event::Holding { worker, key: ItemKey { request, stage }, attempt }
                 }
-                Msg::Submit { request, priority, .. } if !is_worker => {
-                    let Some(tx) = out_tx.clone() else { break };
-                    Event::Submit { request, priority, tx }
+                Msg::Checkpoint { request, stage, step, data } if is_worker => {
+                    Event::Checkpoint { worker, key: ItemKey { request, stage }, step, data }
                 }
-                Msg::Resume { request, priority } if !is_worker => {
+                Msg::Submit { request, priority, start, data, .. } if !is_worker => {
                     let Some(tx) = out_tx.clone() else { break };
-                    Event::Resume { request, priority, tx }
+                    let sub = Submit { start, ..Submit::new(request, priority) };
+                    Event::Submit { sub, inputs: data, tx }
+                }
+                Msg::Resume { request, priority, start, data } if !is_worker => {
+                    let Some(tx) = out_tx.clone() else { break };
+                    let sub = Submit { start, ..Submit::new(request, priority) };
+                    Event::Resume { sub, inputs: data, tx }
                 }
                 other => {
                     let e = Error::protocol(format!("orchestrator: unexpected {other:?}"));
@@ -296,17 +302,17 @@ fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
             let kept = d.claim(WorkerId(worker), key, attempt, now);
             tracing::debug!(worker, request = key.request, ?key.stage, kept, "orchestrator: claim");
         }
-        Event::Submit { request, priority, tx } => {
+        Event::Submit { sub, inputs, tx } => {
             // Sent before a reconnect and again after it (the catch-up's resume went first).
-            if d.waiter(request).is_some_and(|w| w.same_channel(&tx)) {
+            if d.waiter(sub.request).is_some_and(|w| w.same_channel(&tx)) {
                 return;
             }
-            if let Err((tx, o)) = d.submit(Submit::new(request, priority), tx, now) {
+            if let Err((tx, o)) = d.submit_with(sub, inputs, tx, now) {
                 out.push((tx, outcome_msg(o)));
             }
         }
-        Event::Resume { request, priority, tx } => {
-            if let Err((tx, o)) = d.resume(Submit::new(request, priority), tx, now) {
+        Event::Resume { sub, inputs, tx } => {
+            if let Err((tx, o)) = d.resume(sub, inputs, tx, now) {
                 out.push((tx, outcome_msg(o)));
             }
         }
@@ -315,6 +321,9 @@ fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
         }
         Event::Released { worker, request } => d.released(WorkerId(worker), request),
         Event::Announce { worker, key, data } => d.announce(WorkerId(worker), key, data),
+        Event::Checkpoint { worker, key, step, data } => {
+            d.checkpoint(WorkerId(worker), key, step, data);
+        }
     }
 }
 
@@ -338,11 +347,15 @@ async fn run(
             .into_iter()
             .map(|a| {
                 let item = &a.dispatch.item;
+                let (resume_step, resume) =
+                    a.resume.map_or((0, Vec::new()), |(s, d)| (s, d.to_vec()));
                 let m = Msg::Assign {
                     request: item.key.request,
                     stage: item.key.stage,
                     attempt: item.attempt,
                     data: a.inputs.to_vec(),
+                    resume_step,
+                    resume,
                 };
                 (a.dispatch.worker, a.worker.clone(), m)
             })

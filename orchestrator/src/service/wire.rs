@@ -12,7 +12,8 @@ use tensorwire_core::{Error, Result};
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
 /// The service's framing (version 4: results are acknowledged; a reconnecting worker says what
-/// it still runs, a reconnecting submitter what it still waits for).
+/// it still runs, a reconnecting submitter what it still waits for; a request may start past the
+/// first stage with that stage's inputs; workers checkpoint items and a next try resumes there).
 pub const FRAMING: Framing =
     Framing { name: "orchestrator", magic: *b"TO", version: 4, max_payload: MAX_PAYLOAD };
 const MAX_TEXT: usize = 1024;
@@ -64,12 +65,22 @@ pub enum Msg {
     /// Worker: its slot count changed.
     Credit { slots: u32 },
     /// Server -> worker: run this item; `data` is what the previous stage reported (its outputs,
-    /// e.g. encoded payload references), empty for the first stage.
-    Assign { request: u64, stage: Stage, attempt: u32, data: Vec<u8> },
+    /// e.g. encoded payload references), empty for the first stage. `resume` is the item's last
+    /// checkpoint (what a worker that ran it before said with `Checkpoint`), empty for none:
+    /// continue from `resume_step`.
+    Assign {
+        request: u64,
+        stage: Stage,
+        attempt: u32,
+        data: Vec<u8>,
+        resume_step: u32,
+        resume: Vec<u8>,
+    },
     /// Worker: an item ended; `data` (its outputs) goes to the next stage's assignment.
     Result { request: u64, stage: Stage, ending: Ending, reason: String, data: Vec<u8> },
-    /// Submitter: a new request.
-    Submit { request: u64, priority: Priority, deadline_ms: u64 },
+    /// Submitter: a new request, starting at `start` with `data` as that stage's inputs (empty
+    /// and the first stage for a plain request).
+    Submit { request: u64, priority: Priority, deadline_ms: u64, start: Stage, data: Vec<u8> },
     /// Server -> submitter: a request ended.
     Outcome { request: u64, ok: bool, reason: String },
     /// Server -> worker: `request` ended; nothing will consume `held`, its stages' outputs:
@@ -87,9 +98,14 @@ pub enum Msg {
     /// Server -> worker: the result for this item is recorded (or will never be accepted):
     /// the worker may forget it.
     Ack { request: u64, stage: Stage },
-    /// Submitter, after a reconnect: it still waits for `request` (submitted before); the
-    /// service answers with its outcome, now or when it ends, and submits it if never seen.
-    Resume { request: u64, priority: Priority },
+    /// Submitter, after a reconnect: it still waits for `request` (submitted before, as
+    /// described); the service answers with its outcome, now or when it ends, and submits it if
+    /// never seen.
+    Resume { request: u64, priority: Priority, start: Stage, data: Vec<u8> },
+    /// Worker: the item it runs reached `step` and its state is saved as `data` (e.g. the
+    /// reference of a step checkpoint in the store): should the worker die, the item's next
+    /// try resumes from there. Released with the request's outputs when it ends.
+    Checkpoint { request: u64, stage: Stage, step: u32, data: Vec<u8> },
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -143,10 +159,10 @@ impl Msg {
                 w.u32(*slots);
                 4
             }
-            Msg::Assign { request, stage, attempt, data } => {
+            Msg::Assign { request, stage, attempt, data, resume_step, resume } => {
                 w.u64(*request);
                 stage.encode(&mut w);
-                w.u32(*attempt).bytes(data);
+                w.u32(*attempt).bytes(data).u32(*resume_step).bytes(resume);
                 5
             }
             Msg::Result { request, stage, ending, reason, data } => {
@@ -160,10 +176,12 @@ impl Msg {
                 w.u8(tag).str(clip(reason)).bytes(data);
                 6
             }
-            Msg::Submit { request, priority, deadline_ms } => {
+            Msg::Submit { request, priority, deadline_ms, start, data } => {
                 w.u64(*request);
                 priority.encode(&mut w);
                 w.u64(*deadline_ms);
+                start.encode(&mut w);
+                w.bytes(data);
                 7
             }
             Msg::Outcome { request, ok, reason } => {
@@ -196,10 +214,18 @@ impl Msg {
                 stage.encode(&mut w);
                 13
             }
-            Msg::Resume { request, priority } => {
+            Msg::Resume { request, priority, start, data } => {
                 w.u64(*request);
                 priority.encode(&mut w);
+                start.encode(&mut w);
+                w.bytes(data);
                 14
+            }
+            Msg::Checkpoint { request, stage, step, data } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                w.u32(*step).bytes(data);
+                15
             }
         };
         (kind, w.finish())
@@ -239,6 +265,8 @@ impl Msg {
                 stage: Stage::decode(&mut r)?,
                 attempt: r.u32()?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
+                resume_step: r.u32()?,
+                resume: r.bytes(MAX_DATA, "resume")?.to_vec(),
             },
             6 => Msg::Result {
                 request: r.u64()?,
@@ -256,6 +284,8 @@ impl Msg {
                 request: r.u64()?,
                 priority: Priority::decode(&mut r)?,
                 deadline_ms: r.u64()?,
+                start: Stage::decode(&mut r)?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
             },
             8 => Msg::Outcome {
                 request: r.u64()?,
@@ -273,7 +303,18 @@ impl Msg {
                 Msg::Holding { request: r.u64()?, stage: Stage::decode(&mut r)?, attempt: r.u32()? }
             }
             13 => Msg::Ack { request: r.u64()?, stage: Stage::decode(&mut r)? },
-            14 => Msg::Resume { request: r.u64()?, priority: Priority::decode(&mut r)? },
+            14 => Msg::Resume {
+                request: r.u64()?,
+                priority: Priority::decode(&mut r)?,
+                start: Stage::decode(&mut r)?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
+            },
+            15 => Msg::Checkpoint {
+                request: r.u64()?,
+                stage: Stage::decode(&mut r)?,
+                step: r.u32()?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
+            },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -327,7 +368,15 @@ mod tests {
             Msg::Hello { role: Role::Submitter },
             Msg::Welcome { worker: 3 },
             Msg::Credit { slots: 4 },
-            Msg::Assign { request: 9, stage: Stage::Denoise, attempt: 2, data: vec![1, 2] },
+            Msg::Assign {
+                request: 9,
+                stage: Stage::Denoise,
+                attempt: 2,
+                data: vec![1, 2],
+                resume_step: 20,
+                resume: vec![3],
+            },
+            Msg::Checkpoint { request: 9, stage: Stage::Denoise, step: 20, data: vec![3] },
             Msg::Result {
                 request: 9,
                 stage: Stage::Denoise,
@@ -335,14 +384,25 @@ mod tests {
                 reason: "oom".into(),
                 data: vec![],
             },
-            Msg::Submit { request: 1, priority: Priority::Interactive, deadline_ms: 5 },
+            Msg::Submit {
+                request: 1,
+                priority: Priority::Interactive,
+                deadline_ms: 5,
+                start: Stage::Denoise,
+                data: b"cached".to_vec(),
+            },
             Msg::Outcome { request: 1, ok: true, reason: String::new() },
             Msg::Release { request: 4, held: vec![vec![5; 3], vec![]] },
             Msg::Released { request: 4 },
             Msg::Announce { request: 4, stage: Stage::Encode, data: vec![6, 7] },
             Msg::Holding { request: 4, stage: Stage::Denoise, attempt: 2 },
             Msg::Ack { request: 4, stage: Stage::Decode },
-            Msg::Resume { request: 4, priority: Priority::Batch },
+            Msg::Resume {
+                request: 4,
+                priority: Priority::Batch,
+                start: Stage::Encode,
+                data: vec![],
+            },
             Msg::Heartbeat,
         ];
         for m in msgs {

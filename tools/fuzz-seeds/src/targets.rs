@@ -17,6 +17,7 @@ use tensorwire_store::rpc::{self, Request, Response};
 
 /// Every target of `fuzz/`, by name. Each has a corpus directory `fuzz/corpus/NAME`.
 pub const TARGETS: &[&str] = &[
+    "checkpoint_ref",
     "chunk_plan",
     "connector_control",
     "discovery_entry",
@@ -44,6 +45,7 @@ pub const FRAMINGS: [Framing; 3] = [CONTROL, rpc::FRAMING, service::FRAMING];
 pub fn valid(target: &str, input: &[u8]) -> bool {
     let meta = |b: &[u8]| TensorMeta::decode(&mut Reader::new(b, "seed")).is_ok();
     match target {
+        "checkpoint_ref" => tensorwire_diffusion::cache::CheckpointRef::decode(input).is_ok(),
         "chunk_plan" => input.len() >= 5 && meta(&input[5..]),
         "connector_control" => matches!(Control::decode(input), Ok(Some(_))),
         "discovery_entry" => {

@@ -34,6 +34,7 @@ pub fn add_all(c: &mut Corpus, refs: &[PayloadRef]) {
     orchestrator(c);
     journal(c);
     discovery(c);
+    checkpoints(c);
     queue_messages(c, refs);
 }
 
@@ -264,7 +265,28 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Welcome { worker: 7 },
         Msg::Heartbeat,
         Msg::Credit { slots: 3 },
-        Msg::Assign { request: 1, stage: Stage::Decode, attempt: 2, data: b"refs".to_vec() },
+        Msg::Assign {
+            request: 1,
+            stage: Stage::Decode,
+            attempt: 2,
+            data: b"refs".to_vec(),
+            resume_step: 0,
+            resume: Vec::new(),
+        },
+        Msg::Assign {
+            request: 1,
+            stage: Stage::Denoise,
+            attempt: 3,
+            data: b"refs".to_vec(),
+            resume_step: 30,
+            resume: b"checkpoint ref".to_vec(),
+        },
+        Msg::Checkpoint {
+            request: 1,
+            stage: Stage::Denoise,
+            step: 30,
+            data: b"checkpoint ref".to_vec(),
+        },
         Msg::Result {
             request: 1,
             stage: Stage::Encode,
@@ -279,7 +301,20 @@ fn orchestrator(c: &mut Corpus) {
             reason: "oom".into(),
             data: Vec::new(),
         },
-        Msg::Submit { request: 2, priority: Priority::Batch, deadline_ms: 60_000 },
+        Msg::Submit {
+            request: 2,
+            priority: Priority::Batch,
+            deadline_ms: 60_000,
+            start: Stage::Encode,
+            data: Vec::new(),
+        },
+        Msg::Submit {
+            request: 3,
+            priority: Priority::Interactive,
+            deadline_ms: 0,
+            start: Stage::Denoise,
+            data: b"cached refs".to_vec(),
+        },
         Msg::Result {
             request: 1,
             stage: Stage::Decode,
@@ -293,12 +328,40 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Announce { request: 2, stage: Stage::Encode, data: b"refs".to_vec() },
         Msg::Holding { request: 2, stage: Stage::Denoise, attempt: 1 },
         Msg::Ack { request: 2, stage: Stage::Denoise },
-        Msg::Resume { request: 2, priority: Priority::Interactive },
+        Msg::Resume {
+            request: 2,
+            priority: Priority::Interactive,
+            start: Stage::Denoise,
+            data: b"cached refs".to_vec(),
+        },
     ];
     for m in msgs {
         let (kind, mut body) = m.encode_body();
         body.insert(0, kind);
         c.add("orchestrator_msg", body);
+    }
+}
+
+/// Step-checkpoint references: an image's latents, a video's with a sampler state.
+fn checkpoints(c: &mut Corpus) {
+    use tensorwire_core::{DType, TensorMeta};
+    use tensorwire_diffusion::cache::CheckpointRef;
+    let refs = [
+        CheckpointRef {
+            key: b"tw/cache/ckpt/00ff".to_vec(),
+            meta: TensorMeta::contiguous(DType::F16, &[16, 128, 128]),
+            step: 12,
+            state: Vec::new(),
+        },
+        CheckpointRef {
+            key: b"tw/cache/ckpt/a1b2".to_vec(),
+            meta: TensorMeta::contiguous(DType::BF16, &[16, 21, 60, 104]),
+            step: 30,
+            state: b"sigmas and timesteps".to_vec(),
+        },
+    ];
+    for r in refs {
+        c.add("checkpoint_ref", r.encode());
     }
 }
 
@@ -338,7 +401,18 @@ fn journal(c: &mut Corpus) {
     use tensorwire_orchestrator::sched::ItemKey;
     let key = |stage| ItemKey { request: 5, stage };
     let life = [
-        Fact::Submitted { request: 5, priority: Priority::Batch },
+        Fact::Submitted {
+            request: 5,
+            priority: Priority::Batch,
+            start: Stage::Encode,
+            inputs: vec![],
+        },
+        Fact::Submitted {
+            request: 7,
+            priority: Priority::Interactive,
+            start: Stage::Denoise,
+            inputs: b"cached refs".to_vec(),
+        },
         Fact::Dispatched { key: key(Stage::Encode), attempt: 1 },
         Fact::Announced { request: 5, data: b"refs".to_vec() },
         Fact::Accepted { key: key(Stage::Encode), outputs: b"refs".to_vec() },
