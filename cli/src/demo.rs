@@ -15,6 +15,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parking_lot::Mutex;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::{DType, Engine, EngineConfig, Permissions, TensorMeta};
+use tensorwire_diffusion::cache::{CacheKey, StoreCache, embedding_key};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
     PayloadRef, StagePayload,
@@ -181,8 +182,12 @@ struct Ctx {
     dec: DiffusionConnector,
     emb: Mutex<HashMap<u64, PayloadRef>>,
     lat: Mutex<HashMap<u64, PayloadRef>>,
-    cache: Mutex<HashMap<(usize, u64), PayloadRef>>,
-    hits: AtomicU64,
+    /// The condition-embedding cache (the library's, over the store node).
+    cache: StoreCache,
+    /// What this run put in it (removed at the end: the store must end empty).
+    cached: Mutex<std::collections::HashSet<CacheKey>>,
+    /// The store the encoder writes to.
+    enc_store: Arc<dyn Store>,
     submitted: Instant,
     ttff: Mutex<Vec<Duration>>,
     e2e: Mutex<Vec<Duration>>,
@@ -194,33 +199,23 @@ struct Ctx {
 async fn encode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     let r = &c.reqs[w.request as usize];
     let m = &c.models[r.model];
-    let cached = c.cache.lock().get(&(r.model, r.prompt)).cloned();
-    let reference = match cached {
-        Some(x) => {
-            c.hits.fetch_add(1, Ordering::Relaxed);
-            x
+    // The cache key of this prompt's embedding (the demo's prompts are numbered).
+    let key = embedding_key(&m.name, "1", &format!("prompt {}", r.prompt), false, &[]);
+    let meta = embed_meta(m);
+    if !c.cache.contains(&key).await {
+        tokio::time::sleep(scaled(m.encode_ms, c.scale)).await;
+        let buf = c.enc.engine().alloc(m.embed_bytes, Permissions::NONE).await?;
+        buf.write_bytes(0, &fill(m.embed_bytes, r.prompt))?;
+        // Written once (a concurrent encode of the same prompt finds it there), before denoise
+        // is told where it is.
+        if !c.cache.put_from(&key, &meta, &buf.slice(0, m.embed_bytes)?).await
+            && !c.enc_store.exists(&key.store_key("emb")).await?
+        {
+            return Err(format!("request {}: the embedding could not be cached", w.request).into());
         }
-        None => {
-            tokio::time::sleep(scaled(m.encode_ms, c.scale)).await;
-            let buf = Arc::new(c.enc.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
-            buf.write_bytes(0, &fill(m.embed_bytes, r.prompt))?;
-            let mut p = c.enc.publish(
-                StagePayload {
-                    request: w.request,
-                    kind: PayloadKind::ConditionEmbedding,
-                    region: buf,
-                    offset: 0,
-                    meta: embed_meta(m),
-                    chunking: None,
-                    lease: LeasePolicy::Pinned, // cached for later requests with the same prompt
-                },
-                None,
-            )?;
-            p.stored().await?; // the denoise worker finds it without polling the store
-            c.cache.lock().insert((r.model, r.prompt), p.reference.clone());
-            p.reference.clone()
-        }
-    };
+        c.cached.lock().insert(key);
+    }
+    let reference = c.cache.reference(&key, w.request, PayloadKind::ConditionEmbedding, meta);
     c.emb.lock().insert(w.request, reference);
     c.bars[0].inc(1);
     Ok(())
@@ -338,14 +333,17 @@ async fn disaggregated(
 ) -> Result<Summary, String> {
     let (node_engine, store, node) = store_node().await?;
     let mut conns = Vec::new();
+    let mut stores = Vec::new();
     for mode in [Mode::Store, Mode::Auto, Mode::Auto] {
         let e = tcp_engine(None).await?;
         let s: Arc<dyn Store> = Arc::new(
             RemoteStore::connect(&e, node_engine.local_addr(), node.addr()).await.map_err(err)?,
         );
         let cfg = ConnectorConfig { mode, checksum: false, wait_timeout: Duration::from_secs(30) };
+        stores.push(s.clone());
         conns.push(DiffusionConnector::new(e, Some(s), cfg));
     }
+    let enc_store = stores.swap_remove(0);
     let (dec, den, enc) = (
         conns.pop().ok_or("connector")?,
         conns.pop().ok_or("connector")?,
@@ -362,8 +360,9 @@ async fn disaggregated(
         dec,
         emb: Mutex::default(),
         lat: Mutex::default(),
-        cache: Mutex::default(),
-        hits: AtomicU64::new(0),
+        cache: StoreCache::embeddings(enc_store.clone(), Duration::from_secs(3600)),
+        cached: Mutex::default(),
+        enc_store,
         submitted: Instant::now(),
         ttff: Mutex::default(),
         e2e: Mutex::default(),
@@ -414,15 +413,9 @@ async fn disaggregated(
         [&ctx.den, &ctx.dec].iter().map(|c| c.engine().stats().bytes_read).sum::<u64>()
             + [&ctx.enc].iter().map(|c| c.engine().stats().bytes_written).sum::<u64>();
     // Drop the embedding cache; the store must end empty.
-    let keys: Vec<PayloadRef> = ctx.cache.lock().drain().map(|(_, v)| v).collect();
-    let store_client =
-        RemoteStore::connect(ctx.enc.engine(), node_engine.local_addr(), node.addr())
-            .await
-            .map_err(err)?;
-    for r in keys {
-        if let tensorwire_diffusion::Source::Store { key } = &r.source {
-            store_client.remove(key).await.map_err(err)?;
-        }
+    let keys: Vec<CacheKey> = ctx.cached.lock().drain().collect();
+    for key in keys {
+        ctx.enc_store.remove(&key.store_key("emb")).await.map_err(err)?;
     }
     let left = store.stats().await.map_err(err)?;
     let moved = ctx.moved.load(Ordering::Relaxed);
@@ -444,7 +437,7 @@ async fn disaggregated(
         } else {
             moved as f64 / handoff.as_secs_f64() / 1e9
         },
-        cache_hits: ctx.hits.load(Ordering::Relaxed),
+        cache_hits: ctx.cache.stats().hits,
         store_left: left.objects,
         layout: format!(
             "{}:{}:{} (encode:denoise:decode)",

@@ -106,6 +106,12 @@ impl Assignment {
     fn inputs<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.inner.inputs)
     }
+    /// The item's last checkpoint, from a worker that ran it before: `(step, saved state)`, or
+    /// None. Resume from that step instead of the first.
+    #[getter]
+    fn resume<'py>(&self, py: Python<'py>) -> Option<(u32, Bound<'py, PyBytes>)> {
+        self.inner.resume.as_ref().map(|(step, d)| (*step, PyBytes::new(py, d)))
+    }
     /// With `release_only`: every output the request's stages reported.
     #[getter]
     fn held<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
@@ -188,6 +194,24 @@ impl Worker {
         let a = assignment.inner.clone();
         wait(py, seconds(timeout).raise(py)?, "an announcement", async {
             Ok(self.client.announce(&a, outputs).await?)
+        })
+    }
+
+    /// Says the item reached `step` with its state saved as `state` (e.g. a step checkpoint's
+    /// handle): should this worker die, the item's next try gets it as `assignment.resume`.
+    /// It is handed out for release with the request's outputs when the request ends.
+    #[pyo3(signature = (assignment, step, state, *, timeout = 30.0))]
+    fn checkpoint(
+        &self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        step: u32,
+        state: Vec<u8>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let a = assignment.inner.clone();
+        wait(py, seconds(timeout).raise(py)?, "a checkpoint", async {
+            Ok(self.client.checkpoint(&a, step, state).await?)
         })
     }
 

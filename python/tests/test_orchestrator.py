@@ -159,3 +159,28 @@ def test_a_request_can_start_past_the_encoder_with_given_inputs():
     assert seen["encode"] == []  # skipped: its output was given
     assert seen["denoise"] == [(4, b"cached embedding ref")]
     assert seen["decode"] == [(4, b"denoise:4")]
+
+
+def test_a_job_resumes_from_its_checkpoint_after_its_worker_dies():
+    from tensorwire._native import Worker
+
+    service = Service(max_attempts=3)
+    stop = threading.Event()
+    for s in ("encode", "decode"):
+        threading.Thread(target=serve_stage, args=(service.address, s, lambda a: b"x"),
+                         kwargs={"stop": stop, "poll": 0.1}, daemon=True).start()
+    out = Submitter(service.address).submit(11)
+    first = Worker(service.address, "denoise", heartbeat=0.1)
+    a = first.next(timeout=10)
+    assert a.stage == "denoise" and a.resume is None
+    first.checkpoint(a, 6, b"latents at step 6")
+    del first  # dies mid-job: its connection closes and the item is re-queued
+    second = Worker(service.address, "denoise", heartbeat=0.1)
+    while True:
+        b = second.next(timeout=10)
+        if not b.release_only:
+            break
+    assert (b.request, b.attempt, b.resume) == (11, 2, (6, b"latents at step 6"))
+    second.report(b, b"latent")
+    out.wait(timeout=30)
+    stop.set()
