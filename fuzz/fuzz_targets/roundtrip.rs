@@ -197,7 +197,10 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
     let held = |u: &mut Unstructured<'_>| -> Result<Vec<Vec<u8>>> {
         (0..u.int_in_range(0..=MAX_HELD)?).map(|_| data(u)).collect()
     };
-    let m = match u.int_in_range(0..=11u8)? {
+    let priority = |u: &mut Unstructured<'_>| -> Result<Priority> {
+        Ok(if u.arbitrary()? { Priority::Interactive } else { Priority::Batch })
+    };
+    let m = match u.int_in_range(0..=15u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -212,7 +215,14 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         2 => Msg::Welcome { worker: u.arbitrary()? },
         3 => Msg::Heartbeat,
         4 => Msg::Credit { slots: u.arbitrary()? },
-        5 => Msg::Assign { request: u.arbitrary()?, stage, attempt: u.arbitrary()?, data: data(u)? },
+        5 => Msg::Assign {
+            request: u.arbitrary()?,
+            stage,
+            attempt: u.arbitrary()?,
+            data: data(u)?,
+            resume_step: u.arbitrary()?,
+            resume: data(u)?,
+        },
         6 => Msg::Result {
             request: u.arbitrary()?,
             stage,
@@ -222,13 +232,19 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         },
         7 => Msg::Submit {
             request: u.arbitrary()?,
-            priority: if u.arbitrary()? { Priority::Interactive } else { Priority::Batch },
+            priority: priority(u)?,
             deadline_ms: u.arbitrary()?,
+            start: stage,
+            data: data(u)?,
         },
         8 => Msg::Outcome { request: u.arbitrary()?, ok: u.arbitrary()?, reason: short(u)? },
         9 => Msg::Release { request: u.arbitrary()?, held: held(u)? },
         10 => Msg::Released { request: u.arbitrary()? },
-        _ => Msg::Announce { request: u.arbitrary()?, stage, data: data(u)? },
+        11 => Msg::Announce { request: u.arbitrary()?, stage, data: data(u)? },
+        12 => Msg::Holding { request: u.arbitrary()?, stage, attempt: u.arbitrary()? },
+        13 => Msg::Ack { request: u.arbitrary()?, stage },
+        14 => Msg::Resume { request: u.arbitrary()?, priority: priority(u)?, start: stage, data: data(u)? },
+        _ => Msg::Checkpoint { request: u.arbitrary()?, stage, step: u.arbitrary()?, data: data(u)? },
     };
     let frame = m.encode().expect("a message within bounds fits a frame");
     let (kind, body) = FRAMING.decode(&frame).expect("own frame decodes");
