@@ -199,7 +199,8 @@ impl Worker {
 
     /// Says the item reached `step` with its state saved as `state` (e.g. a step checkpoint's
     /// handle): should this worker die, the item's next try gets it as `assignment.resume`.
-    /// It is handed out for release with the request's outputs when the request ends.
+    /// It is handed out for release with the request's outputs when the request ends. Returns
+    /// once queued; it goes out in the background.
     #[pyo3(signature = (assignment, step, state, *, timeout = 30.0))]
     fn checkpoint(
         &self,

@@ -174,6 +174,7 @@ def test_a_job_resumes_from_its_checkpoint_after_its_worker_dies():
     a = first.next(timeout=10)
     assert a.stage == "denoise" and a.resume is None
     first.checkpoint(a, 6, b"latents at step 6")
+    time.sleep(0.5)  # the checkpoint goes out in the background: let it reach the service
     del first  # dies mid-job: its connection closes and the item is re-queued
     second = Worker(service.address, "denoise", heartbeat=0.1)
     while True:

@@ -453,7 +453,9 @@ impl WorkerClient {
     /// Says the item reached `step` with its state saved as `data` (e.g. the reference of a step
     /// checkpoint in the store; at most [`MAX_DATA`] bytes, not empty): should this worker die,
     /// the item's next try gets it as [`Assignment::resume`]. `data` is released with the
-    /// request's outputs when the request ends.
+    /// request's outputs when the request ends. Returns once the message is queued; it goes out
+    /// in the background (a worker killed right after may lose it, and the next try then
+    /// resumes from the checkpoint before).
     pub async fn checkpoint(&self, a: &Assignment, step: u32, data: Vec<u8>) -> Result<()> {
         if data.is_empty() || data.len() > MAX_DATA {
             return Err(OrchestratorError::InvalidArgument(format!(
