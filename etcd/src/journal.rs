@@ -104,7 +104,7 @@ impl EtcdJournal {
     }
 
     async fn compact(&mut self) -> io::Result<()> {
-        let snap: Vec<u8> = self.book.snapshot().iter().flat_map(Fact::encode).collect();
+        let snap = self.book.snapshot_bytes();
         if snap.len() > MAX_VALUE {
             tracing::warn!(bytes = snap.len(), "etcd journal: snapshot too large to compact");
             return Ok(());

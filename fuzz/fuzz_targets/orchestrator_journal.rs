@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(replay(&f.encode()).facts, vec![f.clone()]);
         book.apply(f);
     }
-    let snap: Vec<u8> = book.snapshot().iter().flat_map(Fact::encode).collect();
+    let snap = book.snapshot_bytes();
     let mut again = Book::default();
     replay(&snap).facts.iter().for_each(|f| again.apply(f));
     assert_eq!(again, book);

@@ -30,6 +30,12 @@ use crate::sched::{
     WorkerId,
 };
 
+/// The stages before `stage`, by [`Stage::index`]: their results stand for a request that is
+/// at `stage` (it started or was restored there).
+fn stages_before(stage: Stage) -> [bool; 3] {
+    std::array::from_fn(|i| i < stage.index())
+}
+
 /// A snapshot of an orchestrator.
 #[derive(Debug, Clone, Default)]
 pub struct OrchestratorStats {
@@ -260,15 +266,11 @@ impl<W, R> Driver<W, R> {
             if !e.announced.is_empty() {
                 self.announced.insert(request, e.announced.clone());
             }
-            self.started_at(request, e.start.0, e.start.1.clone());
+            self.give(request, e.start.0, e.start.1.clone());
             if let Some(cp) = &e.checkpoint {
                 self.checkpoints.insert(ItemKey { request, stage: e.stage }, cp.clone());
             }
-            let mut done = [false; 3];
-            for s in Stage::ALL.into_iter().take_while(|s| *s != e.stage) {
-                done[s.index()] = true;
-            }
-            self.accepted.insert(request, done);
+            self.accepted.insert(request, stages_before(e.stage));
         }
     }
 
@@ -388,22 +390,20 @@ impl<W, R> Driver<W, R> {
             return Err((waiter, Outcome::Failed { request, reason }));
         }
         self.record(Fact::Submitted { request, priority, start, inputs: inputs.clone() });
-        self.started_at(request, start, inputs);
+        if start != Stage::ALL[0] {
+            self.accepted.insert(request, stages_before(start));
+        }
+        self.give(request, start, inputs);
         self.waiting.insert(request, waiter);
         Ok(())
     }
 
-    /// Bookkeeping of a request that starts (or was restored) past the first stage.
-    fn started_at(&mut self, request: u64, start: Stage, inputs: Vec<u8>) {
-        if start == Stage::ALL[0] && inputs.is_empty() {
-            return;
+    /// Keeps the inputs a request was given for its start stage (none to keep for a plain
+    /// request).
+    fn give(&mut self, request: u64, start: Stage, inputs: Vec<u8>) {
+        if start != Stage::ALL[0] || !inputs.is_empty() {
+            self.given.insert(request, (start, inputs));
         }
-        let mut done = [false; 3];
-        for s in Stage::ALL.into_iter().take_while(|s| *s != start) {
-            done[s.index()] = true;
-        }
-        self.accepted.insert(request, done);
-        self.given.insert(request, (start, inputs));
     }
 
     /// Who waits for `request`.

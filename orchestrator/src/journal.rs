@@ -257,6 +257,11 @@ impl Book {
         self.recent.iter().map(|o| (o.request(), o.clone())).collect()
     }
 
+    /// The records of [`Book::snapshot`], as a compacted journal holds them.
+    pub fn snapshot_bytes(&self) -> Vec<u8> {
+        self.snapshot().iter().flat_map(Fact::encode).collect()
+    }
+
     /// The facts a compacted journal holds: they replay to this book.
     pub fn snapshot(&self) -> Vec<Fact> {
         let recent = self.recent.iter().cloned().map(Fact::Ended);
@@ -605,7 +610,7 @@ mod tests {
         ) {
             let mut b = Book::default();
             facts.iter().for_each(|f| b.apply(f));
-            let bytes: Vec<u8> = b.snapshot().iter().flat_map(Fact::encode).collect();
+            let bytes = b.snapshot_bytes();
             let mut c = Book::default();
             replay(&bytes).facts.iter().for_each(|f| c.apply(f));
             prop_assert_eq!(&c, &b);

@@ -130,23 +130,33 @@ impl StoreCache {
         self.count("tensorwire_cache_hit_bytes_total", &self.n.hit_bytes, bytes);
     }
 
-    /// Whether `key` is cached (counted as a hit or a miss): what a submitter asks before it
-    /// queues work, so that a hit skips the stage that would make the value.
-    pub async fn contains(&self, key: &CacheKey) -> bool {
-        match self.store.exists(&key.store_key(self.kind)).await {
-            Ok(true) => {
-                self.hit(0);
-                true
+    /// Counts a lookup's result: a hit of `bytes(value)` bytes, or a miss (a failure other
+    /// than "not found" also counted as an error); the value on a hit.
+    fn looked_up<T>(&self, r: Result<T, StoreError>, bytes: impl FnOnce(&T) -> u64) -> Option<T> {
+        match r {
+            Ok(v) => {
+                self.hit(bytes(&v));
+                Some(v)
             }
-            Ok(false) => {
+            Err(StoreError::NotFound { .. }) => {
                 self.miss(None);
-                false
+                None
             }
             Err(e) => {
                 self.miss(Some(&e));
-                false
+                None
             }
         }
+    }
+
+    /// Whether `key` is cached (counted as a hit or a miss): what a submitter asks before it
+    /// queues work, so that a hit skips the stage that would make the value.
+    pub async fn contains(&self, key: &CacheKey) -> bool {
+        let sk = key.store_key(self.kind);
+        let r = self.store.exists(&sk).await;
+        let found =
+            r.and_then(|there| if there { Ok(()) } else { Err(StoreError::not_found(&sk)) });
+        self.looked_up(found, |_| 0).is_some()
     }
 
     /// A payload reference to `key`'s entry for `request`, which a consumer reads through the
@@ -172,38 +182,14 @@ impl StoreCache {
 
     /// Looks `key` up into `dst` at `offset`; its metadata on a hit, `None` on a miss.
     pub async fn get_into(&self, key: &CacheKey, dst: &Region, offset: u64) -> Option<TensorMeta> {
-        match self.store.get_into(&key.store_key(self.kind), dst, offset).await {
-            Ok((meta, len)) => {
-                self.hit(len);
-                Some(meta)
-            }
-            Err(StoreError::NotFound { .. }) => {
-                self.miss(None);
-                None
-            }
-            Err(e) => {
-                self.miss(Some(&e));
-                None
-            }
-        }
+        let r = self.store.get_into(&key.store_key(self.kind), dst, offset).await;
+        self.looked_up(r, |(_, len)| *len).map(|(meta, _)| meta)
     }
 
     /// Looks `key` up, copying the value out.
     pub async fn get(&self, key: &CacheKey) -> Option<(TensorMeta, Vec<u8>)> {
-        match self.store.get(&key.store_key(self.kind)).await {
-            Ok((meta, bytes)) => {
-                self.hit(bytes.len() as u64);
-                Some((meta, bytes))
-            }
-            Err(StoreError::NotFound { .. }) => {
-                self.miss(None);
-                None
-            }
-            Err(e) => {
-                self.miss(Some(&e));
-                None
-            }
-        }
+        let r = self.store.get(&key.store_key(self.kind)).await;
+        self.looked_up(r, |(_, bytes)| bytes.len() as u64)
     }
 
     /// Writes `key`'s value from `src`. True if this call wrote it; false if it was there

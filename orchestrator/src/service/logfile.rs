@@ -124,9 +124,7 @@ impl JournalFile {
         let tmp = self.path.with_extension("compacting");
         let mut f = File::create(&tmp)?;
         let mut bytes = MAGIC.to_vec();
-        for fact in self.book.snapshot() {
-            bytes.extend_from_slice(&fact.encode());
-        }
+        bytes.extend_from_slice(&self.book.snapshot_bytes());
         f.write_all(&bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, &self.path)?;

@@ -428,7 +428,7 @@ fn journal(c: &mut Corpus) {
         book.apply(f);
     }
     c.add("orchestrator_journal", life.iter().flat_map(Fact::encode).collect());
-    c.add("orchestrator_journal", book.snapshot().iter().flat_map(Fact::encode).collect());
+    c.add("orchestrator_journal", book.snapshot_bytes());
     c.add("orchestrator_journal", Fact::Released { request: 5 }.encode());
 }
 
