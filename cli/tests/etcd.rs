@@ -196,3 +196,25 @@ async fn payload_workers_find_the_orchestrator_and_the_store_node_through_etcd()
     }
     drop(workers);
 }
+
+#[test]
+fn a_standby_orchestrator_needs_a_fixed_port_and_no_journal_file() {
+    let Some(etcd) = etcd() else { return };
+    let run = |extra: &[&str]| {
+        let out = Command::new(EXE)
+            .args(["serve", "--listen", "127.0.0.1:0", "--store-listen", "127.0.0.1:0"])
+            .args(["--store-mib", "16", "--for-secs", "5", "--etcd", &etcd.url])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        err
+    };
+    let err = run(&["--orchestrator-listen", "127.0.0.1:0"]);
+    assert!(err.contains("needs a fixed port"), "{err}");
+    let at = free_port().to_string();
+    let err = run(&["--orchestrator-listen", &at, "--journal", "/tmp/tw-unused.journal"]);
+    assert!(err.contains("journal is in etcd"), "{err}");
+}

@@ -102,3 +102,58 @@ async fn every_request_completes_once_across_a_restart() {
     drop(workers);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A journal whose disk fills up after its first write.
+#[derive(Debug, Default)]
+struct FullDisk {
+    book: tensorwire_orchestrator::journal::Book,
+    pending: usize,
+    written: u32,
+}
+
+#[async_trait::async_trait]
+impl tensorwire_orchestrator::service::JournalStore for FullDisk {
+    fn book(&self) -> &tensorwire_orchestrator::journal::Book {
+        &self.book
+    }
+    fn append(&mut self, f: &tensorwire_orchestrator::journal::Fact) {
+        self.book.apply(f);
+        self.pending += 1;
+    }
+    async fn commit(&mut self) -> std::io::Result<()> {
+        if self.pending == 0 {
+            return Ok(());
+        }
+        if self.written >= 1 {
+            return Err(std::io::Error::other("no space left on device"));
+        }
+        (self.pending, self.written) = (0, self.written + 1);
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_that_cannot_be_written_stops_the_service() {
+    let cfg = ServiceConfig {
+        journal_store: Some(Box::new(FullDisk::default())),
+        ..ServiceConfig::default()
+    };
+    let svc = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
+    let sub = SubmitClient::connect(svc.addr(), None).await.unwrap();
+    let _first = sub.submit(1, Priority::Batch).await.unwrap();
+    // Its turn written (it waits at encode: there is no worker), the next write fails.
+    while svc.stats().await.unwrap().queued[Stage::Encode.index()] == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _second = sub.submit(2, Priority::Batch).await.unwrap(); // cannot be made durable
+    // The service stops rather than run on without its journal, and answers nothing more.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Err(e) = svc.stats().await {
+            assert!(matches!(e, tensorwire_orchestrator::OrchestratorError::Stopped), "{e}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the service did not stop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
