@@ -51,16 +51,10 @@ fn serve(
     lines: &mpsc::SyncSender<(usize, String)>,
 ) -> Kill {
     let mut c = Command::new(EXE);
-    c.args([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--store-listen",
-        "127.0.0.1:0",
-        "--store-mib",
-        "16",
-    ])
-    .args(["--for-secs", "120", "--etcd", url, "--cluster", cluster, "--lease-secs", "2"]);
+    // 64 MiB: the payload test holds up to four 8 MiB embeddings until their requests end.
+    c.args(["serve", "--listen", "127.0.0.1:0", "--store-listen", "127.0.0.1:0"])
+        .args(["--store-mib", "64"])
+        .args(["--for-secs", "120", "--etcd", url, "--cluster", cluster, "--lease-secs", "2"]);
     if let Some(at) = orch {
         c.args(["--orchestrator-listen", &at.to_string()]);
     }
