@@ -200,7 +200,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
     let priority = |u: &mut Unstructured<'_>| -> Result<Priority> {
         Ok(if u.arbitrary()? { Priority::Interactive } else { Priority::Batch })
     };
-    let m = match u.int_in_range(0..=15u8)? {
+    let m = match u.int_in_range(0..=19u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -236,6 +236,8 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
             deadline_ms: u.arbitrary()?,
             start: stage,
             data: data(u)?,
+            resume_step: u.arbitrary()?,
+            resume: data(u)?,
         },
         8 => Msg::Outcome { request: u.arbitrary()?, ok: u.arbitrary()?, reason: short(u)? },
         9 => Msg::Release { request: u.arbitrary()?, held: held(u)? },
@@ -243,8 +245,19 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         11 => Msg::Announce { request: u.arbitrary()?, stage, data: data(u)? },
         12 => Msg::Holding { request: u.arbitrary()?, stage, attempt: u.arbitrary()? },
         13 => Msg::Ack { request: u.arbitrary()?, stage },
-        14 => Msg::Resume { request: u.arbitrary()?, priority: priority(u)?, start: stage, data: data(u)? },
-        _ => Msg::Checkpoint { request: u.arbitrary()?, stage, step: u.arbitrary()?, data: data(u)? },
+        14 => Msg::Resume {
+            request: u.arbitrary()?,
+            priority: priority(u)?,
+            start: stage,
+            data: data(u)?,
+            resume_step: u.arbitrary()?,
+            resume: data(u)?,
+        },
+        15 => Msg::Checkpoint { request: u.arbitrary()?, stage, step: u.arbitrary()?, data: data(u)? },
+        16 => Msg::Yield { request: u.arbitrary()?, stage },
+        17 => Msg::Yielded { request: u.arbitrary()?, stage, step: u.arbitrary()?, data: data(u)? },
+        18 => Msg::Drain,
+        _ => Msg::Drained,
     };
     let frame = m.encode().expect("a message within bounds fits a frame");
     let (kind, body) = FRAMING.decode(&frame).expect("own frame decodes");

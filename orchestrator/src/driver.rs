@@ -377,19 +377,29 @@ impl<W, R> Driver<W, R> {
     /// [`Driver::submit`] with the inputs of its start stage (`s.start`), when it starts past
     /// the first: e.g. a cached embedding's reference, and denoise runs at once. The inputs are
     /// not the request's own outputs and are never handed out for release.
+    ///
+    /// With `s.resume`, its start stage resumes from that checkpoint (edit and resume from an
+    /// earlier request's checkpoint, e.g. with changed parameters): the first try's assignment
+    /// carries it, as a try after a failure would carry the request's own. It is not the
+    /// request's either, and is never released.
     pub fn submit_with(
         &mut self,
-        s: Submit,
+        mut s: Submit,
         inputs: Vec<u8>,
         waiter: R,
         now: Duration,
     ) -> Result<(), (R, Outcome)> {
         let (request, priority, start) = (s.request, s.priority, s.start);
+        let resume = s.resume.take();
         if !self.sched.submit(s, now) {
             let reason = format!("request id {request} is already in flight");
             return Err((waiter, Outcome::Failed { request, reason }));
         }
         self.record(Fact::Submitted { request, priority, start, inputs: inputs.clone() });
+        if let Some((step, data)) = resume {
+            self.record(Fact::ResumeFrom { request, step, data: data.clone() });
+            self.checkpoints.insert(ItemKey { request, stage: start }, (step, data));
+        }
         if start != Stage::ALL[0] {
             self.accepted.insert(request, stages_before(start));
         }
@@ -483,6 +493,54 @@ impl<W, R> Driver<W, R> {
         }
         self.record(Fact::Checkpointed { key, step, data: data.clone() });
         self.checkpoints.insert(key, (step, data));
+    }
+
+    /// `worker` gave `key` back at a step boundary (asked to by [`Driver::take_asks`], or on its
+    /// own), with its state saved at `step` as `data` (as [`Driver::checkpoint`]; empty data:
+    /// no new checkpoint, the last one stands). The job waits in the queue again, and its next
+    /// worker resumes it from the checkpoint. Returns false when ignored (not its job).
+    pub fn yielded(
+        &mut self,
+        worker: WorkerId,
+        key: ItemKey,
+        step: u32,
+        data: Vec<u8>,
+        now: Duration,
+    ) -> bool {
+        if self.sched.holder(key) != Some(worker) {
+            return false;
+        }
+        if !data.is_empty() {
+            self.checkpoint(worker, key, step, data);
+        }
+        let ok = self.sched.yielded(key, worker, now);
+        if ok {
+            self.record(Fact::Yielded { key });
+            if let Some(t) = self.started.remove(&key) {
+                self.busy[key.stage.index()] += now.saturating_sub(t);
+            }
+        }
+        ok
+    }
+
+    /// Jobs to yield, asked since the last call (preemption for a waiting interactive job, or
+    /// a drain), each with its worker's endpoint: tell each worker to checkpoint the job at its
+    /// next step boundary and give it back ([`Driver::yielded`]). A driver whose workers cannot
+    /// yield may drop them (the jobs then run to their end).
+    pub fn take_asks(&mut self) -> Vec<(ItemKey, WorkerId, &W)> {
+        let asks = self.sched.take_asks();
+        asks.into_iter().filter_map(|(id, key)| Some((key, id, self.workers.get(&id)?))).collect()
+    }
+
+    /// Scale-down of `worker`: see [`Scheduler::drain`]. Returns false for an unknown worker.
+    pub fn drain(&mut self, worker: WorkerId, now: Duration) -> bool {
+        self.sched.drain(worker, now)
+    }
+
+    /// Draining workers that hold nothing now, with their endpoints (they may stop).
+    pub fn take_drained(&mut self) -> Vec<(WorkerId, &W)> {
+        let drained = self.sched.take_drained();
+        drained.into_iter().filter_map(|id| Some((id, self.workers.get(&id)?))).collect()
     }
 
     /// Every dispatch decision possible now, each with its worker's endpoint and inputs.
@@ -873,6 +931,148 @@ mod tests {
                     proptest::prop_assert_eq!(&got, &want, "request {}", r);
                 }
             }
+        }
+
+        /// Preemption and drains racing with results, failures and deaths. Denoise jobs run
+        /// in steps and checkpoint at each; a job asked to yield does so at its next step
+        /// unless it finishes, fails, or its worker dies or leaves first; drained workers
+        /// leave. Every try of a denoise job resumes from the last checkpoint the driver took
+        /// for it (no step before it runs twice), every request ends once, and every stage is
+        /// accepted once.
+        #[test]
+        fn preemption_and_drains_lose_and_repeat_nothing(ops in proptest::collection::vec((0u8..8, 0u64..16), 1..300)) {
+            use std::collections::{BTreeMap, BTreeSet};
+            const STEPS: u32 = 4;
+            let cfg = SchedConfig { heartbeat_timeout: Duration::from_secs(3600), max_attempts: 1000, ..SchedConfig::default() };
+            let mut d: Driver<(), ()> = Driver::new(cfg, Box::new(MaxFreeCredit));
+            let t = Duration::from_millis;
+            let mut workers: Vec<(WorkerId, Stage)> = Vec::new();
+            let mut draining: BTreeSet<WorkerId> = BTreeSet::new();
+            for (s, n) in [(Stage::Encode, 2), (Stage::Denoise, 1), (Stage::Denoise, 1), (Stage::Decode, 4)] {
+                workers.push((d.join(s, n, "h", vec![], (), t(0)), s));
+            }
+            // Running: worker, item, step reached.
+            let mut running: Vec<(WorkerId, ItemKey, u32)> = Vec::new();
+            let mut last_cp: BTreeMap<u64, u32> = BTreeMap::new();
+            let mut asked: BTreeSet<ItemKey> = BTreeSet::new();
+            let mut ended: BTreeMap<u64, u32> = BTreeMap::new();
+            let mut accepted: BTreeMap<ItemKey, u32> = BTreeMap::new();
+            let mut next_req = 0u64;
+            let cp = |r: u64, step: u32| format!("cp{r}:{step}").into_bytes();
+            // One step of the running item `i`: a yield if asked, else a checkpoint, and the
+            // result at the last step.
+            let step = |d: &mut Driver<(), ()>, running: &mut Vec<(WorkerId, ItemKey, u32)>, i: usize, now: Duration,
+                            last_cp: &mut BTreeMap<u64, u32>, asked: &mut BTreeSet<ItemKey>, accepted: &mut BTreeMap<ItemKey, u32>| {
+                let (w, key, s) = running[i];
+                if key.stage == Stage::Denoise && s + 1 < STEPS {
+                    if asked.remove(&key) {
+                        running.swap_remove(i);
+                        assert!(d.yielded(w, key, s + 1, cp(key.request, s + 1), now));
+                        last_cp.insert(key.request, s + 1);
+                        return;
+                    }
+                    d.checkpoint(w, key, s + 1, cp(key.request, s + 1));
+                    last_cp.insert(key.request, s + 1);
+                    running[i].2 = s + 1;
+                    return;
+                }
+                running.swap_remove(i);
+                asked.remove(&key);
+                if d.result(w, key, StageResult::Done(vec![]), now) {
+                    *accepted.entry(key).or_default() += 1;
+                    last_cp.remove(&key.request);
+                }
+            };
+            let mut now = t(0);
+            let check = |d: &mut Driver<(), ()>, running: &mut Vec<(WorkerId, ItemKey, u32)>, now: Duration,
+                             last_cp: &BTreeMap<u64, u32>, asked: &mut BTreeSet<ItemKey>, ended: &mut BTreeMap<u64, u32>,
+                             workers: &mut Vec<(WorkerId, Stage)>, draining: &mut BTreeSet<WorkerId>| -> Result<(), proptest::test_runner::TestCaseError> {
+                for a in d.dispatch(now) {
+                    let key = a.dispatch.item.key;
+                    let from = a.resume.map(|(s, data)| (s, data.to_vec()));
+                    if key.stage == Stage::Denoise {
+                        let want = last_cp.get(&key.request).map(|&s| (s, cp(key.request, s)));
+                        proptest::prop_assert_eq!(&from, &want, "request {} resumes from its last checkpoint", key.request);
+                    }
+                    running.push((a.dispatch.worker, key, from.map_or(0, |f| f.0)));
+                }
+                for (key, w, _) in d.take_asks() {
+                    proptest::prop_assert!(running.iter().any(|r| r.0 == w && r.1 == key), "ask for a job not running there");
+                    proptest::prop_assert_eq!(key.stage, Stage::Denoise);
+                    asked.insert(key);
+                }
+                let drained: Vec<WorkerId> = d.take_drained().into_iter().map(|(id, _)| id).collect();
+                for id in drained {
+                    proptest::prop_assert!(!running.iter().any(|r| r.0 == id), "drained while running");
+                    d.leave(id, now);
+                    workers.retain(|w| w.0 != id);
+                    draining.remove(&id);
+                }
+                for e in d.take_outcomes() {
+                    proptest::prop_assert!(matches!(e.outcome, Outcome::Completed { .. }), "{:?}", e.outcome);
+                    *ended.entry(e.outcome.request()).or_default() += 1;
+                }
+                Ok(())
+            };
+            for (op, b) in ops {
+                now += t(1);
+                let pick = |n: usize| (b as usize) % n.max(1);
+                match op {
+                    0 | 1 => {
+                        let p = if op == 0 { Priority::Batch } else { Priority::Interactive };
+                        d.submit(Submit::new(next_req, p), (), now).unwrap();
+                        next_req += 1;
+                    }
+                    2 | 3 if !running.is_empty() => {
+                        let i = pick(running.len());
+                        step(&mut d, &mut running, i, now, &mut last_cp, &mut asked, &mut accepted);
+                    }
+                    4 if !running.is_empty() => {
+                        let (w, key, _) = running.swap_remove(pick(running.len()));
+                        asked.remove(&key);
+                        if d.result(w, key, StageResult::Failed("oom".into()), now) {
+                            last_cp.remove(&key.request); // a failed try does not resume
+                        }
+                    }
+                    5 if !workers.is_empty() => {
+                        // A worker dies: its jobs resume from their checkpoints elsewhere.
+                        let (w, stage) = workers.swap_remove(pick(workers.len()));
+                        d.leave(w, now);
+                        draining.remove(&w);
+                        for r in running.iter().filter(|r| r.0 == w) { asked.remove(&r.1); }
+                        running.retain(|r| r.0 != w);
+                        workers.push((d.join(stage, 1, "h", vec![], (), now), stage));
+                    }
+                    6 if !workers.is_empty() => {
+                        let (w, stage) = workers[pick(workers.len())];
+                        if draining.insert(w) {
+                            d.drain(w, now);
+                            workers.push((d.join(stage, 1, "h", vec![], (), now), stage));
+                        }
+                    }
+                    7 if b < 4 => {
+                        workers.push((d.join(Stage::Denoise, 1, "h", vec![], (), now), Stage::Denoise));
+                    }
+                    _ => {}
+                }
+                check(&mut d, &mut running, now, &last_cp, &mut asked, &mut ended, &mut workers, &mut draining)?;
+            }
+            // Run everything to its end.
+            for _ in 0..100_000 {
+                if running.is_empty() && d.sched().in_flight() == 0 { break; }
+                now += t(1);
+                if !running.is_empty() {
+                    step(&mut d, &mut running, 0, now, &mut last_cp, &mut asked, &mut accepted);
+                }
+                check(&mut d, &mut running, now, &last_cp, &mut asked, &mut ended, &mut workers, &mut draining)?;
+            }
+            for r in 0..next_req {
+                proptest::prop_assert_eq!(ended.get(&r).copied(), Some(1), "request {} ends once", r);
+                for stage in Stage::ALL {
+                    proptest::prop_assert_eq!(accepted.get(&ItemKey { request: r, stage }).copied(), Some(1), "request {} at {:?}", r, stage);
+                }
+            }
+            proptest::prop_assert_eq!(d.stats(now).duplicated, 0);
         }
 
         /// Random work with a crash at a random point: the facts recorded until then rebuild a

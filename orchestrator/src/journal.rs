@@ -5,7 +5,8 @@
 //! [`crate::Driver`] produces them and rebuilds itself from a book.
 //!
 //! What is recorded: submissions, dispatches (for the try number), accepted results with their
-//! outputs, lost inputs (the stage before runs again), announced outputs, ends, and releases.
+//! outputs, lost inputs (the stage before runs again), announced outputs, checkpoints, yields
+//! (a preempted or drained job given back), ends, and releases.
 //! A compacted journal is one [`Fact::State`] per request still of interest plus the recent
 //! outcomes, which replays to the same book.
 
@@ -83,6 +84,22 @@ pub enum Fact {
         /// Item.
         key: ItemKey,
         /// Step reached.
+        step: u32,
+        /// The saved state's reference.
+        data: Vec<u8>,
+    },
+    /// The worker running `key` gave it back at a step boundary (after its checkpoint): it waits
+    /// in the queue, handed to nobody.
+    Yielded {
+        /// Item.
+        key: ItemKey,
+    },
+    /// The request's start stage resumes from this checkpoint, given with the request (edit and
+    /// resume from an earlier request's checkpoint): not the request's own, never released.
+    ResumeFrom {
+        /// Request.
+        request: u64,
+        /// The checkpoint's step.
         step: u32,
         /// The saved state's reference.
         data: Vec<u8>,
@@ -212,6 +229,16 @@ impl Book {
                     {
                         e.announced.push(data.clone());
                     }
+                }
+            }
+            Fact::Yielded { key } => {
+                if let Some(e) = self.live(key.request).filter(|e| e.stage == key.stage) {
+                    e.dispatched = false;
+                }
+            }
+            Fact::ResumeFrom { request, step, data } => {
+                if let Some(e) = self.live(*request).filter(|e| e.stage == e.start.0) {
+                    e.checkpoint = Some((*step, data.clone()));
                 }
             }
             Fact::Ended(o) => match self.entries.get_mut(&o.request()) {
@@ -346,6 +373,13 @@ impl Fact {
                 put_key(&mut w, *key);
                 w.u32(*step).bytes(&data[..data.len().min(MAX_DATA)]);
             }
+            Fact::Yielded { key } => {
+                w.u8(10);
+                put_key(&mut w, *key);
+            }
+            Fact::ResumeFrom { request, step, data } => {
+                w.u8(11).u64(*request).u32(*step).bytes(&data[..data.len().min(MAX_DATA)]);
+            }
             Fact::State { request, entry: e } => {
                 w.u8(8).u64(*request);
                 e.priority.encode(&mut w);
@@ -425,6 +459,8 @@ impl Fact {
                 Fact::State { request, entry }
             }
             9 => Fact::Checkpointed { key: get_key(&mut r)?, step: r.u32()?, data: data(&mut r)? },
+            10 => Fact::Yielded { key: get_key(&mut r)? },
+            11 => Fact::ResumeFrom { request: r.u64()?, step: r.u32()?, data: data(&mut r)? },
             t => return Err(Error::protocol(format!("journal: unknown record tag {t}"))),
         };
         r.finish()?;
@@ -529,6 +565,9 @@ mod tests {
             (0u64..6, 0usize..3, 0u32..50, proptest::collection::vec(any::<u8>(), 0..6)).prop_map(
                 |(r, s, step, data)| Fact::Checkpointed { key: key(r, Stage::ALL[s]), step, data }
             ),
+            (0u64..6, 0usize..3).prop_map(|(r, s)| Fact::Yielded { key: key(r, Stage::ALL[s]) }),
+            (0u64..6, 0u32..50, proptest::collection::vec(any::<u8>(), 0..6))
+                .prop_map(|(request, step, data)| Fact::ResumeFrom { request, step, data }),
         ]
     }
 
@@ -558,6 +597,31 @@ mod tests {
         b.apply(&Fact::Released { request: 1 });
         assert!(b.entries.is_empty());
         assert_eq!(b.recent_by_request()[&1], Outcome::Completed { request: 1 });
+    }
+
+    #[test]
+    fn a_yield_hands_the_job_to_nobody_and_a_given_checkpoint_is_never_released() {
+        let mut b = Book::default();
+        let d = key(1, Stage::Denoise);
+        let facts = [
+            Fact::Submitted {
+                request: 1,
+                priority: Priority::Batch,
+                start: Stage::Denoise,
+                inputs: b"emb".to_vec(),
+            },
+            Fact::ResumeFrom { request: 1, step: 6, data: b"cp of 0".to_vec() },
+            Fact::Dispatched { key: d, attempt: 1 },
+        ];
+        facts.iter().for_each(|f| b.apply(f));
+        assert_eq!(b.entries[&1].checkpoint, Some((6, b"cp of 0".to_vec())));
+        b.apply(&Fact::Checkpointed { key: d, step: 9, data: b"cp 9".to_vec() });
+        b.apply(&Fact::Yielded { key: d });
+        let e = &b.entries[&1];
+        assert_eq!((e.dispatched, e.attempt), (false, 1), "queued on the same try");
+        assert_eq!(e.checkpoint, Some((9, b"cp 9".to_vec())));
+        b.apply(&Fact::Ended(Outcome::Completed { request: 1 }));
+        assert_eq!(b.entries[&1].to_release(), vec![b"cp 9".to_vec()]);
     }
 
     #[test]

@@ -177,6 +177,7 @@ async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::Weak
             });
         }
         drop(d.take_dead()); // in-process workers are never silent; keep the list empty
+        drop(d.take_asks()); // handlers run a job to its end: a preempted job is not asked back
         for e in d.take_outcomes() {
             if let Some(w) = e.waiter {
                 let _ = w.send(e.outcome);

@@ -18,6 +18,16 @@
 //!   accepted) says so, and the stage before runs again: stages are idempotent given their
 //!   inputs, and inputs are released only when the request ends (see the driver), so that
 //!   stage's own inputs are still there. At most `max_attempts` such re-runs per request.
+//! - Preemption: when an interactive item waits for denoise, no denoise worker has a free slot,
+//!   and decode has room, the scheduler asks the holder of a running batch-class denoise job
+//!   (the one dispatched last: the least work at stake) to checkpoint at its next step boundary
+//!   and yield ([`Scheduler::take_asks`]); at most one ask stands per interactive item waiting.
+//!   A yielded job ([`Scheduler::yielded`]) re-enters the denoise queue on the same try, and its
+//!   next worker resumes it from the checkpoint (the driver keeps it). A worker that finishes,
+//!   fails or dies before it yields settles the ask the same way as without one.
+//! - Draining ([`Scheduler::drain`]): a worker being scaled down takes no new items, is asked to
+//!   yield each denoise job it runs (the others finish), and is reported drained
+//!   ([`Scheduler::take_drained`]) once it holds nothing.
 //! - Recovery: requests rebuilt from the service's journal after a restart
 //!   ([`Scheduler::restore`]) are parked for a grace period, so the worker still running an item
 //!   when the orchestrator went down can claim it when it reconnects ([`Scheduler::claim`])
@@ -54,6 +64,8 @@ pub struct SchedConfig {
     pub max_attempts: u32,
     /// Extra decode items allowed to queue beyond the decode pool's free slots.
     pub decode_headroom: u32,
+    /// Ask batch denoise jobs to yield to waiting interactive ones (see the module docs).
+    pub preempt: bool,
 }
 
 impl Default for SchedConfig {
@@ -63,6 +75,7 @@ impl Default for SchedConfig {
             heartbeat_timeout: Duration::from_secs(5),
             max_attempts: 3,
             decode_headroom: 0,
+            preempt: true,
         }
     }
 }
@@ -171,6 +184,9 @@ pub struct Submit {
     /// The stage it starts at: [`Stage::Encode`], or a later one when the earlier stages'
     /// outputs are known already (e.g. a cached condition embedding: denoise starts at once).
     pub start: Stage,
+    /// A checkpoint the start stage resumes from (step, saved state): edit and resume from a
+    /// mid-trajectory checkpoint of an earlier request. Kept by the driver, not the scheduler.
+    pub resume: Option<(u32, Vec<u8>)>,
 }
 
 impl Submit {
@@ -183,6 +199,7 @@ impl Submit {
             host: None,
             labels: vec![],
             start: Stage::Encode,
+            resume: None,
         }
     }
 }
@@ -265,6 +282,10 @@ pub struct SchedStats {
     pub dead_workers: u64,
     /// Stages run again because the next stage found their output gone.
     pub reran: u64,
+    /// Yield asks sent to holders of batch jobs for waiting interactive ones.
+    pub preempt_asks: u64,
+    /// Jobs given back at a step boundary (preempted or drained) and queued again.
+    pub yielded: u64,
 }
 
 type QKey = (u8, Duration, u64);
@@ -300,6 +321,19 @@ pub struct Scheduler {
     dead: Vec<WorkerId>,
     /// Restored items waiting for their worker to claim them, until the deadline.
     parked: FastMap<ItemKey, (Item, Duration)>,
+    /// Running batch denoise jobs not asked to yield, by dispatch order: preemption victims.
+    preemptible: BTreeMap<u64, ItemKey>,
+    /// Jobs asked to yield, and whether the ask was for an interactive item (else a drain).
+    asked: FastMap<ItemKey, bool>,
+    /// Asks standing for interactive items.
+    preempting: usize,
+    /// Interactive items queued per stage.
+    interactive: [usize; 3],
+    /// Asks made by the last [`Scheduler::dispatch`] or [`Scheduler::drain`].
+    asks: Vec<(WorkerId, ItemKey)>,
+    /// Draining workers, and those that hold nothing now (reported once).
+    draining: std::collections::BTreeSet<WorkerId>,
+    drained: Vec<WorkerId>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -337,6 +371,13 @@ impl Scheduler {
             last_scan: None,
             dead: Vec::new(),
             parked: FastMap::default(),
+            preemptible: BTreeMap::new(),
+            asked: FastMap::default(),
+            preempting: 0,
+            interactive: [0; 3],
+            asks: Vec::new(),
+            draining: Default::default(),
+            drained: Vec::new(),
         }
     }
 
@@ -422,10 +463,18 @@ impl Scheduler {
         self.seq += 1;
         item.seq = self.seq;
         item.enqueued = now;
+        self.queue(item);
+    }
+
+    /// Puts `item` in its stage's queue at its place (by its class, deadline and sequence
+    /// number; a batch item ages from when it was enqueued).
+    fn queue(&mut self, item: Item) {
+        let now = item.enqueued;
         let key = (class(item.priority), item.deadline, item.seq);
         let q = &mut self.queues[item.key.stage.index()];
-        if item.priority == Priority::Batch {
-            q.batch.push_back((now, key));
+        match item.priority {
+            Priority::Batch => q.batch.push_back((now, key)),
+            Priority::Interactive => self.interactive[item.key.stage.index()] += 1,
         }
         q.order.insert(key, item);
     }
@@ -482,13 +531,16 @@ impl Scheduler {
         if !fits {
             return false;
         }
-        let Some((item, _)) = self.parked.remove(&key) else { return false };
+        let Some((mut item, _)) = self.parked.remove(&key) else { return false };
+        self.seq += 1;
+        item.seq = self.seq;
         let w = self.workers.get_mut(&worker).expect("checked above");
         w.busy += 1;
         w.last_seen = now;
         w.items.push(key);
         self.reindex(worker);
         self.running_by[key.stage.index()] += 1;
+        self.started(&item);
         self.running.insert(key, (worker, item));
         true
     }
@@ -532,8 +584,9 @@ impl Scheduler {
         self.lose_worker(id, now, "worker left");
     }
 
-    /// A worker advertises its slot count (credit).
+    /// A worker advertises its slot count (credit). A draining worker's stays 0.
     pub fn credit(&mut self, id: WorkerId, slots: u32, now: Duration) {
+        let slots = if self.draining.contains(&id) { 0 } else { slots };
         if let Some(w) = self.workers.get_mut(&id) {
             let i = w.stage.index();
             self.slots_by[i] = self.slots_by[i] - w.slots + slots;
@@ -560,6 +613,97 @@ impl Scheduler {
         }
     }
 
+    /// A job started running: a batch denoise job may be preempted.
+    fn started(&mut self, item: &Item) {
+        if self.cfg.preempt && item.key.stage == Stage::Denoise && item.priority == Priority::Batch
+        {
+            self.preemptible.insert(item.seq, item.key);
+        }
+    }
+
+    /// A job stopped running (ended, yielded, failed, or its worker is gone): it is no longer a
+    /// victim, and an ask for it is settled.
+    fn stopped(&mut self, item: &Item) {
+        self.preemptible.remove(&item.seq);
+        if self.asked.remove(&item.key) == Some(true) {
+            self.preempting -= 1;
+        }
+    }
+
+    /// Asks the holder of `key` to yield it.
+    fn ask(&mut self, key: ItemKey, for_interactive: bool) {
+        let Some((worker, item)) = self.running.get(&key) else { return };
+        if self.asked.contains_key(&key) {
+            return;
+        }
+        self.preemptible.remove(&item.seq);
+        self.asked.insert(key, for_interactive);
+        self.asks.push((*worker, key));
+        if for_interactive {
+            self.preempting += 1;
+            self.stats.preempt_asks += 1;
+        }
+    }
+
+    /// Asks made since the last call (by [`Scheduler::dispatch`] or [`Scheduler::drain`]):
+    /// each worker should checkpoint the job at its next step boundary and yield it
+    /// ([`Scheduler::yielded`]). Drivers that preempt must take them every turn.
+    pub fn take_asks(&mut self) -> Vec<(WorkerId, ItemKey)> {
+        std::mem::take(&mut self.asks)
+    }
+
+    /// Whether `key` was asked to yield and has not yet stopped running.
+    pub fn is_asked(&self, key: ItemKey) -> bool {
+        self.asked.contains_key(&key)
+    }
+
+    /// Scale-down of `id`: it takes no new items, each denoise job it runs is asked to yield
+    /// (the others finish), and once it holds nothing it is reported by
+    /// [`Scheduler::take_drained`] (at once if it holds nothing now). Returns false for an
+    /// unknown worker.
+    pub fn drain(&mut self, id: WorkerId, now: Duration) -> bool {
+        if !self.workers.contains_key(&id) {
+            return false;
+        }
+        if self.draining.insert(id) {
+            self.credit(id, 0, now);
+            let items = self.workers.get(&id).map(|w| w.items.clone()).unwrap_or_default();
+            for key in items.into_iter().filter(|k| k.stage == Stage::Denoise) {
+                match self.asked.get_mut(&key) {
+                    // Asked for an interactive item already: now for the drain.
+                    Some(f) if *f => {
+                        *f = false;
+                        self.preempting -= 1;
+                    }
+                    Some(_) => {}
+                    None => self.ask(key, false),
+                }
+            }
+            if self.workers.get(&id).is_some_and(|w| w.items.is_empty()) {
+                self.drained.push(id);
+            }
+        }
+        true
+    }
+
+    /// Draining workers that came to hold nothing since the last call (each reported once).
+    pub fn take_drained(&mut self) -> Vec<WorkerId> {
+        std::mem::take(&mut self.drained)
+    }
+
+    /// `worker` gave `key` back at a step boundary (asked to, or on its own): it is queued again
+    /// on the same try. Returns false when ignored (the worker does not hold it).
+    pub fn yielded(&mut self, key: ItemKey, worker: WorkerId, now: Duration) -> bool {
+        let Some(item) = self.release(key, worker) else { return false };
+        self.stats.yielded += 1;
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.last_seen = now;
+        }
+        // Back at the place it was admitted from: work that came after it stays after it.
+        self.queue(item);
+        true
+    }
+
     /// Takes `key` away from `worker` if it holds it; None otherwise (a late or foreign result).
     fn release(&mut self, key: ItemKey, worker: WorkerId) -> Option<Item> {
         match self.running.get(&key) {
@@ -571,9 +715,13 @@ impl Scheduler {
         }
         let (_, item) = self.running.remove(&key)?;
         self.running_by[key.stage.index()] -= 1;
+        self.stopped(&item);
         if let Some(w) = self.workers.get_mut(&worker) {
             w.busy = w.busy.saturating_sub(1);
             w.items.retain(|k| *k != key);
+            if w.items.is_empty() && self.draining.contains(&worker) {
+                self.drained.push(worker);
+            }
         }
         self.reindex(worker);
         Some(item)
@@ -645,11 +793,14 @@ impl Scheduler {
 
     fn lose_worker(&mut self, id: WorkerId, now: Duration, reason: &str) {
         let Some(w) = self.workers.remove(&id) else { return };
+        self.draining.remove(&id);
+        self.drained.retain(|d| *d != id);
         self.free[w.stage.index()].remove(&id);
         self.slots_by[w.stage.index()] -= w.slots;
         for key in w.items {
             if let Some((_, item)) = self.running.remove(&key) {
                 self.running_by[key.stage.index()] -= 1;
+                self.stopped(&item);
                 self.retry(item, now, reason);
             }
         }
@@ -750,8 +901,14 @@ impl Scheduler {
                     candidates.remove(pick);
                 }
                 let item = self.queues[stage.index()].order.remove(&qk).expect("item exists");
+                if item.priority == Priority::Interactive {
+                    self.interactive[stage.index()] -= 1;
+                }
                 picked.push((wid, item.key));
                 self.running_by[stage.index()] += 1;
+                if self.cfg.preempt && stage == Stage::Denoise && item.priority == Priority::Batch {
+                    self.preemptible.insert(item.seq, item.key);
+                }
                 self.running.insert(item.key, (wid, item.clone()));
                 self.stats.dispatched += 1;
                 out.push(Dispatch { item, worker: wid });
@@ -765,7 +922,25 @@ impl Scheduler {
                 self.reindex(wid);
             }
         }
+        self.preempt();
         out
+    }
+
+    /// Asks holders of batch denoise jobs to yield, one per interactive item that waits for
+    /// denoise with no free slot while decode has room (see the module docs).
+    fn preempt(&mut self) {
+        let d = Stage::Denoise.index();
+        if !self.cfg.preempt
+            || self.interactive[d] <= self.preempting
+            || !self.free[d].is_empty()
+            || !self.downstream_room()
+        {
+            return;
+        }
+        while self.preempting < self.interactive[d] {
+            let Some((_, key)) = self.preemptible.pop_last() else { break };
+            self.ask(key, true);
+        }
     }
 }
 
@@ -808,6 +983,87 @@ mod tests {
             d[0].item.key.request, 0,
             "a batch item past the aging bound goes before a new interactive one"
         );
+    }
+
+    /// Runs `r` from encode to the denoise queue on encode worker 1.
+    fn to_denoise(s: &mut Scheduler, r: u64, p: Priority, now: Duration) {
+        let sub = Submit { start: Stage::Denoise, ..Submit::new(r, p) };
+        assert!(s.submit(sub, now));
+    }
+
+    #[test]
+    fn an_interactive_job_preempts_the_batch_job_dispatched_last() {
+        let mut s = sched();
+        s.join(WorkerId(1), Stage::Denoise, 1, "h", vec![], ms(0));
+        s.join(WorkerId(2), Stage::Denoise, 1, "h", vec![], ms(0));
+        s.join(WorkerId(3), Stage::Decode, 4, "h", vec![], ms(0));
+        to_denoise(&mut s, 1, Priority::Batch, ms(0));
+        let first = s.dispatch(ms(1))[0].worker;
+        to_denoise(&mut s, 2, Priority::Batch, ms(2));
+        let w = s.dispatch(ms(3))[0].worker;
+        assert_ne!(w, first);
+        assert!(s.take_asks().is_empty(), "nobody waits");
+        to_denoise(&mut s, 3, Priority::Batch, ms(4));
+        assert!(s.dispatch(ms(5)).is_empty());
+        assert!(s.take_asks().is_empty(), "a batch job never preempts");
+        to_denoise(&mut s, 10, Priority::Interactive, ms(6));
+        assert!(s.dispatch(ms(7)).is_empty());
+        let job2 = ItemKey { request: 2, stage: Stage::Denoise };
+        assert_eq!(s.take_asks(), vec![(w, job2)], "the job dispatched last");
+        assert!(s.dispatch(ms(8)).is_empty());
+        assert!(s.take_asks().is_empty(), "one ask per interactive job waiting");
+        // It yields at its next step: the interactive job takes the slot, the batch job waits
+        // on the same try.
+        assert!(!s.yielded(job2, first, ms(9)), "not its job");
+        assert!(s.yielded(job2, w, ms(9)));
+        let d = s.dispatch(ms(10));
+        assert_eq!((d.len(), d[0].item.key.request, d[0].worker), (1, 10, w));
+        assert_eq!(s.stats().preempt_asks, 1);
+        assert_eq!(s.stats().yielded, 1);
+        s.finished(d[0].item.key, w, ms(11));
+        let d: Vec<_> =
+            s.dispatch(ms(12)).into_iter().filter(|d| d.item.key.stage == Stage::Denoise).collect();
+        assert_eq!((d[0].item.key, d[0].item.attempt), (job2, 1), "resumed before younger work");
+        // An interactive job that arrives when the batch job finishes anyway: the ask is
+        // settled by the result.
+        to_denoise(&mut s, 11, Priority::Interactive, ms(13));
+        s.dispatch(ms(13));
+        let asks = s.take_asks();
+        assert_eq!(asks.len(), 1);
+        let (w, k) = asks[0];
+        assert!(s.finished(k, w, ms(14)));
+        assert_eq!(s.preempting, 0);
+        let d = s.dispatch(ms(15));
+        assert!(d.iter().any(|d| d.item.key == ItemKey { request: 11, stage: Stage::Denoise }));
+    }
+
+    #[test]
+    fn a_draining_worker_yields_its_jobs_and_takes_no_more() {
+        let mut s = sched();
+        s.join(WorkerId(1), Stage::Denoise, 2, "h", vec![], ms(0));
+        s.join(WorkerId(3), Stage::Decode, 1, "h", vec![], ms(0));
+        to_denoise(&mut s, 1, Priority::Batch, ms(0));
+        to_denoise(&mut s, 2, Priority::Interactive, ms(0));
+        assert_eq!(s.dispatch(ms(1)).len(), 2);
+        assert!(s.drain(WorkerId(1), ms(2)));
+        assert!(!s.drain(WorkerId(9), ms(2)), "unknown worker");
+        let mut asks = s.take_asks();
+        asks.sort();
+        assert_eq!(asks.len(), 2, "every denoise job, whatever its class");
+        s.credit(WorkerId(1), 4, ms(3));
+        assert_eq!(s.slots(Stage::Denoise), 0, "a draining worker's credit stays 0");
+        s.join(WorkerId(2), Stage::Denoise, 2, "h", vec![], ms(4));
+        assert!(s.yielded(asks[0].1, WorkerId(1), ms(5)));
+        assert!(s.take_drained().is_empty());
+        let d = s.dispatch(ms(5));
+        assert_eq!((d.len(), d[0].worker), (1, WorkerId(2)), "moved to another worker");
+        assert!(s.finished(asks[1].1, WorkerId(1), ms(6)), "it may finish instead");
+        assert_eq!(s.take_drained(), vec![WorkerId(1)]);
+        assert!(s.take_drained().is_empty(), "reported once");
+        // Encode or decode work is not asked to yield; an idle worker drains at once.
+        s.join(WorkerId(4), Stage::Encode, 1, "h", vec![], ms(7));
+        s.drain(WorkerId(4), ms(7));
+        assert_eq!(s.take_drained(), vec![WorkerId(4)]);
     }
 
     #[test]
@@ -968,14 +1224,15 @@ mod tests {
     }
 
     proptest! {
-        /// Random joins, deaths, heartbeats, credit changes, results, failures and lost inputs
-        /// (which re-run the stage before): a dispatch
+        /// Random joins, deaths, heartbeats, credit changes, results, failures, lost inputs
+        /// (which re-run the stage before), drains and yields (asked for or not, racing with
+        /// results and deaths): a dispatch
         /// never takes a worker past its credit (busy <= slots, except for a worker whose credit
         /// was lowered below what it already runs), no item runs twice, nothing is lost, and
         /// every request ends exactly once.
         #[test]
-        fn invariants(ops in proptest::collection::vec((0u8..9, 0u64..6, 0u64..40), 1..400)) {
-            let mut s = Scheduler::new(SchedConfig { heartbeat_timeout: ms(50), max_attempts: 3, aging: ms(30), decode_headroom: 1 }, Box::new(MaxFreeCredit));
+        fn invariants(ops in proptest::collection::vec((0u8..12, 0u64..6, 0u64..40), 1..400)) {
+            let mut s = Scheduler::new(SchedConfig { heartbeat_timeout: ms(50), max_attempts: 3, aging: ms(30), decode_headroom: 1, preempt: true }, Box::new(MaxFreeCredit));
             let stages = [Stage::Encode, Stage::Denoise, Stage::Decode];
             let mut now = ms(0);
             let mut next_req = 0u64;
@@ -999,6 +1256,19 @@ mod tests {
                         }
                     }
                     7 => s.credit(WorkerId(a), (b % 4) as u32, now),
+                    9 | 10 if !running.is_empty() => {
+                        // A yield: of a job asked to (op 9, when there is one) or of any.
+                        let asked = running.iter().position(|d| s.is_asked(d.item.key));
+                        let i = asked.filter(|_| op == 9).unwrap_or((b as usize) % running.len());
+                        let d = running.swap_remove(i);
+                        let (attempt, held) = (d.item.attempt, s.holder(d.item.key));
+                        prop_assert_eq!(s.yielded(d.item.key, d.worker, now), held == Some(d.worker));
+                        if held == Some(d.worker) {
+                            let q = s.queues[d.item.key.stage.index()].order.values().find(|i| i.key == d.item.key);
+                            prop_assert_eq!(q.map(|i| i.attempt), Some(attempt), "queued again on the same try");
+                        }
+                    }
+                    11 => { s.drain(WorkerId(a), now); }
                     _ => {}
                 }
                 for (id, w) in &s.workers {
@@ -1024,6 +1294,30 @@ mod tests {
                 for (id, w) in &s.workers {
                     prop_assert!(w.busy <= w.slots || over.contains(id), "{:?} runs {} items on {} slots", id, w.busy, w.slots);
                     prop_assert_eq!(w.busy as usize, w.items.len());
+                }
+                // Every ask is for a running job; the interactive ones are counted right; a
+                // draining worker takes nothing new and is reported once it holds nothing.
+                let mut asks = 0;
+                for (k, f) in &s.asked {
+                    prop_assert!(s.running.contains_key(k), "ask for {:?}, not running", k);
+                    asks += usize::from(*f);
+                }
+                prop_assert_eq!(asks, s.preempting);
+                for k in s.preemptible.values() {
+                    prop_assert!(s.running.get(k).is_some_and(|(_, i)| i.priority == Priority::Batch && k.stage == Stage::Denoise));
+                }
+                for st in stages {
+                    let n = s.queues[st.index()].order.values().filter(|i| i.priority == Priority::Interactive).count();
+                    prop_assert_eq!(n, s.interactive[st.index()]);
+                }
+                for (id, _) in s.take_asks() {
+                    prop_assert!(s.workers.contains_key(&id));
+                }
+                for id in s.take_drained() {
+                    prop_assert!(s.draining.contains(&id) && s.workers[&id].items.is_empty(), "drained {:?} holds items", id);
+                }
+                for id in &s.draining {
+                    prop_assert_eq!(s.workers[id].slots, 0);
                 }
                 for st in stages {
                     let free: std::collections::BTreeSet<WorkerId> = s.workers.iter().filter(|(_, w)| w.stage == st && w.busy < w.slots).map(|(&id, _)| id).collect();

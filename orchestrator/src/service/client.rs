@@ -274,15 +274,33 @@ struct Held {
     attempt: u32,
     announced: Vec<Vec<u8>>,
     checkpoint: Option<Msg>,
+    /// Its result, or its yield, until acknowledged.
     result: Option<Msg>,
+    /// The service asked for it back.
+    yield_asked: bool,
 }
 
 /// A worker's state that outlives its connections.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct WorkerState {
     id: AtomicU64,
     /// Items assigned and not yet acknowledged.
     held: Mutex<BTreeMap<ItemKey, Held>>,
+    /// It asked to be drained...
+    draining: std::sync::atomic::AtomicBool,
+    /// ...and the service said it is.
+    drained: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for WorkerState {
+    fn default() -> Self {
+        WorkerState {
+            id: AtomicU64::new(0),
+            held: Mutex::default(),
+            draining: false.into(),
+            drained: tokio::sync::watch::Sender::new(false),
+        }
+    }
 }
 
 impl WorkerState {
@@ -298,6 +316,9 @@ impl WorkerState {
             }
             v.extend(h.checkpoint.clone());
             v.extend(h.result.clone());
+        }
+        if self.draining.load(Ordering::Relaxed) {
+            v.push(Msg::Drain);
         }
         v
     }
@@ -382,6 +403,16 @@ impl WorkerClient {
                         if h.get(&key).is_some_and(|h| h.result.is_some()) {
                             h.remove(&key);
                         }
+                        continue;
+                    }
+                    Msg::Yield { request, stage } => {
+                        if let Some(h) = st.held.lock().get_mut(&ItemKey { request, stage }) {
+                            h.yield_asked = true;
+                        }
+                        continue;
+                    }
+                    Msg::Drained => {
+                        st.drained.send_replace(true);
                         continue;
                     }
                     _ => continue,
@@ -471,6 +502,53 @@ impl WorkerClient {
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
     }
 
+    /// Whether the service asked for this assignment back (an interactive job waits for the
+    /// slot, or this worker is draining). A worker that can checkpoint polls this at its step
+    /// boundaries and, when true, saves its state and calls [`WorkerClient::yield_job`]; one
+    /// that cannot simply runs the job to its end.
+    pub fn yield_requested(&self, a: &Assignment) -> bool {
+        let key = ItemKey { request: a.request, stage: a.stage };
+        self.state.held.lock().get(&key).is_some_and(|h| h.yield_asked && h.result.is_none())
+    }
+
+    /// Gives the assignment back at `step` with its state saved as `data` (as
+    /// [`WorkerClient::checkpoint`]; empty: the last checkpoint stands). The job waits in the
+    /// queue again and its next worker gets the checkpoint as [`Assignment::resume`]. Like a
+    /// result, it is resent after a reconnect until the service has it. The worker must not
+    /// report a result for it afterwards.
+    pub async fn yield_job(&self, a: &Assignment, step: u32, data: Vec<u8>) -> Result<()> {
+        if data.len() > MAX_DATA {
+            return Err(OrchestratorError::InvalidArgument(format!(
+                "a checkpoint of {} bytes; at most {MAX_DATA}",
+                data.len()
+            )));
+        }
+        let m = Msg::Yielded { request: a.request, stage: a.stage, step, data };
+        let key = ItemKey { request: a.request, stage: a.stage };
+        self.state
+            .held
+            .lock()
+            .entry(key)
+            .or_insert_with(|| Held { attempt: a.attempt, ..Held::default() })
+            .result = Some(m.clone());
+        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
+    }
+
+    /// Scale-down: asks the service to give this worker nothing new and to ask back each
+    /// denoise job it runs (see [`WorkerClient::yield_requested`]; encode and decode items
+    /// finish), and waits up to `timeout` until the service says it holds nothing. The worker
+    /// keeps serving its assignments meanwhile; once this returns, it may stop.
+    pub async fn drain(&self, timeout: Duration) -> Result<()> {
+        self.state.draining.store(true, Ordering::Relaxed);
+        let mut drained = self.state.drained.subscribe();
+        self.out.send(Msg::Drain).await.map_err(|_| OrchestratorError::Stopped)?;
+        match tokio::time::timeout(timeout, drained.wait_for(|d| *d)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err(OrchestratorError::Stopped),
+            Err(_) => Err(Error::timeout("draining this worker", timeout).into()),
+        }
+    }
+
     /// Says the outputs of a `release_only` assignment are released.
     pub async fn released(&self, a: &Assignment) -> Result<()> {
         let m = Msg::Released { request: a.request };
@@ -509,8 +587,18 @@ impl WorkerClient {
     }
 }
 
-/// Per request waited for: how it was submitted (priority, start stage, inputs) and who waits.
-type Waiters = Arc<Mutex<HashMap<u64, (Priority, Stage, Vec<u8>, oneshot::Sender<Result<()>>)>>>;
+/// How a request was submitted (sent again as a `Resume` after a reconnect), and who waits.
+#[derive(Debug)]
+struct Waiting {
+    priority: Priority,
+    start: Stage,
+    data: Vec<u8>,
+    resume: (u32, Vec<u8>),
+    tx: oneshot::Sender<Result<()>>,
+}
+
+/// Per request waited for.
+type Waiters = Arc<Mutex<HashMap<u64, Waiting>>>;
 
 /// A client that submits requests.
 #[derive(Debug)]
@@ -543,11 +631,13 @@ impl SubmitClient {
             let mut v: Vec<Msg> = w
                 .lock()
                 .iter()
-                .map(|(&request, (priority, start, data, _))| Msg::Resume {
+                .map(|(&request, w)| Msg::Resume {
                     request,
-                    priority: *priority,
-                    start: *start,
-                    data: data.clone(),
+                    priority: w.priority,
+                    start: w.start,
+                    data: w.data.clone(),
+                    resume_step: w.resume.0,
+                    resume: w.resume.1.clone(),
                 })
                 .collect();
             v.sort_by_key(|m| match m {
@@ -561,7 +651,7 @@ impl SubmitClient {
         tasks.spawn(async move {
             while let Some(m) = arrived.recv().await {
                 let Msg::Outcome { request, ok, reason } = m else { continue };
-                if let Some((.., tx)) = w.lock().remove(&request) {
+                if let Some(Waiting { tx, .. }) = w.lock().remove(&request) {
                     let r = if ok {
                         Ok(())
                     } else {
@@ -570,7 +660,7 @@ impl SubmitClient {
                     let _ = tx.send(r);
                 }
             }
-            for (_, (.., tx)) in w.lock().drain() {
+            for (_, Waiting { tx, .. }) in w.lock().drain() {
                 let _ = tx.send(Err(OrchestratorError::Stopped));
             }
         });
@@ -597,15 +687,46 @@ impl SubmitClient {
         start: Stage,
         inputs: Vec<u8>,
     ) -> Result<oneshot::Receiver<Result<()>>> {
+        self.submit_resuming(request, priority, start, inputs, None).await
+    }
+
+    /// [`SubmitClient::submit_from`] whose start stage resumes from `checkpoint` (step, saved
+    /// state; at most [`MAX_DATA`] bytes, not empty), e.g. a step checkpoint an earlier
+    /// request made (edit and resume: the same trajectory from that step with changed
+    /// parameters). The checkpoint is not the request's own and is not released when it ends.
+    pub async fn submit_resuming(
+        &self,
+        request: u64,
+        priority: Priority,
+        start: Stage,
+        inputs: Vec<u8>,
+        checkpoint: Option<(u32, Vec<u8>)>,
+    ) -> Result<oneshot::Receiver<Result<()>>> {
+        let resume = checkpoint.unwrap_or_default();
+        let bad = |what: &str, n: usize| {
+            Err(OrchestratorError::InvalidArgument(format!(
+                "{what} of {n} bytes; at most {MAX_DATA}"
+            )))
+        };
         if inputs.len() > MAX_DATA {
-            return Err(OrchestratorError::InvalidArgument(format!(
-                "start inputs of {} bytes; at most {MAX_DATA}",
-                inputs.len()
-            )));
+            return bad("start inputs", inputs.len());
+        }
+        if resume.1.len() > MAX_DATA {
+            return bad("a checkpoint", resume.1.len());
         }
         let (tx, rx) = oneshot::channel();
-        self.waiting.lock().insert(request, (priority, start, inputs.clone(), tx));
-        let m = Msg::Submit { request, priority, deadline_ms: 0, start, data: inputs };
+        let (resume_step, data) = (resume.0, inputs.clone());
+        let w = Waiting { priority, start, data, resume: resume.clone(), tx };
+        self.waiting.lock().insert(request, w);
+        let m = Msg::Submit {
+            request,
+            priority,
+            deadline_ms: 0,
+            start,
+            data: inputs,
+            resume_step,
+            resume: resume.1,
+        };
         self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)?;
         Ok(rx)
     }

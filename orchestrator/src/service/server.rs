@@ -89,6 +89,8 @@ enum Event {
     Result { worker: u64, key: ItemKey, result: StageResult, ack: Option<mpsc::Sender<Msg>> },
     Holding { worker: u64, key: ItemKey, attempt: u32 },
     Checkpoint { worker: u64, key: ItemKey, step: u32, data: Vec<u8> },
+    Yielded { worker: u64, key: ItemKey, step: u32, data: Vec<u8>, ack: Option<mpsc::Sender<Msg>> },
+    Drain { worker: u64 },
     Submit { sub: Submit, inputs: Vec<u8>, tx: mpsc::Sender<Msg> },
     Resume { sub: Submit, inputs: Vec<u8>, tx: mpsc::Sender<Msg> },
     Stats { reply: tokio::sync::oneshot::Sender<OrchestratorStats> },
@@ -240,14 +242,23 @@ async fn connection(
                 Msg::Checkpoint { request, stage, step, data } if is_worker => {
                     Event::Checkpoint { worker, key: ItemKey { request, stage }, step, data }
                 }
-                Msg::Submit { request, priority, start, data, .. } if !is_worker => {
+                Msg::Yielded { request, stage, step, data } if is_worker => {
+                    let key = ItemKey { request, stage };
+                    Event::Yielded { worker, key, step, data, ack: weak.upgrade() }
+                }
+                Msg::Drain if is_worker => Event::Drain { worker },
+                Msg::Submit { request, priority, start, data, resume_step, resume, .. }
+                    if !is_worker =>
+                {
                     let Some(tx) = out_tx.clone() else { break };
-                    let sub = Submit { start, ..Submit::new(request, priority) };
+                    let sub = submit(request, priority, start, resume_step, resume);
                     Event::Submit { sub, inputs: data, tx }
                 }
-                Msg::Resume { request, priority, start, data } if !is_worker => {
+                Msg::Resume { request, priority, start, data, resume_step, resume }
+                    if !is_worker =>
+                {
                     let Some(tx) = out_tx.clone() else { break };
-                    let sub = Submit { start, ..Submit::new(request, priority) };
+                    let sub = submit(request, priority, start, resume_step, resume);
                     Event::Resume { sub, inputs: data, tx }
                 }
                 other => {
@@ -267,6 +278,18 @@ async fn connection(
     }
     writer.abort();
     r
+}
+
+/// A request as a submitter described it (an empty checkpoint: none).
+fn submit(
+    request: u64,
+    priority: crate::Priority,
+    start: crate::Stage,
+    resume_step: u32,
+    resume: Vec<u8>,
+) -> Submit {
+    let resume = (!resume.is_empty()).then_some((resume_step, resume));
+    Submit { start, resume, ..Submit::new(request, priority) }
 }
 
 type ServiceDriver = Driver<mpsc::Sender<Msg>, mpsc::Sender<Msg>>;
@@ -323,6 +346,15 @@ fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
         Event::Announce { worker, key, data } => d.announce(WorkerId(worker), key, data),
         Event::Checkpoint { worker, key, step, data } => {
             d.checkpoint(WorkerId(worker), key, step, data);
+        }
+        Event::Yielded { worker, key, step, data, ack } => {
+            d.yielded(WorkerId(worker), key, step, data, now);
+            if let Some(tx) = ack {
+                out.push((tx, Msg::Ack { request: key.request, stage: key.stage }));
+            }
+        }
+        Event::Drain { worker } => {
+            d.drain(WorkerId(worker), now);
         }
     }
 }
@@ -389,6 +421,14 @@ async fn run(
             .collect();
         for w in refused {
             d.leave(w, now);
+        }
+        // Jobs asked back (preemption, drains) and drained workers, after the assignments (an
+        // ask may name a job assigned this turn).
+        for (key, _, tx) in d.take_asks() {
+            let _ = tx.try_send(Msg::Yield { request: key.request, stage: key.stage });
+        }
+        for (_, tx) in d.take_drained() {
+            let _ = tx.try_send(Msg::Drained);
         }
         // Ended requests' outputs go to a live worker to release (again to another, should it
         // leave before it says it did).

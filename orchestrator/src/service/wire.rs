@@ -11,11 +11,13 @@ use tensorwire_core::{Error, Result};
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
-/// The service's framing (version 4: results are acknowledged; a reconnecting worker says what
+/// The service's framing (version 5: results are acknowledged; a reconnecting worker says what
 /// it still runs, a reconnecting submitter what it still waits for; a request may start past the
-/// first stage with that stage's inputs; workers checkpoint items and a next try resumes there).
+/// first stage with that stage's inputs and a checkpoint to resume from; workers checkpoint
+/// items and a next try resumes there; the service asks a worker to yield a job (preemption,
+/// drain) and a worker may ask to be drained).
 pub const FRAMING: Framing =
-    Framing { name: "orchestrator", magic: *b"TO", version: 4, max_payload: MAX_PAYLOAD };
+    Framing { name: "orchestrator", magic: *b"TO", version: 5, max_payload: MAX_PAYLOAD };
 const MAX_TEXT: usize = 1024;
 const MAX_LABELS: usize = 8;
 /// Largest opaque stage data (inputs / outputs) in one message.
@@ -79,8 +81,17 @@ pub enum Msg {
     /// Worker: an item ended; `data` (its outputs) goes to the next stage's assignment.
     Result { request: u64, stage: Stage, ending: Ending, reason: String, data: Vec<u8> },
     /// Submitter: a new request, starting at `start` with `data` as that stage's inputs (empty
-    /// and the first stage for a plain request).
-    Submit { request: u64, priority: Priority, deadline_ms: u64, start: Stage, data: Vec<u8> },
+    /// and the first stage for a plain request); `resume` (empty for none) is a checkpoint that
+    /// stage resumes from at `resume_step` (edit and resume).
+    Submit {
+        request: u64,
+        priority: Priority,
+        deadline_ms: u64,
+        start: Stage,
+        data: Vec<u8>,
+        resume_step: u32,
+        resume: Vec<u8>,
+    },
     /// Server -> submitter: a request ended.
     Outcome { request: u64, ok: bool, reason: String },
     /// Server -> worker: `request` ended; nothing will consume `held`, its stages' outputs:
@@ -101,11 +112,29 @@ pub enum Msg {
     /// Submitter, after a reconnect: it still waits for `request` (submitted before, as
     /// described); the service answers with its outcome, now or when it ends, and submits it if
     /// never seen.
-    Resume { request: u64, priority: Priority, start: Stage, data: Vec<u8> },
+    Resume {
+        request: u64,
+        priority: Priority,
+        start: Stage,
+        data: Vec<u8>,
+        resume_step: u32,
+        resume: Vec<u8>,
+    },
     /// Worker: the item it runs reached `step` and its state is saved as `data` (e.g. the
     /// reference of a step checkpoint in the store): should the worker die, the item's next
     /// try resumes from there. Released with the request's outputs when it ends.
     Checkpoint { request: u64, stage: Stage, step: u32, data: Vec<u8> },
+    /// Server -> worker: checkpoint this job at its next step boundary and give it back with
+    /// `Yielded` (an interactive job waits for the slot, or this worker is draining).
+    Yield { request: u64, stage: Stage },
+    /// Worker: it gave the job back at `step`, its state saved as `data` (empty: the last
+    /// checkpoint stands); acknowledged like a result.
+    Yielded { request: u64, stage: Stage, step: u32, data: Vec<u8> },
+    /// Worker: take no new items, ask it to yield its jobs, and say `Drained` once it holds
+    /// nothing (scale-down).
+    Drain,
+    /// Server -> worker: it holds nothing and gets nothing more; it may stop.
+    Drained,
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -176,12 +205,12 @@ impl Msg {
                 w.u8(tag).str(clip(reason)).bytes(data);
                 6
             }
-            Msg::Submit { request, priority, deadline_ms, start, data } => {
+            Msg::Submit { request, priority, deadline_ms, start, data, resume_step, resume } => {
                 w.u64(*request);
                 priority.encode(&mut w);
                 w.u64(*deadline_ms);
                 start.encode(&mut w);
-                w.bytes(data);
+                w.bytes(data).u32(*resume_step).bytes(resume);
                 7
             }
             Msg::Outcome { request, ok, reason } => {
@@ -214,11 +243,11 @@ impl Msg {
                 stage.encode(&mut w);
                 13
             }
-            Msg::Resume { request, priority, start, data } => {
+            Msg::Resume { request, priority, start, data, resume_step, resume } => {
                 w.u64(*request);
                 priority.encode(&mut w);
                 start.encode(&mut w);
-                w.bytes(data);
+                w.bytes(data).u32(*resume_step).bytes(resume);
                 14
             }
             Msg::Checkpoint { request, stage, step, data } => {
@@ -227,6 +256,19 @@ impl Msg {
                 w.u32(*step).bytes(data);
                 15
             }
+            Msg::Yield { request, stage } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                16
+            }
+            Msg::Yielded { request, stage, step, data } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                w.u32(*step).bytes(data);
+                17
+            }
+            Msg::Drain => 18,
+            Msg::Drained => 19,
         };
         (kind, w.finish())
     }
@@ -286,6 +328,8 @@ impl Msg {
                 deadline_ms: r.u64()?,
                 start: Stage::decode(&mut r)?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
+                resume_step: r.u32()?,
+                resume: r.bytes(MAX_DATA, "resume")?.to_vec(),
             },
             8 => Msg::Outcome {
                 request: r.u64()?,
@@ -308,6 +352,8 @@ impl Msg {
                 priority: Priority::decode(&mut r)?,
                 start: Stage::decode(&mut r)?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
+                resume_step: r.u32()?,
+                resume: r.bytes(MAX_DATA, "resume")?.to_vec(),
             },
             15 => Msg::Checkpoint {
                 request: r.u64()?,
@@ -315,6 +361,15 @@ impl Msg {
                 step: r.u32()?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
             },
+            16 => Msg::Yield { request: r.u64()?, stage: Stage::decode(&mut r)? },
+            17 => Msg::Yielded {
+                request: r.u64()?,
+                stage: Stage::decode(&mut r)?,
+                step: r.u32()?,
+                data: r.bytes(MAX_DATA, "data")?.to_vec(),
+            },
+            18 => Msg::Drain,
+            19 => Msg::Drained,
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -390,6 +445,8 @@ mod tests {
                 deadline_ms: 5,
                 start: Stage::Denoise,
                 data: b"cached".to_vec(),
+                resume_step: 12,
+                resume: b"cp".to_vec(),
             },
             Msg::Outcome { request: 1, ok: true, reason: String::new() },
             Msg::Release { request: 4, held: vec![vec![5; 3], vec![]] },
@@ -402,7 +459,13 @@ mod tests {
                 priority: Priority::Batch,
                 start: Stage::Encode,
                 data: vec![],
+                resume_step: 0,
+                resume: vec![],
             },
+            Msg::Yield { request: 4, stage: Stage::Denoise },
+            Msg::Yielded { request: 4, stage: Stage::Denoise, step: 7, data: vec![8] },
+            Msg::Drain,
+            Msg::Drained,
             Msg::Heartbeat,
         ];
         for m in msgs {

@@ -307,6 +307,8 @@ fn orchestrator(c: &mut Corpus) {
             deadline_ms: 60_000,
             start: Stage::Encode,
             data: Vec::new(),
+            resume_step: 0,
+            resume: Vec::new(),
         },
         Msg::Submit {
             request: 3,
@@ -314,6 +316,8 @@ fn orchestrator(c: &mut Corpus) {
             deadline_ms: 0,
             start: Stage::Denoise,
             data: b"cached refs".to_vec(),
+            resume_step: 20,
+            resume: b"checkpoint ref".to_vec(),
         },
         Msg::Result {
             request: 1,
@@ -333,7 +337,18 @@ fn orchestrator(c: &mut Corpus) {
             priority: Priority::Interactive,
             start: Stage::Denoise,
             data: b"cached refs".to_vec(),
+            resume_step: 0,
+            resume: Vec::new(),
         },
+        Msg::Yield { request: 2, stage: Stage::Denoise },
+        Msg::Yielded {
+            request: 2,
+            stage: Stage::Denoise,
+            step: 14,
+            data: b"checkpoint ref".to_vec(),
+        },
+        Msg::Drain,
+        Msg::Drained,
     ];
     for m in msgs {
         let (kind, mut body) = m.encode_body();
@@ -417,6 +432,9 @@ fn journal(c: &mut Corpus) {
         Fact::Announced { request: 5, data: b"refs".to_vec() },
         Fact::Accepted { key: key(Stage::Encode), outputs: b"refs".to_vec() },
         Fact::Dispatched { key: key(Stage::Denoise), attempt: 2 },
+        Fact::Checkpointed { key: key(Stage::Denoise), step: 10, data: b"checkpoint".to_vec() },
+        Fact::Yielded { key: key(Stage::Denoise) },
+        Fact::ResumeFrom { request: 7, step: 20, data: b"checkpoint ref".to_vec() },
         Fact::Accepted { key: key(Stage::Denoise), outputs: b"latent refs".to_vec() },
         Fact::LostInput { key: key(Stage::Decode) },
         Fact::Ended(Outcome::Failed { request: 5, reason: "too many attempts".into() }),
