@@ -210,6 +210,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         processes: false,
         chaos: None,
         seed: 1,
+        checkpoint_every: 0,
     };
     let (d, c) = crate::demo::compare(&demo).await?;
     let cdf = |v: &[Duration]| -> Vec<(f64, f64)> {

@@ -96,6 +96,10 @@ pub(crate) struct DemoArgs {
     /// Seed of the chaos kills.
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
+    /// With --processes: denoise saves a step checkpoint to the store every N steps (0: never),
+    /// and a job whose worker was killed resumes from its last one.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) checkpoint_every: u32,
 }
 
 /// Workers per stage.

@@ -11,6 +11,12 @@
 //! to release (another one, should that one die first); a stage whose input died with its p2p
 //! producer says so, and the orchestrator runs the producer stage again. The parent supervises
 //! the worker processes (a killed one is restarted), and `--chaos SECS` kills random workers.
+//!
+//! Denoise runs step by step and, with `--checkpoint-every N`, saves its latents to the store
+//! every N steps (keeping the last two) and tells the orchestrator; a job whose worker died
+//! resumes on another from its last checkpoint, checking the bytes it loads. Asked to yield
+//! (an interactive job waits, or the worker drains), it saves a checkpoint at the next step
+//! and gives the job back. Each saved, resumed or yielded step is an `@@` line on stdout.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -21,6 +27,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tensorwire_core::Permissions;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::wire::codec::{Reader, Writer};
+use tensorwire_diffusion::cache::{
+    CheckpointOf, CheckpointRef, Checkpoints, Sampler, Shape, checkpoint_key, embedding_key,
+};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConnectorError, ConsumerHint, DiffusionConnector, LeasePolicy, Mode,
     PayloadKind, PayloadRef, StagePayload,
@@ -59,14 +68,98 @@ fn decode_refs(b: &[u8]) -> tensorwire_core::Result<Vec<PayloadRef>> {
     Ok(v)
 }
 
+/// How a stage run ended without an error.
+enum Ran {
+    /// With these outputs.
+    Done(Vec<u8>),
+    /// Given back at a step boundary (asked to yield).
+    Yielded,
+}
+
+/// The latents of `request` after `step` of `steps` (a deterministic trajectory that ends in
+/// the bytes decode checks).
+fn trajectory(m: &Model, request: u64, step: u32) -> Vec<u8> {
+    fill(m.latent_bytes, request + 1 + 7 * u64::from(m.steps.saturating_sub(step)))
+}
+
+/// Step checkpoints of one denoise job in the store.
+struct Stepper<'a> {
+    ck: &'a Checkpoints,
+    w: &'a WorkerClient,
+    a: &'a Assignment,
+    m: &'a Model,
+    buf: &'a tensorwire_core::Region,
+    /// Saved by this run, oldest first (the last two are kept).
+    saved: std::collections::VecDeque<CheckpointRef>,
+}
+
+impl Stepper<'_> {
+    /// Writes the latents at `step` and saves them as a checkpoint (announced first: released
+    /// when the request ends even if this worker dies right after the put).
+    async fn save(&mut self, step: u32) -> Result<Vec<u8>, HandlerError> {
+        self.buf.write_bytes(0, &trajectory(self.m, self.a.request, step))?;
+        let key = checkpoint_key(&CheckpointOf {
+            model: &self.m.name,
+            sampler: Sampler { name: "euler", state: &[] },
+            step,
+            seed: self.a.request,
+            guidance_scale: 5.0,
+            shape: Shape { width: 0, height: 0, frames: 0 },
+            prompt: embedding_key("demo", "1", &self.a.request.to_string(), false, &[]),
+        });
+        let meta = latent_meta(self.m);
+        let out = Checkpoints::reference(&key, &meta, step, b"euler").encode();
+        self.w.announce(self.a, out.clone()).await?;
+        let slice = self.buf.slice(0, self.m.latent_bytes)?;
+        let r = self.ck.save(&key, &meta, &slice, step, b"euler").await?;
+        self.saved.push_back(r);
+        if self.saved.len() > 2 {
+            // The orchestrator has had the one after it for a whole interval.
+            if let Some(old) = self.saved.pop_front() {
+                let _ = self.ck.release(&old).await;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Loads the checkpoint the assignment resumes from; its step, or 0 (from the start) when
+    /// there is none or it cannot be read.
+    async fn resume(&self) -> u32 {
+        let Some((step, data)) = &self.a.resume else { return 0 };
+        let loaded = async {
+            let r = CheckpointRef::decode(data)?;
+            self.ck.load(&r, self.buf, 0).await?;
+            if self.buf.to_vec(0, self.m.latent_bytes)? != trajectory(self.m, self.a.request, *step)
+            {
+                return Err::<(), HandlerError>("checkpoint bytes differ".into());
+            }
+            Ok(())
+        };
+        match loaded.await {
+            Ok(()) => {
+                println!("@@RESUMED {} {step}", self.a.request);
+                *step
+            }
+            Err(e) => {
+                eprintln!(
+                    "worker: request {}: checkpoint at {step}: {e}; from step 0",
+                    self.a.request
+                );
+                0
+            }
+        }
+    }
+}
+
 /// The body of a payload-moving worker for one assignment.
 async fn run_item(
     c: &DiffusionConnector,
+    ck: &Checkpoints,
     w: &WorkerClient,
     m: &Model,
     a: &Assignment,
-    scale: f64,
-) -> Result<Vec<u8>, HandlerError> {
+    (scale, every): (f64, u32),
+) -> Result<Ran, HandlerError> {
     let sleep = |ms: f64| tokio::time::sleep(Duration::from_secs_f64((ms * scale / 1e3).max(0.0)));
     let (embed, latent) = (embed_meta(m), latent_meta(m));
     match a.stage {
@@ -89,7 +182,7 @@ async fn run_item(
             let out = encode_refs(&[p.reference.clone()]);
             w.announce(a, out.clone()).await?;
             p.stored().await?;
-            Ok(out)
+            Ok(Ran::Done(out))
         }
         Stage::Denoise => {
             let refs = decode_refs(&a.inputs)?;
@@ -99,9 +192,28 @@ async fn run_item(
             if dst.to_vec(0, m.embed_bytes)? != fill(m.embed_bytes, a.request) {
                 return Err(format!("request {}: embedding bytes differ", a.request).into());
             }
-            sleep(m.denoise_ms()).await;
             let buf = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::READ).await?);
-            buf.write_bytes(0, &fill(m.latent_bytes, a.request + 1))?;
+            let saved = std::collections::VecDeque::new();
+            let mut st = Stepper { ck, w, a, m, buf: &buf, saved };
+            let from = st.resume().await;
+            let step = Duration::from_secs_f64((m.step_ms * scale / 1e3).max(0.0));
+            let t0 = tokio::time::Instant::now();
+            for s in from..m.steps {
+                if s > from && w.yield_requested(a) {
+                    let r = st.save(s).await?;
+                    w.yield_job(a, s, r).await?;
+                    println!("@@YIELDED {} {s}", a.request);
+                    return Ok(Ran::Yielded);
+                }
+                tokio::time::sleep_until(t0 + step * (s + 1 - from)).await;
+                let done = s + 1;
+                if every > 0 && done % every == 0 && done < m.steps {
+                    let r = st.save(done).await?;
+                    w.checkpoint(a, done, r).await?;
+                    println!("@@CHECKPOINT {} {done}", a.request);
+                }
+            }
+            buf.write_bytes(0, &trajectory(m, a.request, m.steps))?;
             let payload = StagePayload {
                 request: a.request,
                 kind: PayloadKind::Latent,
@@ -113,7 +225,7 @@ async fn run_item(
             };
             let mut p = c.publish(payload, Some(ConsumerHint { credit: 1 }))?;
             p.mark_all_ready()?;
-            Ok(encode_refs(&[p.reference.clone()]))
+            Ok(Ran::Done(encode_refs(&[p.reference.clone()])))
         }
         Stage::Decode => {
             let refs = decode_refs(&a.inputs)?;
@@ -132,7 +244,7 @@ async fn run_item(
             if dst.to_vec(0, m.latent_bytes)? != fill(m.latent_bytes, a.request + 1) {
                 return Err(format!("request {}: latent bytes differ", a.request).into());
             }
-            Ok(Vec::new())
+            Ok(Ran::Done(Vec::new()))
         }
     }
 }
@@ -144,7 +256,7 @@ pub(crate) async fn payload_worker(
     (store_engine, store_rpc): (SocketAddr, SocketAddr),
     secret: Option<ClusterSecret>,
     models: Vec<Model>,
-    scale: f64,
+    (scale, every): (f64, u32),
     slots: u32,
 ) -> Result<(), String> {
     let engine = tcp_engine(secret.clone()).await?;
@@ -156,6 +268,7 @@ pub(crate) async fn payload_worker(
         checksum: false,
         wait_timeout: Duration::from_secs(30),
     };
+    let ck = Arc::new(Checkpoints::new(store.clone(), Duration::from_secs(3600)));
     let conn = Arc::new(DiffusionConnector::new(engine, Some(store), cfg));
     let (w, mut rx) = WorkerClient::connect_to(
         orch.clone(),
@@ -170,19 +283,20 @@ pub(crate) async fn payload_worker(
     println!("@@JOINED {}", w.id());
     let (w, models) = (Arc::new(w), Arc::new(models));
     while let Some(a) = rx.recv().await {
-        let (w, models, conn) = (w.clone(), models.clone(), conn.clone());
+        let (w, models, conn, ck) = (w.clone(), models.clone(), conn.clone(), ck.clone());
         tokio::spawn(async move {
             if a.release_only {
-                release(&conn, &a).await;
+                release(&conn, &ck, &a).await;
                 let _ = w.released(&a).await;
                 return;
             }
             let m = &models[(a.request as usize) % models.len()];
-            match run_item(&conn, &w, m, &a, scale).await {
+            match run_item(&conn, &ck, &w, m, &a, (scale, every)).await {
                 Err(e) if lost(&e) => {
                     let _ = w.report_lost_input(&a, &e.to_string()).await;
                 }
-                Ok(out) => {
+                Ok(Ran::Yielded) => {}
+                Ok(Ran::Done(out)) => {
                     let _ = w.report_with(&a, Ok::<_, String>(out)).await;
                 }
                 Err(e) => {
@@ -200,8 +314,16 @@ fn lost(e: &HandlerError) -> bool {
 }
 
 /// Releases every payload of an ended request, as the orchestrator asks.
-async fn release(c: &DiffusionConnector, a: &Assignment) {
+async fn release(c: &DiffusionConnector, ck: &Checkpoints, a: &Assignment) {
     for blob in &a.held {
+        if CheckpointRef::is(blob) {
+            if let Ok(r) = CheckpointRef::decode(blob) {
+                if let Err(e) = ck.release(&r).await {
+                    eprintln!("worker: request {}: releasing a checkpoint failed: {e}", a.request);
+                }
+            }
+            continue;
+        }
         for r in decode_refs(blob).unwrap_or_default() {
             if let Err(e) = c.release(&r).await {
                 eprintln!("worker: request {}: releasing a payload failed: {e}", a.request);
@@ -221,6 +343,8 @@ pub(crate) struct ClusterArgs {
     pub(crate) chaos: Option<f64>,
     /// Seed of the kills.
     pub(crate) seed: u64,
+    /// Denoise saves a step checkpoint every N steps (0: never).
+    pub(crate) checkpoint_every: u32,
 }
 
 /// A store node, the orchestrator service and supervised worker processes, with a submitter.
@@ -285,6 +409,8 @@ impl Cluster {
                     names.clone(),
                     "--time-scale".into(),
                     a.time_scale.to_string(),
+                    "--checkpoint-every".into(),
+                    a.checkpoint_every.to_string(),
                 ];
                 let (exe, profiles) = (exe.clone(), a.profiles.clone());
                 slots.push(Slot::new(role, move || {
@@ -418,6 +544,40 @@ impl ClusterReport {
     }
 }
 
+/// What the denoise workers said about their step checkpoints.
+#[derive(Debug, Default)]
+pub(crate) struct Steps {
+    saved: u64,
+    resumed: u64,
+    /// Steps not run again thanks to the checkpoints resumed from.
+    kept: u64,
+    yielded: u64,
+}
+
+impl Steps {
+    /// Counts one `@@` line (split in words).
+    pub(crate) fn count(&mut self, f: &[&str]) {
+        let step = |s: &str| s.parse::<u64>().unwrap_or(0);
+        match f {
+            ["CHECKPOINT", _, _] => self.saved += 1,
+            ["RESUMED", _, s] => {
+                (self.resumed, self.kept) = (self.resumed + 1, self.kept + step(s))
+            }
+            ["YIELDED", _, _] => self.yielded += 1,
+            _ => {}
+        }
+    }
+
+    /// One line of the report.
+    pub(crate) fn line(&self, every: u32) -> String {
+        format!(
+            "step checkpoints (every {every} steps): {} saved, {} jobs resumed from one ({} steps \
+             not run again), {} jobs yielded",
+            self.saved, self.resumed, self.kept, self.yielded
+        )
+    }
+}
+
 /// The disaggregated run with worker processes, supervised (and, with `--chaos`, killed at
 /// random once every worker has joined).
 pub(crate) async fn disaggregated(
@@ -430,6 +590,7 @@ pub(crate) async fn disaggregated(
         profiles: a.mix.profiles.clone(),
         chaos: a.chaos,
         seed: a.seed,
+        checkpoint_every: a.checkpoint_every,
     };
     let mut c = Cluster::start(&ca, models, split).await?;
     let start = Instant::now();
@@ -444,6 +605,7 @@ pub(crate) async fn disaggregated(
         moved += m.embed_bytes + m.latent_bytes;
     }
     let mut firsts: HashMap<u64, u64> = HashMap::new();
+    let mut steps = Steps::default();
     for l in c.drain_lines(Duration::from_millis(300)).await {
         let f: Vec<&str> = l.split_whitespace().collect();
         if let ["FIRST", r, us] = f[..] {
@@ -451,6 +613,10 @@ pub(crate) async fn disaggregated(
                 firsts.entry(r).or_insert(us);
             }
         }
+        steps.count(&f);
+    }
+    if a.checkpoint_every > 0 {
+        println!("{}", steps.line(a.checkpoint_every));
     }
     let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
     let left = c.settled_store().await?;

@@ -262,6 +262,10 @@ pub(crate) struct WorkerArgs {
     /// the store node found in etcd (the registered one with the lowest id).
     #[arg(long, value_delimiter = ',')]
     pub(crate) models: Vec<String>,
+    /// With payloads, for denoise: save a step checkpoint to the store every N steps (0:
+    /// never); a job whose worker dies resumes from its last one elsewhere.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) checkpoint_every: u32,
 }
 
 /// Runs `worker`.
@@ -307,7 +311,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
             store,
             secret,
             mix,
-            a.time_scale,
+            (a.time_scale, a.checkpoint_every),
             a.slots,
         )
         .await;

@@ -89,6 +89,7 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
         profiles: a.mix.profiles.clone(),
         chaos: (a.chaos > 0.0).then_some(a.chaos),
         seed: a.seed,
+        checkpoint_every: 10,
     };
     println!(
         "tensorwire soak: {} min, batches of {} requests, {}:{}:{} worker processes, {}",

@@ -147,6 +147,81 @@ async fn the_orchestrator_survives_sigkill_and_every_request_completes_once() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A worker process that moves real payloads through the store node of `serve`.
+fn payload_worker(role: &str, orch: &str, store: &(String, String), extra: &[&str]) -> Kill {
+    let c = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["worker", "--role", role, "--connect", orch, "--time-scale", "0.1"])
+        .args(["--store-engine", &store.0, "--store", &store.1])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    Kill(c)
+}
+
+/// The first line of `out` that starts with `prefix`, within 60 s.
+fn line_starting(out: &mut impl BufRead, prefix: &str) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut l = String::new();
+    while std::time::Instant::now() < deadline {
+        l.clear();
+        if out.read_line(&mut l).unwrap() == 0 {
+            break;
+        }
+        if l.starts_with(prefix) {
+            return l.trim().to_string();
+        }
+    }
+    panic!("no line starting with {prefix:?}");
+}
+
+/// A denoise worker process that saves step checkpoints to the store is killed (SIGKILL)
+/// between two of them; the job resumes on a second worker process from the last checkpoint
+/// the first saved (the worker checks the bytes it loads against the trajectory), and the
+/// request completes with the right latents (decode checks every byte).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denoise_worker_killed_mid_job_resumes_from_its_last_checkpoint_elsewhere() {
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_tensorwire"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--store-listen", "127.0.0.1:0"])
+        .args(["--orchestrator-listen", "127.0.0.1:0", "--store-mib", "64", "--for-secs", "120"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(serve.child_stdout());
+    let _serve = Kill(serve);
+    let engine = line_starting(&mut out, "engine ");
+    let node = line_starting(&mut out, "store node ");
+    let orch = line_starting(&mut out, "orchestrator ");
+    let word = |l: &str, i: usize| l.split_whitespace().nth(i).unwrap().to_string();
+    let store = (word(&engine, 3), word(&node, 2));
+    let orch = word(&orch, 1);
+    let _enc = payload_worker("encode", &orch, &store, &[]);
+    let _dec = payload_worker("decode", &orch, &store, &[]);
+    let mut first = payload_worker("denoise", &orch, &store, &["--checkpoint-every", "3"]);
+    let mut said = BufReader::new(first.0.child_stdout());
+    line_starting(&mut said, "@@JOINED");
+    let sub = SubmitClient::connect(orch.parse().unwrap(), None).await.unwrap();
+    let done = sub.submit(0, Priority::Batch).await.unwrap();
+    assert_eq!(line_starting(&mut said, "@@CHECKPOINT"), "@@CHECKPOINT 0 3");
+    assert_eq!(line_starting(&mut said, "@@CHECKPOINT"), "@@CHECKPOINT 0 6");
+    // Steps take about 95 ms: kill it between the checkpoints of steps 6 and 9.
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    // Its last words: a slow machine may have let it reach step 9's checkpoint.
+    let last = said
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| l.strip_prefix("@@CHECKPOINT 0 ").map(str::to_string))
+        .last()
+        .unwrap_or_else(|| "6".into());
+    let mut second = payload_worker("denoise", &orch, &store, &["--checkpoint-every", "3"]);
+    let mut said = BufReader::new(second.0.child_stdout());
+    assert_eq!(line_starting(&mut said, "@@RESUMED"), format!("@@RESUMED 0 {last}"));
+    let r = tokio::time::timeout(Duration::from_secs(60), done).await.expect("request hung");
+    assert!(matches!(r, Ok(Ok(()))), "{r:?}");
+}
+
 trait Stdout {
     fn child_stdout(&mut self) -> std::process::ChildStdout;
 }

@@ -78,6 +78,18 @@ impl Checkpoints {
         Checkpoints { store, ttl }
     }
 
+    /// The reference [`Checkpoints::save`] returns for these arguments, without saving: a
+    /// worker announces it to the orchestrator before the put starts, so that a checkpoint
+    /// saved just before the worker dies is still released when the request ends.
+    pub fn reference(key: &CacheKey, meta: &TensorMeta, step: u32, state: &[u8]) -> CheckpointRef {
+        CheckpointRef {
+            key: key.store_key("ckpt"),
+            meta: meta.clone(),
+            step,
+            state: state.to_vec(),
+        }
+    }
+
     /// Saves the latents in `latent` (described by `meta`) at `step` with the sampler `state`
     /// under `key`; returns the reference to hand to the orchestrator. Saving the same key again
     /// (a retry reaching the same step) keeps the first.
