@@ -2,14 +2,20 @@
 //! core (library mode, no I/O). A steady state: a fixed number of requests in flight; each step
 //! finishes the oldest running item, submits a new request when one completed, and calls
 //! `dispatch`, whose time is recorded per call.
+//!
+//! [`run_reuse`] runs the same through the [`Driver`] (the bookkeeping the service and the
+//! simulator use) with reuse on: embedding-cache hits start at denoise with the cached
+//! reference, interactive requests preempt batch denoise jobs, which yield with a checkpoint
+//! and resume from it, and every denoise run checkpoints.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tensorwire_orchestrator::sched::{
-    Dispatch, MaxFreeCredit, SchedConfig, Scheduler, Submit, WorkerId,
+    Dispatch, ItemKey, MaxFreeCredit, SchedConfig, Scheduler, Submit, WorkerId,
 };
+use tensorwire_orchestrator::{Driver, StageResult};
 use tensorwire_orchestrator::{Priority, Stage};
 
 /// The measurement.
@@ -17,6 +23,14 @@ use tensorwire_orchestrator::{Priority, Stage};
 pub struct OrchestratorFigure {
     /// Tells the line apart.
     pub orchestrator: bool,
+    /// "scheduler" (the core alone) or "driver, caches and preemption".
+    pub mode: &'static str,
+    /// Requests that started at denoise (embedding-cache hits).
+    pub cache_hits: u64,
+    /// Batch jobs asked to yield for an interactive one.
+    pub preempt_asks: u64,
+    /// Jobs that yielded and were queued again to resume from their checkpoint.
+    pub yielded: u64,
     /// Workers (a third per stage).
     pub workers: u32,
     /// Requests completed.
@@ -35,7 +49,9 @@ pub struct OrchestratorFigure {
 
 /// Runs `requests` requests through `workers` workers with `in_flight` requests outstanding.
 pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
-    let cfg = SchedConfig { heartbeat_timeout: Duration::MAX, ..SchedConfig::default() };
+    // Nobody here yields a job: without asks to take, preemption stays off.
+    let cfg =
+        SchedConfig { heartbeat_timeout: Duration::MAX, preempt: false, ..SchedConfig::default() };
     let mut s = Scheduler::new(cfg, Box::new(MaxFreeCredit));
     let stages = [Stage::Encode, Stage::Denoise, Stage::Decode];
     for w in 0..workers {
@@ -79,21 +95,111 @@ pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
         }
     }
     let seconds = start.elapsed().as_secs_f64();
+    let st = s.stats();
+    figure("scheduler", workers, done, seconds, lat, st, 0)
+}
+
+fn figure(
+    mode: &'static str,
+    workers: u32,
+    requests: u64,
+    seconds: f64,
+    mut lat: Vec<f64>,
+    st: tensorwire_orchestrator::sched::SchedStats,
+    cache_hits: u64,
+) -> OrchestratorFigure {
     lat.sort_by(f64::total_cmp);
     let pct = |p: f64| {
         lat.get(((p * lat.len() as f64) as usize).min(lat.len().saturating_sub(1)))
             .copied()
             .unwrap_or(0.0)
     };
-    let decisions = s.stats().dispatched;
     OrchestratorFigure {
         orchestrator: true,
+        mode,
+        cache_hits,
+        preempt_asks: st.preempt_asks,
+        yielded: st.yielded,
         workers,
-        requests: done,
-        decisions,
+        requests,
+        decisions: st.dispatched,
         seconds,
-        decisions_per_s: decisions as f64 / seconds.max(1e-9),
+        decisions_per_s: st.dispatched as f64 / seconds.max(1e-9),
         p50_dispatch_us: pct(0.5),
         p99_dispatch_us: pct(0.99),
     }
+}
+
+/// The steady state of [`run`] through the [`Driver`] with reuse on: every other request hits
+/// the embedding cache (it starts at denoise with the cached reference), every fourth is
+/// interactive; the oldest running item ends each step, a denoise job saving a checkpoint
+/// first, or yielding with one when it was asked to; ended requests' outputs are released at
+/// once. The time covers all of it (results, checkpoints, yields, releases, dispatches).
+pub fn run_reuse(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
+    let cfg = SchedConfig { heartbeat_timeout: Duration::MAX, ..SchedConfig::default() };
+    let mut d: Driver<(), ()> = Driver::new(cfg, Box::new(MaxFreeCredit));
+    let stages = [Stage::Encode, Stage::Denoise, Stage::Decode];
+    for w in 0..workers {
+        d.join(stages[(w % 3) as usize], 1, "node", vec![], (), Duration::ZERO);
+    }
+    let mut hits = 0u64;
+    let mut submit = |d: &mut Driver<(), ()>, r: u64, now: Duration| {
+        let p = if r % 4 == 0 { Priority::Interactive } else { Priority::Batch };
+        if r % 2 == 1 {
+            hits += 1;
+            let s = Submit { start: Stage::Denoise, ..Submit::new(r, p) };
+            let _ = d.submit_with(s, b"cached embedding ref".to_vec(), (), now);
+        } else {
+            let _ = d.submit(Submit::new(r, p), (), now);
+        }
+    };
+    let start = Instant::now();
+    let mut next = 0u64;
+    for _ in 0..in_flight.min(requests) {
+        submit(&mut d, next, Duration::ZERO);
+        next += 1;
+    }
+    let mut running: VecDeque<(WorkerId, ItemKey)> = VecDeque::new();
+    let mut asked: std::collections::HashSet<ItemKey> = Default::default();
+    let mut lat: Vec<f64> = Vec::new();
+    let (mut done, mut step) = (0u64, 0u64);
+    while done < requests {
+        step += 1;
+        let now = Duration::from_micros(step);
+        if let Some((w, key)) = running.pop_front() {
+            if key.stage == Stage::Denoise && asked.remove(&key) {
+                d.yielded(w, key, 20, b"checkpoint ref at 20".to_vec(), now);
+            } else {
+                if key.stage == Stage::Denoise {
+                    d.checkpoint(w, key, 40, b"checkpoint ref at 40".to_vec());
+                }
+                d.result(w, key, StageResult::Done(b"payload ref".to_vec()), now);
+            }
+        }
+        for _ in d.take_outcomes() {
+            done += 1;
+            if next < requests {
+                submit(&mut d, next, now);
+                next += 1;
+            }
+        }
+        let rel: Vec<(WorkerId, u64)> = d.releases().iter().map(|r| (r.id, r.request)).collect();
+        for (w, r) in rel {
+            d.released(w, r);
+        }
+        let t = Instant::now();
+        let ds: Vec<(WorkerId, ItemKey)> =
+            d.dispatch(now).iter().map(|a| (a.dispatch.worker, a.dispatch.item.key)).collect();
+        if !ds.is_empty() {
+            lat.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        running.extend(ds);
+        asked.extend(d.take_asks().into_iter().map(|(key, _, _)| key));
+        if running.is_empty() && d.sched().in_flight() == 0 {
+            break;
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let st = d.sched().stats();
+    figure("driver, caches and preemption", workers, done, seconds, lat, st, hits)
 }

@@ -18,7 +18,7 @@
 //! ([`Driver::restore`]). Workers that reconnect claim the items they still run
 //! ([`Driver::claim`]); submitters ask for their requests again ([`Driver::resume`]).
 
-use std::collections::HashMap;
+use crate::fasthash::FastMap;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
@@ -146,22 +146,22 @@ pub enum StageResult {
 /// The scheduler with its bookkeeping.
 pub struct Driver<W, R> {
     sched: Scheduler,
-    workers: HashMap<WorkerId, W>,
-    waiting: HashMap<u64, R>,
+    workers: FastMap<WorkerId, W>,
+    waiting: FastMap<u64, R>,
     /// Per request, every output its stages reported, in order.
-    outputs: HashMap<u64, Vec<(Stage, Vec<u8>)>>,
-    started: HashMap<ItemKey, Duration>,
+    outputs: FastMap<u64, Vec<(Stage, Vec<u8>)>>,
+    started: FastMap<ItemKey, Duration>,
     /// Per request, the stages whose result stands (a lost input clears the stage before).
-    accepted: HashMap<u64, [bool; 3]>,
+    accepted: FastMap<u64, [bool; 3]>,
     /// Ended requests' outputs not yet released.
     unreleased: std::collections::BTreeMap<u64, Pending>,
     /// Per request, outputs announced by workers before they existed.
-    announced: HashMap<u64, Vec<Vec<u8>>>,
+    announced: FastMap<u64, Vec<Vec<u8>>>,
     /// Per request that started past the first stage: that stage and its given inputs (never
     /// released: they are not the request's own, e.g. a cache entry).
-    given: HashMap<u64, (Stage, Vec<u8>)>,
+    given: FastMap<u64, (Stage, Vec<u8>)>,
     /// Per item: its last checkpoint (step, saved state).
-    checkpoints: HashMap<ItemKey, (u32, Vec<u8>)>,
+    checkpoints: FastMap<ItemKey, (u32, Vec<u8>)>,
     duplicated: u64,
     busy: [Duration; 3],
     next_worker: u64,
@@ -169,7 +169,7 @@ pub struct Driver<W, R> {
     facts: Option<Vec<Fact>>,
     /// The last [`RECENT`] outcomes, for a submitter asking again (oldest first).
     recent: std::collections::VecDeque<u64>,
-    recent_by: HashMap<u64, Outcome>,
+    recent_by: FastMap<u64, Outcome>,
 }
 
 impl<W, R> std::fmt::Debug for Driver<W, R> {
@@ -187,21 +187,21 @@ impl<W, R> Driver<W, R> {
     pub fn new(cfg: SchedConfig, policy: Box<dyn RoutingPolicy>) -> Self {
         Driver {
             sched: Scheduler::new(cfg, policy),
-            workers: HashMap::new(),
-            waiting: HashMap::new(),
-            outputs: HashMap::new(),
-            started: HashMap::new(),
-            accepted: HashMap::new(),
+            workers: FastMap::default(),
+            waiting: FastMap::default(),
+            outputs: FastMap::default(),
+            started: FastMap::default(),
+            accepted: FastMap::default(),
             unreleased: std::collections::BTreeMap::new(),
-            announced: HashMap::new(),
-            given: HashMap::new(),
-            checkpoints: HashMap::new(),
+            announced: FastMap::default(),
+            given: FastMap::default(),
+            checkpoints: FastMap::default(),
             duplicated: 0,
             busy: [Duration::ZERO; 3],
             next_worker: 0,
             facts: None,
             recent: std::collections::VecDeque::new(),
-            recent_by: HashMap::new(),
+            recent_by: FastMap::default(),
         }
     }
 
@@ -215,9 +215,10 @@ impl<W, R> Driver<W, R> {
         self.facts.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    fn record(&mut self, f: Fact) {
+    /// Keeps the fact `f` makes, when recording (made only then: most drivers do not record).
+    fn record(&mut self, f: impl FnOnce() -> Fact) {
         if let Some(v) = &mut self.facts {
-            v.push(f);
+            v.push(f());
         }
     }
 
@@ -395,9 +396,9 @@ impl<W, R> Driver<W, R> {
             let reason = format!("request id {request} is already in flight");
             return Err((waiter, Outcome::Failed { request, reason }));
         }
-        self.record(Fact::Submitted { request, priority, start, inputs: inputs.clone() });
+        self.record(|| Fact::Submitted { request, priority, start, inputs: inputs.clone() });
         if let Some((step, data)) = resume {
-            self.record(Fact::ResumeFrom { request, step, data: data.clone() });
+            self.record(|| Fact::ResumeFrom { request, step, data: data.clone() });
             self.checkpoints.insert(ItemKey { request, stage: start }, (step, data));
         }
         if start != Stage::ALL[0] {
@@ -434,7 +435,7 @@ impl<W, R> Driver<W, R> {
             StageResult::Done(outputs) => {
                 let accepted = self.sched.finished(key, worker, now);
                 if accepted {
-                    self.record(Fact::Accepted { key, outputs: outputs.clone() });
+                    self.record(|| Fact::Accepted { key, outputs: outputs.clone() });
                 }
                 if accepted && !outputs.is_empty() {
                     self.outputs.entry(key.request).or_default().push((key.stage, outputs));
@@ -451,7 +452,7 @@ impl<W, R> Driver<W, R> {
                 let accepted = self.sched.lost_input(key, worker, &reason, now);
                 if let (true, Some(p)) = (accepted, key.stage.prev()) {
                     self.accepted.entry(key.request).or_default()[p.index()] = false;
-                    self.record(Fact::LostInput { key });
+                    self.record(|| Fact::LostInput { key });
                 }
                 accepted
             }
@@ -473,7 +474,7 @@ impl<W, R> Driver<W, R> {
             let a = self.announced.entry(key.request).or_default();
             if !a.contains(&data) {
                 a.push(data.clone());
-                self.record(Fact::Announced { request: key.request, data });
+                self.record(|| Fact::Announced { request: key.request, data });
             }
         }
     }
@@ -491,7 +492,7 @@ impl<W, R> Driver<W, R> {
                 a.push(data.clone());
             }
         }
-        self.record(Fact::Checkpointed { key, step, data: data.clone() });
+        self.record(|| Fact::Checkpointed { key, step, data: data.clone() });
         self.checkpoints.insert(key, (step, data));
     }
 
@@ -515,7 +516,7 @@ impl<W, R> Driver<W, R> {
         }
         let ok = self.sched.yielded(key, worker, now);
         if ok {
-            self.record(Fact::Yielded { key });
+            self.record(|| Fact::Yielded { key });
             if let Some(t) = self.started.remove(&key) {
                 self.busy[key.stage.index()] += now.saturating_sub(t);
             }
@@ -591,7 +592,7 @@ impl<W, R> Driver<W, R> {
                 for stage in Stage::ALL {
                     self.checkpoints.remove(&ItemKey { request: r, stage });
                 }
-                self.record(Fact::Ended(outcome.clone()));
+                self.record(|| Fact::Ended(outcome.clone()));
                 let outputs: Vec<Vec<u8>> = self
                     .outputs
                     .remove(&r)
@@ -645,7 +646,7 @@ impl<W, R> Driver<W, R> {
     pub fn released(&mut self, worker: WorkerId, request: u64) {
         if self.unreleased.get(&request).is_some_and(|p| p.by == Some(worker)) {
             self.unreleased.remove(&request);
-            self.record(Fact::Released { request });
+            self.record(|| Fact::Released { request });
         }
     }
 

@@ -131,22 +131,28 @@ async fn connector(args: &Args, sizes: &[u64], budget: Budget) -> Result<Vec<Lin
 
 async fn run(args: Args) -> Result<()> {
     if args.orchestrator {
-        let f = tensorwire_benches::orchestrator::run(
-            args.workers,
-            args.requests,
-            u64::from(args.workers) * 2,
-        );
-        eprintln!(
-            "orchestrator: {} workers, {} requests, {} decisions in {:.2} s: {:.0} decisions/s; dispatch call p50 {:.1} us, p99 {:.1} us",
-            f.workers,
-            f.requests,
-            f.decisions,
-            f.seconds,
-            f.decisions_per_s,
-            f.p50_dispatch_us,
-            f.p99_dispatch_us
-        );
-        println!("{}", serde_json::to_string(&f).map_err(|e| Error::protocol(e.to_string()))?);
+        let in_flight = u64::from(args.workers) * 2;
+        use tensorwire_benches::orchestrator::{run as core, run_reuse};
+        for f in [
+            core(args.workers, args.requests, in_flight),
+            run_reuse(args.workers, args.requests, in_flight),
+        ] {
+            eprintln!(
+                "orchestrator ({}): {} workers, {} requests, {} decisions in {:.2} s: {:.0} decisions/s; dispatch call p50 {:.1} us, p99 {:.1} us; cache hits {}, preemption asks {}, yields {}",
+                f.mode,
+                f.workers,
+                f.requests,
+                f.decisions,
+                f.seconds,
+                f.decisions_per_s,
+                f.p50_dispatch_us,
+                f.p99_dispatch_us,
+                f.cache_hits,
+                f.preempt_asks,
+                f.yielded
+            );
+            println!("{}", serde_json::to_string(&f).map_err(|e| Error::protocol(e.to_string()))?);
+        }
         return Ok(());
     }
     let mut sizes = Vec::new();
