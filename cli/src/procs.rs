@@ -455,9 +455,19 @@ impl Cluster {
         requests: std::ops::Range<u64>,
         start: Instant,
     ) -> Result<(Vec<(u64, Duration)>, Vec<String>), String> {
+        self.run_as(requests, Priority::Batch, start).await
+    }
+
+    /// [`Cluster::run`] with requests of class `p`.
+    async fn run_as(
+        &self,
+        requests: impl IntoIterator<Item = u64>,
+        p: Priority,
+        start: Instant,
+    ) -> Result<(Vec<(u64, Duration)>, Vec<String>), String> {
         let mut outs = Vec::new();
         for r in requests {
-            outs.push((r, self.sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?));
+            outs.push((r, self.sub.submit(r, p).await.map_err(|e| e.to_string())?));
         }
         // Each outcome is timed when it arrives, not when this loop gets to it.
         let waits: Vec<_> = outs
@@ -489,6 +499,66 @@ impl Cluster {
             v.push(l);
         }
         v
+    }
+
+    /// Preemption shown: `holders` batch requests of the model with the longest denoise (ids
+    /// from `first` on) take every denoise worker, then one interactive request of the
+    /// shortest arrives; it preempts a batch job, which yields at its next step and resumes
+    /// from its checkpoint. Returns one line on what happened.
+    pub(crate) async fn preemption_probe(
+        &self,
+        first: u64,
+        holders: u32,
+        models: &[Model],
+    ) -> Result<String, String> {
+        let before = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+        let n = u64::from(holders);
+        // Request r runs model r mod len.
+        let len = models.len().max(1) as u64;
+        let by = |f: fn(f64, f64) -> bool| {
+            (0..models.len()).reduce(|a, b| {
+                if f(models[b].denoise_ms(), models[a].denoise_ms()) { b } else { a }
+            })
+        };
+        let (long, short) =
+            (by(|x, y| x > y).unwrap_or(0) as u64, by(|x, y| x < y).unwrap_or(0) as u64);
+        let base = first.div_ceil(len) * len;
+        let batch: Vec<u64> = (0..n).map(|k| base + k * len + long).collect();
+        let urgent = base + n * len + short;
+        let start = Instant::now();
+        let held = self.run_as(batch, Priority::Batch, start);
+        // Once every denoise worker runs a batch job, the interactive one arrives.
+        let wait = async {
+            let full = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < full {
+                match self.orch.stats().await {
+                    Ok(st) if st.running[Stage::Denoise.index()] >= holders as usize => break,
+                    _ => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+            }
+            let t = Instant::now();
+            let r = self.run_as([urgent], Priority::Interactive, t).await;
+            (t.elapsed(), r)
+        };
+        let (held, (took, inter)) = tokio::join!(held, wait);
+        let ((batch, lost), (_, lost2)) = (held?, inter?);
+        if let Some(e) = lost.first().or(lost2.first()) {
+            return Err(format!("preemption probe: {e}"));
+        }
+        let mut times: Vec<Duration> = batch.iter().map(|(_, t)| *t).collect();
+        times.sort();
+        let after = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+        Ok(format!(
+            "preemption: with {holders} batch jobs ({}) on the {holders} denoise workers, an \
+             interactive request ({}) completed in {} ms (batch median {} ms); {} yield asks, {} \
+             jobs yielded and resumed from their checkpoints",
+            models[long as usize].name,
+            models[short as usize].name,
+            took.as_millis(),
+            times.get(times.len() / 2).map_or(0, |t| t.as_millis()),
+            after.preempt_asks - before.preempt_asks,
+            after.yielded - before.yielded
+        ))
     }
 
     /// Store counters once the last releases have landed (bounded wait: releases follow
@@ -615,12 +685,20 @@ pub(crate) async fn disaggregated(
         }
         steps.count(&f);
     }
+    if a.checkpoint_every > 0 && a.chaos.is_none() {
+        let next = a.requests;
+        let probe = c.preemption_probe(next, split.denoise, models).await?;
+        for l in c.drain_lines(Duration::from_millis(300)).await {
+            steps.count(&l.split_whitespace().collect::<Vec<_>>());
+        }
+        println!("{probe}");
+    }
     if a.checkpoint_every > 0 {
         println!("{}", steps.line(a.checkpoint_every));
     }
-    let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
     let left = c.settled_store().await?;
     let report = c.stop().await?;
+    let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
     if a.chaos.is_some() || report.supervisor.restarts > 0 {
         println!("{}", report.line(done.len(), lost.len(), left.objects));
     }

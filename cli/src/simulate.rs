@@ -3,6 +3,14 @@
 //! the same code the library orchestrator and the service run) make every dispatch decision; a stage's service time is its
 //! profiled compute plus the transfer of its input (bytes / bandwidth + per-hop latency). No bytes
 //! move and nothing sleeps. The colocated baseline serves whole requests on the same GPUs.
+//!
+//! Reuse: a share of the requests hits the embedding cache (`--embedding-hit-rate`: encode is
+//! skipped, denoise starts from the cached embedding); denoise saves a step checkpoint every N
+//! steps (`--checkpoint-every`: the latents go to the store, each save costs their transfer);
+//! a share of the requests is interactive (`--interactive`), and with preemption on the
+//! scheduler asks a batch denoise job to yield for each waiting interactive one: the job
+//! stops at its next step boundary, saves a checkpoint and later resumes from it. With
+//! interactive requests the best layout is run with and without preemption and both reported.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -61,10 +69,23 @@ pub(crate) struct SimArgs {
     /// Random seed.
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
+    /// Share of the requests that are interactive (0..=1); the rest are batch.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) interactive: f64,
+    /// Share of the requests whose condition embedding is cached (0..=1): encode is skipped.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) embedding_hit_rate: f64,
+    /// Denoise saves a step checkpoint to the store every N steps (0: never).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) checkpoint_every: u32,
+    /// A batch request waiting this long is ordered as interactive (the starvation bound), in
+    /// seconds; default: four times the model's denoise time.
+    #[arg(long)]
+    pub(crate) aging_s: Option<f64>,
 }
 
 /// What a run measured.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct SimResult {
     throughput: f64,
     ttff: Vec<Duration>,
@@ -72,6 +93,22 @@ struct SimResult {
     utilisation: [f64; 3],
     decisions: u64,
     wall: Duration,
+    reuse: Reused,
+}
+
+/// What reuse did in a run.
+#[derive(Debug, Clone, Default)]
+struct Reused {
+    /// TTFF of the interactive requests.
+    ttff_interactive: Vec<Duration>,
+    /// Requests that skipped encode (embedding-cache hits).
+    encode_skipped: u64,
+    /// Jobs that yielded to an interactive one.
+    preempted: u64,
+    /// Steps not run again: the step each resumed job started from, summed.
+    resumed_steps: u64,
+    /// Latent bytes written to the store as step checkpoints.
+    checkpoint_bytes: u64,
 }
 
 fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
@@ -85,13 +122,46 @@ fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
     })
 }
 
-/// (time, sequence, arrival (None) or completion of an item on a worker, request).
-type SimEvent = (Duration, u64, Option<(ItemKey, WorkerId)>, u64);
+/// What happens at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// Request arrives.
+    Arrive(u64),
+    /// A worker ends an item (ignored if the run was cut short by a yield).
+    Done(ItemKey, WorkerId),
+    /// A denoise job yields at this step, its checkpoint saved.
+    Yield(ItemKey, WorkerId, u32),
+}
 
-/// Simulates the disaggregated cluster.
-fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimResult, String> {
+/// (time, sequence, event).
+type SimEvent = (Duration, u64, Ev);
+
+/// A denoise run in progress: when it started, its fixed cost before the first step, the step
+/// it started at, its time per step (checkpoint saves spread over the steps), and the sequence
+/// number of its end event.
+#[derive(Debug, Clone, Copy)]
+struct DenoiseRun {
+    start: Duration,
+    base: Duration,
+    from: u32,
+    per_step: Duration,
+    seq: u64,
+}
+
+/// Simulates the disaggregated cluster (`preempt`: interactive jobs preempt batch denoise).
+fn disaggregated(
+    m: &Model,
+    split: Split,
+    a: &SimArgs,
+    rate: f64,
+    preempt: bool,
+) -> Result<SimResult, String> {
     let wall = Instant::now();
-    let cfg = SchedConfig { heartbeat_timeout: Duration::MAX, ..SchedConfig::default() };
+    let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+    // A batch job is ordered as interactive once it waited this long (the starvation bound).
+    let aging = a.aging_s.map_or(ms(m.denoise_ms()) * 4, Duration::from_secs_f64);
+    let cfg =
+        SchedConfig { heartbeat_timeout: Duration::MAX, preempt, aging, ..SchedConfig::default() };
     // Workers are reached through nothing (the events below play them); a request's waiter is
     // its arrival time.
     let mut d: Driver<(), Duration> = Driver::new(cfg, policy(&a.policy)?);
@@ -103,30 +173,66 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
     let xfer = |bytes: u64| {
         Duration::from_secs_f64(bytes as f64 / (a.bandwidth_gbps * 1e9) + a.latency_ms / 1e3)
     };
-    let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
     let chunks = f64::from(m.chunks().map_or(1, |(_, n)| n));
     let mut rng = Rng::new(a.seed);
-    // (time, seq, event): event = arrival (None) or completion of (key, worker)
     let mut events: BinaryHeap<Reverse<SimEvent>> = BinaryHeap::new();
     let mut t = 0.0;
     for r in 0..a.requests {
         t += rng.exp(rate);
-        events.push(Reverse((Duration::from_secs_f64(t), r, None, r)));
+        events.push(Reverse((Duration::from_secs_f64(t), r, Ev::Arrive(r))));
     }
     let mut seq = a.requests;
     let mut arrived: HashMap<u64, Duration> = HashMap::new();
+    let mut interactive: std::collections::HashSet<u64> = Default::default();
+    let mut runs: HashMap<ItemKey, DenoiseRun> = HashMap::new();
+    let mut cut: std::collections::HashSet<u64> = Default::default();
+    let mut reuse = Reused::default();
     let (mut ttff, mut e2e) = (Vec::new(), Vec::new());
     let mut now = Duration::ZERO;
-    while let Some(Reverse((at, _, ev, r))) = events.pop() {
+    let steps = m.steps.max(1);
+    let every = a.checkpoint_every;
+    // Checkpoint saves at steps in (from, to) (the last step's latents go to decode instead).
+    let saves = |from: u32, to: u32| -> u32 {
+        if every == 0 {
+            0
+        } else {
+            (from + 1..to.min(steps)).filter(|s| s % every == 0).count() as u32
+        }
+    };
+    while let Some(Reverse((at, sq, ev))) = events.pop() {
         now = at;
         match ev {
-            None => {
+            Ev::Arrive(r) => {
                 arrived.insert(r, at);
-                let s = Submit::new(r, Priority::Batch);
-                let _ = d.submit(s, at, at);
+                let p = if rng.next_f64() < a.interactive {
+                    interactive.insert(r);
+                    Priority::Interactive
+                } else {
+                    Priority::Batch
+                };
+                if rng.next_f64() < a.embedding_hit_rate {
+                    reuse.encode_skipped += 1;
+                    let s = Submit { start: Stage::Denoise, ..Submit::new(r, p) };
+                    let _ = d.submit_with(s, b"cached embedding".to_vec(), at, at);
+                } else {
+                    let _ = d.submit(Submit::new(r, p), at, at);
+                }
             }
-            Some((key, w)) => {
+            Ev::Done(key, w) => {
+                if cut.remove(&sq) {
+                    continue; // it yielded before
+                }
+                if let Some(run) = runs.remove(&key) {
+                    reuse.checkpoint_bytes += u64::from(saves(run.from, steps)) * m.latent_bytes;
+                }
                 d.result(w, key, StageResult::Done(Vec::new()), at);
+            }
+            Ev::Yield(key, w, step) => {
+                if let Some(run) = runs.remove(&key) {
+                    reuse.checkpoint_bytes += u64::from(saves(run.from, step) + 1) * m.latent_bytes;
+                }
+                reuse.preempted += 1;
+                d.yielded(w, key, step, b"checkpoint".to_vec(), at);
             }
         }
         for t0 in d.take_outcomes().into_iter().filter_map(|e| e.waiter) {
@@ -137,7 +243,18 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
             let k = x.dispatch.item.key;
             let service = match k.stage {
                 Stage::Encode => ms(m.encode_ms),
-                Stage::Denoise => xfer(m.embed_bytes) + ms(m.denoise_ms()),
+                Stage::Denoise => {
+                    // From the checkpoint it resumes at (loading its latents), or step 0.
+                    let from = x.resume.map_or(0, |(s, _)| s.min(steps));
+                    reuse.resumed_steps += u64::from(from);
+                    let load = if from > 0 { xfer(m.latent_bytes) } else { Duration::ZERO };
+                    let base = xfer(m.embed_bytes) + load;
+                    let work =
+                        ms(m.step_ms) * (steps - from) + xfer(m.latent_bytes) * saves(from, steps);
+                    let per_step = work / (steps - from).max(1);
+                    runs.insert(k, DenoiseRun { start: now, base, from, per_step, seq: seq + 1 });
+                    base + work
+                }
                 Stage::Decode => xfer(m.latent_bytes) + ms(m.decode_ms),
             };
             if k.stage == Stage::Decode {
@@ -146,10 +263,29 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
                     xfer((m.latent_bytes as f64 / chunks) as u64) + ms(m.decode_ms / chunks);
                 if let Some(t0) = arrived.get(&k.request) {
                     ttff.push(now + first - *t0);
+                    if interactive.contains(&k.request) {
+                        reuse.ttff_interactive.push(now + first - *t0);
+                    }
                 }
             }
             seq += 1;
-            events.push(Reverse((now + service, seq, Some((k, x.dispatch.worker)), k.request)));
+            events.push(Reverse((now + service, seq, Ev::Done(k, x.dispatch.worker))));
+        }
+        // Asked to yield: the job stops at its next step boundary (past the one it started
+        // at), saving a checkpoint; one that would reach its last step first just finishes.
+        for (key, w, _) in d.take_asks() {
+            let Some(run) = runs.get(&key) else { continue };
+            let ran = now.saturating_sub(run.start + run.base);
+            let done = (ran.as_secs_f64() / run.per_step.as_secs_f64().max(1e-12)) as u32;
+            let at_step = run.from + done + 1;
+            if at_step >= steps {
+                continue;
+            }
+            let when =
+                run.start + run.base + run.per_step * (at_step - run.from) + xfer(m.latent_bytes);
+            cut.insert(run.seq);
+            seq += 1;
+            events.push(Reverse((when, seq, Ev::Yield(key, w, at_step))));
         }
     }
     let busy = d.stats(now).busy;
@@ -162,6 +298,7 @@ fn disaggregated(m: &Model, split: Split, a: &SimArgs, rate: f64) -> Result<SimR
         utilisation: std::array::from_fn(|i| busy[i].as_secs_f64() / (span * f64::from(pools[i]))),
         decisions: d.sched().stats().dispatched,
         wall: wall.elapsed(),
+        reuse,
     })
 }
 
@@ -199,6 +336,7 @@ fn colocated(m: &Model, gpus: u32, a: &SimArgs, rate: f64) -> SimResult {
         utilisation: [u; 3],
         decisions: 0,
         wall: wall.elapsed(),
+        reuse: Reused::default(),
     }
 }
 
@@ -232,6 +370,13 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
     {
         return Err("--bandwidth-gbps must be > 0 and --latency-ms >= 0".into());
     }
+    for (name, v) in
+        [("--interactive", a.interactive), ("--embedding-hit-rate", a.embedding_hit_rate)]
+    {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(format!("{name} {v}: a share, 0 to 1"));
+        }
+    }
     let all = profiles::load(a.profiles.as_deref())?;
     let m = profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone();
     let per_req_s = (m.encode_ms + m.denoise_ms() + m.decode_ms) / 1e3;
@@ -260,7 +405,7 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
         let mut flat = 0;
         for mm in 1..=64 {
             let split = Split { encode: 1, denoise: n, decode: mm };
-            let r = disaggregated(&m, split, &a, rate)?;
+            let r = disaggregated(&m, split, &a, rate, true)?;
             show(&format!("1:{n}:{mm}"), &r, Some(target));
             let p99 = percentile(&r.ttff, 99.0);
             if p99 <= target {
@@ -307,7 +452,7 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
     let mut decisions = 0;
     let wall = Instant::now();
     for split in splits {
-        let r = disaggregated(&m, split, &a, rate)?;
+        let r = disaggregated(&m, split, &a, rate, true)?;
         decisions += r.decisions;
         let better = best.as_ref().is_none_or(|(_, b)| {
             (r.throughput, -percentile(&r.ttff, 99.0).as_secs_f64())
@@ -330,5 +475,34 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
         wall.elapsed().as_secs_f64()
     );
     let _ = r.wall;
+    if a.interactive > 0.0 || a.embedding_hit_rate > 0.0 || a.checkpoint_every > 0 {
+        println!("{}", reuse_line(&r.reuse, a.requests));
+    }
+    if a.interactive > 0.0 {
+        let without = disaggregated(&m, split, &a, rate, false)?;
+        let p99 = |v: &[Duration]| percentile(v, 99.0).as_secs_f64();
+        println!(
+            "interactive TTFF p99: {:.1} s with preemption, {:.1} s without ({:.2}x); all requests: p99 TTFF {:.1} s vs {:.1} s, throughput {:.4} vs {:.4} req/s",
+            p99(&r.reuse.ttff_interactive),
+            p99(&without.reuse.ttff_interactive),
+            p99(&r.reuse.ttff_interactive) / p99(&without.reuse.ttff_interactive).max(1e-12),
+            p99(&r.ttff),
+            p99(&without.ttff),
+            r.throughput,
+            without.throughput
+        );
+    }
     Ok(())
+}
+
+/// One line on what reuse did in a run.
+fn reuse_line(u: &Reused, requests: u64) -> String {
+    format!(
+        "reuse: encode skipped for {} of {requests} requests (embedding cache), {} jobs preempted, {} steps not run again after a resume, {:.1} GB of step checkpoints to the store ({:.0} MB per request)",
+        u.encode_skipped,
+        u.preempted,
+        u.resumed_steps,
+        u.checkpoint_bytes as f64 / 1e9,
+        u.checkpoint_bytes as f64 / 1e6 / requests.max(1) as f64,
+    )
 }

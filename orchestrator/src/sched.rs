@@ -20,8 +20,8 @@
 //!   stage's own inputs are still there. At most `max_attempts` such re-runs per request.
 //! - Preemption: when an interactive item waits for denoise, no denoise worker has a free slot,
 //!   and decode has room, the scheduler asks the holder of a running batch-class denoise job
-//!   (the one dispatched last: the least work at stake) to checkpoint at its next step boundary
-//!   and yield ([`Scheduler::take_asks`]); at most one ask stands per interactive item waiting.
+//!   (the one dispatched last: the least work at stake; never one admitted past the aging
+//!   bound) to checkpoint at its next step boundary and yield ([`Scheduler::take_asks`]); at most one ask stands per interactive item waiting.
 //!   A yielded job ([`Scheduler::yielded`]) re-enters the denoise queue on the same try, and its
 //!   next worker resumes it from the checkpoint (the driver keeps it). A worker that finishes,
 //!   fails or dies before it yields settles the ask the same way as without one.
@@ -906,7 +906,14 @@ impl Scheduler {
                 }
                 picked.push((wid, item.key));
                 self.running_by[stage.index()] += 1;
-                if self.cfg.preempt && stage == Stage::Denoise && item.priority == Priority::Batch {
+                // A batch job that waited past the aging bound is not preempted: that would
+                // undo the starvation bound (and it would be asked back at once).
+                let aged = qk.0 != class(item.priority);
+                if self.cfg.preempt
+                    && stage == Stage::Denoise
+                    && item.priority == Priority::Batch
+                    && !aged
+                {
                     self.preemptible.insert(item.seq, item.key);
                 }
                 self.running.insert(item.key, (wid, item.clone()));
