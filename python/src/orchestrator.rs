@@ -216,6 +216,40 @@ impl Worker {
         })
     }
 
+    /// Whether the orchestrator asked for `assignment` back (an interactive job waits for the
+    /// slot, or this worker is draining). Poll it at step boundaries; when true, save a
+    /// checkpoint and call `yield_job`.
+    fn yield_requested(&self, assignment: &Assignment) -> bool {
+        self.client.yield_requested(&assignment.inner)
+    }
+
+    /// Gives `assignment` back at `step` with its state saved as `state` (empty: the last
+    /// checkpoint stands): it waits in the queue again and its next worker gets
+    /// `resume == (step, state)`. Do not report it afterwards.
+    #[pyo3(signature = (assignment, step, state = None, *, timeout = 30.0))]
+    fn yield_job(
+        &self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        step: u32,
+        state: Option<Vec<u8>>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let a = assignment.inner.clone();
+        wait(py, seconds(timeout).raise(py)?, "a yield", async {
+            Ok(self.client.yield_job(&a, step, state.unwrap_or_default()).await?)
+        })
+    }
+
+    /// Scale-down: this worker gets nothing new and its denoise jobs are asked back (see
+    /// `yield_requested`; keep serving meanwhile, e.g. from another thread); returns once it
+    /// holds nothing, or raises `TimeoutError` after `timeout` seconds.
+    #[pyo3(signature = (*, timeout = 60.0))]
+    fn drain(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = seconds(timeout).raise(py)?;
+        wait(py, t + Duration::from_secs(1), "draining", async { Ok(self.client.drain(t).await?) })
+    }
+
     /// Says the outputs of a `release_only` assignment are released (until then the
     /// orchestrator keeps them, and gives them to another worker should this one leave).
     #[pyo3(signature = (assignment, *, timeout = 30.0))]
@@ -284,22 +318,26 @@ impl Submitter {
 
     /// Submits `request` ("interactive" or "batch"); the returned `Outcome` waits for its end.
     /// With `start` (a stage after "encode") and `inputs`, the request starts there with those
-    /// inputs (e.g. a cached embedding's reference) and the stages before never run.
-    #[pyo3(signature = (request, priority = "interactive", *, start = "encode", inputs = None, timeout = 30.0))]
+    /// inputs (e.g. a cached embedding's reference) and the stages before never run. With
+    /// `resume=(step, state)`, that stage resumes from an earlier request's checkpoint (edit
+    /// and resume); it is not released when this request ends.
+    #[pyo3(signature = (request, priority = "interactive", *, start = "encode", inputs = None, resume = None, timeout = 30.0))]
     fn submit(
         slf: &Bound<'_, Self>,
         request: u64,
         priority: &str,
         start: &str,
         inputs: Option<Vec<u8>>,
+        resume: Option<(u32, Vec<u8>)>,
         timeout: f64,
     ) -> PyResult<Outcome> {
         let py = slf.py();
         let p = self::priority(priority).raise(py)?;
         let start = stage(start).raise(py)?;
         let this = slf.get();
+        let inputs = inputs.unwrap_or_default();
         let rx = wait(py, seconds(timeout).raise(py)?, "a submission", async {
-            Ok(this.inner.submit_from(request, p, start, inputs.unwrap_or_default()).await?)
+            Ok(this.inner.submit_resuming(request, p, start, inputs, resume).await?)
         })?;
         Ok(Outcome { request, rx: Mutex::new(Some(rx)), _client: slf.clone().unbind() })
     }

@@ -185,3 +185,78 @@ def test_a_job_resumes_from_its_checkpoint_after_its_worker_dies():
     second.report(b, b"latent")
     out.wait(timeout=30)
     stop.set()
+
+
+def _next_job(w):
+    while True:
+        a = w.next(timeout=10)
+        assert a is not None, "no assignment"
+        if not a.release_only:
+            return a
+        w.released(a)
+
+
+def test_an_interactive_request_preempts_a_batch_job_which_resumes_elsewhere():
+    from tensorwire._native import Worker
+
+    service = Service()
+    stop = threading.Event()
+    for s in ("encode", "decode"):
+        threading.Thread(target=serve_stage, args=(service.address, s, lambda a: b"x"),
+                         kwargs={"stop": stop, "poll": 0.1}, daemon=True).start()
+    sub = Submitter(service.address)
+    batch = sub.submit(1, "batch")
+    a_worker = Worker(service.address, "denoise", heartbeat=0.1)
+    a = _next_job(a_worker)
+    assert a.request == 1 and not a_worker.yield_requested(a)
+    urgent = sub.submit(2, "interactive")
+    deadline = time.time() + 10
+    while not a_worker.yield_requested(a):  # a step boundary of a real denoise loop
+        assert time.time() < deadline, "never asked to yield"
+        time.sleep(0.02)
+    a_worker.yield_job(a, 7, b"latents at step 7")
+    b = _next_job(a_worker)
+    assert (b.request, b.resume) == (2, None)  # the interactive request took the slot
+    other = Worker(service.address, "denoise", heartbeat=0.1)
+    c = _next_job(other)
+    assert (c.request, c.attempt, c.resume) == (1, 1, (7, b"latents at step 7"))
+    a_worker.report(b, b"latent 2")
+    other.report(c, b"latent 1")
+    urgent.wait(timeout=30)
+    batch.wait(timeout=30)
+    stop.set()
+
+
+def test_a_drained_worker_gives_its_job_back_and_an_edit_resumes_a_checkpoint():
+    from tensorwire._native import Worker
+
+    service = Service()
+    stop = threading.Event()
+    for s in ("encode", "decode"):
+        threading.Thread(target=serve_stage, args=(service.address, s, lambda a: b"x"),
+                         kwargs={"stop": stop, "poll": 0.1}, daemon=True).start()
+    sub = Submitter(service.address)
+    out = sub.submit(5, "batch")
+    leaving = Worker(service.address, "denoise", heartbeat=0.1)
+    a = _next_job(leaving)
+    drained = threading.Thread(target=leaving.drain, kwargs={"timeout": 20})
+    drained.start()
+    deadline = time.time() + 10
+    while not leaving.yield_requested(a):
+        assert time.time() < deadline, "never asked to yield"
+        time.sleep(0.02)
+    leaving.yield_job(a, 3, b"latents at step 3")
+    drained.join(timeout=20)
+    assert not drained.is_alive()
+    staying = Worker(service.address, "denoise", heartbeat=0.1)
+    b = _next_job(staying)
+    assert (b.request, b.resume) == (5, (3, b"latents at step 3"))
+    staying.report(b, b"latent")
+    out.wait(timeout=30)
+    # Edit and resume: a new request starts denoise from that checkpoint.
+    edit = sub.submit(6, start="denoise", inputs=b"embedding", resume=(3, b"latents at step 3"))
+    c = _next_job(staying)
+    assert (c.request, c.inputs, c.resume) == (6, b"embedding", (3, b"latents at step 3"))
+    staying.report(c, b"edited latent")
+    edit.wait(timeout=30)
+    stop.set()
