@@ -15,7 +15,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parking_lot::Mutex;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::{DType, Engine, EngineConfig, Permissions, TensorMeta};
-use tensorwire_diffusion::cache::{CacheKey, StoreCache, embedding_key};
+use tensorwire_diffusion::cache::{CacheKey, Sampler, Shape, StoreCache, cfg_key, embedding_key};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
     PayloadRef, StagePayload,
@@ -192,6 +192,12 @@ struct Ctx {
     cached: Mutex<std::collections::HashSet<CacheKey>>,
     /// The store the encoder writes to.
     enc_store: Arc<dyn Store>,
+    /// CFG sharing: the unconditional branch's features, shared by the requests with the same
+    /// negative prompt (the library's cache, over the store node, through denoise's engine).
+    cfg: StoreCache,
+    /// What this run put in it, and the store it is in (emptied at the end).
+    cfg_keys: Mutex<std::collections::HashSet<CacheKey>>,
+    den_store: Arc<dyn Store>,
     submitted: Instant,
     ttff: Mutex<Vec<Duration>>,
     e2e: Mutex<Vec<Duration>>,
@@ -234,6 +240,7 @@ async fn denoise(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     c.den.consume(&emb, dst, 0, Some(&embed_meta(m)))?.all().await?;
     *c.handoff.lock() += t.elapsed();
     c.moved.fetch_add(m.embed_bytes, Ordering::Relaxed);
+    cfg_features(&c, r.model).await?;
     tokio::time::sleep(scaled(m.denoise_ms(), c.scale)).await;
     let buf = Arc::new(c.den.engine().alloc(m.latent_bytes, Permissions::READ).await?);
     buf.write_bytes(0, &fill(m.latent_bytes, w.request))?;
@@ -253,6 +260,33 @@ async fn denoise(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     c.lat.lock().insert(w.request, p.reference.clone());
     c.bars[1].inc(1);
     Ok(())
+}
+
+/// Bytes of the demo's stand-in for a model's CFG features.
+const CFG_BYTES: u64 = 256 << 10;
+
+/// Looks up the unconditional branch's features for `model`'s negative prompt (every request
+/// here has the same one, the empty prompt) and checks their bytes; on a miss, makes them and
+/// shares them. Only the lookup and the bytes are real: no time is modeled for the branch.
+async fn cfg_features(c: &Ctx, model: usize) -> Result<(), HandlerError> {
+    let m = &c.models[model];
+    let negative = embedding_key(&m.name, "1", "", true, &[]);
+    let shape = Shape { width: 0, height: 0, frames: 0 };
+    let key = cfg_key(&m.name, &negative, 0, shape, Sampler { name: "euler", state: &[] });
+    let want = fill(CFG_BYTES, 0x5a + model as u64);
+    match c.cfg.get(&key).await {
+        Some((_, got)) if got == want => Ok(()),
+        Some(_) => Err(format!("{}: shared CFG features differ", m.name).into()),
+        None => {
+            let buf = c.den.engine().alloc(CFG_BYTES, Permissions::NONE).await?;
+            buf.write_bytes(0, &want)?;
+            let meta = TensorMeta::contiguous(DType::U8, &[CFG_BYTES]);
+            if c.cfg.put_from(&key, &meta, &buf.slice(0, CFG_BYTES)?).await {
+                c.cfg_keys.lock().insert(key);
+            }
+            Ok(())
+        }
+    }
 }
 
 async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
@@ -347,6 +381,7 @@ async fn disaggregated(
         stores.push(s.clone());
         conns.push(DiffusionConnector::new(e, Some(s), cfg));
     }
+    let den_store = stores[1].clone();
     let enc_store = stores.swap_remove(0);
     let (dec, den, enc) = (
         conns.pop().ok_or("connector")?,
@@ -367,6 +402,9 @@ async fn disaggregated(
         cache: StoreCache::embeddings(enc_store.clone(), Duration::from_secs(3600)),
         cached: Mutex::default(),
         enc_store,
+        cfg: StoreCache::cfg(den_store.clone(), Duration::from_secs(600), 64 << 20),
+        cfg_keys: Mutex::default(),
+        den_store,
         submitted: Instant::now(),
         ttff: Mutex::default(),
         e2e: Mutex::default(),
@@ -421,6 +459,10 @@ async fn disaggregated(
     for key in keys {
         ctx.enc_store.remove(&key.store_key("emb")).await.map_err(err)?;
     }
+    let keys: Vec<CacheKey> = ctx.cfg_keys.lock().drain().collect();
+    for key in keys {
+        ctx.den_store.remove(&key.store_key("cfg")).await.map_err(err)?;
+    }
     let left = store.stats().await.map_err(err)?;
     let moved = ctx.moved.load(Ordering::Relaxed);
     let handoff = *ctx.handoff.lock();
@@ -442,6 +484,7 @@ async fn disaggregated(
             moved as f64 / handoff.as_secs_f64() / 1e9
         },
         cache_hits: ctx.cache.stats().hits,
+        cfg_hits: Some(ctx.cfg.stats().hits),
         store_left: left.objects,
         layout: format!(
             "{}:{}:{} (encode:denoise:decode)",
@@ -523,6 +566,7 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
         engine_bytes: None,
         handoff_gbps: 0.0,
         cache_hits: hits.load(Ordering::Relaxed),
+        cfg_hits: None,
         store_left: 0,
         layout: format!("{gpus} GPUs, each runs encode+denoise+decode"),
     }

@@ -721,6 +721,7 @@ pub(crate) async fn disaggregated(
         engine_bytes: None,
         handoff_gbps: 0.0,
         cache_hits: 0,
+        cfg_hits: None,
         store_left: left.objects,
         layout: format!("{}:{}:{} worker processes", split.encode, split.denoise, split.decode),
     })

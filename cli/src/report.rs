@@ -23,6 +23,8 @@ pub(crate) struct Summary {
     pub(crate) handoff_gbps: f64,
     /// Embedding cache hits.
     pub(crate) cache_hits: u64,
+    /// Shared CFG-feature hits (None: not shared in this layout).
+    pub(crate) cfg_hits: Option<u64>,
     /// Store objects left after the run.
     pub(crate) store_left: u64,
     /// The layout.
@@ -120,6 +122,12 @@ pub(crate) fn print(d: &Summary, c: &Summary) {
             "embedding cache hits".into(),
             d.cache_hits.to_string(),
             c.cache_hits.to_string(),
+            String::new(),
+        ),
+        (
+            "CFG feature hits".into(),
+            d.cfg_hits.map_or("-".into(), |n| n.to_string()),
+            c.cfg_hits.map_or("-".into(), |n| n.to_string()),
             String::new(),
         ),
         ("store objects left".into(), d.store_left.to_string(), "-".into(), String::new()),

@@ -17,7 +17,8 @@ fn tensorwire(args: &[&str]) -> (bool, String, String) {
 fn short_demo_prints_both_layouts() {
     let (ok, out, err) = tensorwire(&["demo", "--requests", "6", "--time-scale", "0.005"]);
     assert!(ok, "{out}\n{err}");
-    for row in ["disaggregated", "colocated", "TTFF p99", "throughput", "store objects left"] {
+    let rows = ["disaggregated", "colocated", "TTFF p99", "throughput", "store objects left"];
+    for row in rows.into_iter().chain(["embedding cache hits", "CFG feature hits"]) {
         assert!(out.contains(row), "missing {row:?} in:\n{out}");
     }
 }
