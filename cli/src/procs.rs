@@ -12,11 +12,13 @@
 //! producer says so, and the orchestrator runs the producer stage again. The parent supervises
 //! the worker processes (a killed one is restarted), and `--chaos SECS` kills random workers.
 //!
-//! Denoise runs step by step and, with `--checkpoint-every N`, saves its latents to the store
-//! every N steps (keeping the last two) and tells the orchestrator; a job whose worker died
-//! resumes on another from its last checkpoint, checking the bytes it loads. Asked to yield
-//! (an interactive job waits, or the worker drains), it saves a checkpoint at the next step
-//! and gives the job back. Each saved, resumed or yielded step is an `@@` line on stdout.
+//! Denoise runs step by step and, with `--checkpoint-every N` (batch jobs; interactive ones with
+//! `--checkpoint-every-interactive`), saves its latents to the store every N steps (keeping the
+//! last two) and tells the orchestrator; a job whose worker died resumes on another from its
+//! last checkpoint, checking the bytes it loads. Asked to yield (an interactive job waits, or
+//! the worker drains), it saves a checkpoint at the next step and gives the job back. Each
+//! saved, resumed or yielded step is an `@@` line on stdout. SIGTERM drains the worker (its
+//! denoise jobs move to other workers from their checkpoints) and then it exits.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -158,8 +160,9 @@ async fn run_item(
     w: &WorkerClient,
     m: &Model,
     a: &Assignment,
-    (scale, every): (f64, u32),
+    (scale, every): (f64, [u32; 2]),
 ) -> Result<Ran, HandlerError> {
+    let every = every[usize::from(a.priority == Priority::Batch)];
     let sleep = |ms: f64| tokio::time::sleep(Duration::from_secs_f64((ms * scale / 1e3).max(0.0)));
     let (embed, latent) = (embed_meta(m), latent_meta(m));
     match a.stage {
@@ -195,6 +198,7 @@ async fn run_item(
             let buf = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::READ).await?);
             let saved = std::collections::VecDeque::new();
             let mut st = Stepper { ck, w, a, m, buf: &buf, saved };
+            println!("@@DENOISE {} {}", a.request, std::process::id());
             let from = st.resume().await;
             let step = Duration::from_secs_f64((m.step_ms * scale / 1e3).max(0.0));
             let t0 = tokio::time::Instant::now();
@@ -256,7 +260,7 @@ pub(crate) async fn payload_worker(
     (store_engine, store_rpc): (SocketAddr, SocketAddr),
     secret: Option<ClusterSecret>,
     models: Vec<Model>,
-    (scale, every): (f64, u32),
+    (scale, every): (f64, [u32; 2]),
     slots: u32,
 ) -> Result<(), String> {
     let engine = tcp_engine(secret.clone()).await?;
@@ -282,7 +286,30 @@ pub(crate) async fn payload_worker(
     .map_err(|e| e.to_string())?;
     println!("@@JOINED {}", w.id());
     let (w, models) = (Arc::new(w), Arc::new(models));
-    while let Some(a) = rx.recv().await {
+    // SIGTERM: drain (nothing new; denoise jobs yield and move), then exit.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| format!("SIGTERM handler: {e}"))?;
+    let w2 = w.clone();
+    let drained = async move {
+        term.recv().await;
+        w2.drain(Duration::from_secs(120)).await
+    };
+    tokio::pin!(drained);
+    loop {
+        let a = tokio::select! {
+            a = rx.recv() => a,
+            r = &mut drained => {
+                r.map_err(|e| format!("draining: {e}"))?;
+                // Latents it published p2p are still to be read by decode: wait for them.
+                let until = tokio::time::Instant::now() + Duration::from_secs(30);
+                while conn.held() > 0 && tokio::time::Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                println!("@@DRAINED {}", std::process::id());
+                return Ok(());
+            }
+        };
+        let Some(a) = a else { break };
         let (w, models, conn, ck) = (w.clone(), models.clone(), conn.clone(), ck.clone());
         tokio::spawn(async move {
             if a.release_only {
@@ -513,18 +540,9 @@ impl Cluster {
     ) -> Result<String, String> {
         let before = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
         let n = u64::from(holders);
-        // Request r runs model r mod len.
+        let (batch, (long, short)) = long_jobs(first, n, models);
         let len = models.len().max(1) as u64;
-        let by = |f: fn(f64, f64) -> bool| {
-            (0..models.len()).reduce(|a, b| {
-                if f(models[b].denoise_ms(), models[a].denoise_ms()) { b } else { a }
-            })
-        };
-        let (long, short) =
-            (by(|x, y| x > y).unwrap_or(0) as u64, by(|x, y| x < y).unwrap_or(0) as u64);
-        let base = first.div_ceil(len) * len;
-        let batch: Vec<u64> = (0..n).map(|k| base + k * len + long).collect();
-        let urgent = base + n * len + short;
+        let urgent = batch.last().map_or(first, |b| b + len) - long + short;
         let start = Instant::now();
         let held = self.run_as(batch, Priority::Batch, start);
         // Once every denoise worker runs a batch job, the interactive one arrives.
@@ -558,6 +576,73 @@ impl Cluster {
             times.get(times.len() / 2).map_or(0, |t| t.as_millis()),
             after.preempt_asks - before.preempt_asks,
             after.yielded - before.yielded
+        ))
+    }
+
+    /// Migration shown: `holders` batch jobs of the longest model (ids from `first` on) take
+    /// every denoise worker; the worker running one of them gets SIGTERM, drains (its job yields
+    /// at its next step and resumes on another worker from the checkpoint) and exits, and the
+    /// supervisor starts a replacement. Returns one line, and the `@@` lines it read.
+    pub(crate) async fn migration_probe(
+        &mut self,
+        first: u64,
+        holders: u32,
+        models: &[Model],
+    ) -> Result<(String, Vec<String>), String> {
+        let before = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+        let (batch, _) = long_jobs(first, u64::from(holders), models);
+        let mut outs = Vec::new();
+        for &r in &batch {
+            outs.push(self.sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?);
+        }
+        let mut seen: Vec<String> = Vec::new();
+        let words = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+        // The first worker process to start one of them is the one scaled down.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut pid = None;
+        while pid.is_none() && Instant::now() < deadline {
+            let Ok(Some(l)) = tokio::time::timeout(POLL, self.lines.recv()).await else { continue };
+            if let [w, r, p] = &words(&l)[..] {
+                if w == "DENOISE" && r.parse().is_ok_and(|r| batch.contains(&r)) {
+                    pid = Some(p.clone());
+                }
+            }
+            seen.push(l);
+        }
+        let pid = pid.ok_or("migration probe: no denoise job started")?;
+        // Let it run a few steps first.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let t = Instant::now();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status();
+        if !sent.is_ok_and(|s| s.success()) {
+            return Err(format!("migration probe: cannot send SIGTERM to {pid}"));
+        }
+        let mut drained = None;
+        while drained.is_none() && t.elapsed() < Duration::from_secs(120) {
+            let Ok(Some(l)) = tokio::time::timeout(POLL, self.lines.recv()).await else { continue };
+            if words(&l) == ["DRAINED", pid.as_str()] {
+                drained = Some(t.elapsed());
+            }
+            seen.push(l);
+        }
+        let drained = drained.ok_or("migration probe: the worker did not drain")?;
+        for (r, o) in batch.iter().zip(outs) {
+            match tokio::time::timeout(Duration::from_secs(600), o).await {
+                Ok(Ok(Ok(()))) => {}
+                other => return Err(format!("migration probe: request {r}: {other:?}")),
+            }
+        }
+        let after = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+        Ok((
+            format!(
+                "migration: the denoise worker running a batch job got SIGTERM, drained in {} ms \
+                 and exited; {} jobs yielded and moved on from their checkpoints; all {} \
+                 requests completed",
+                drained.as_millis(),
+                after.yielded - before.yielded,
+                batch.len()
+            ),
+            seen,
         ))
     }
 
@@ -612,6 +697,26 @@ impl ClusterReport {
             self.attempts
         )
     }
+}
+
+/// How often a probe looks at the workers' lines.
+const POLL: Duration = Duration::from_millis(50);
+
+/// `n` request ids from `first` on whose model (request r runs model r mod len) has the longest
+/// denoise, and the indices of the longest and shortest models.
+fn long_jobs(first: u64, n: u64, models: &[Model]) -> (Vec<u64>, (u64, u64)) {
+    let len = models.len().max(1) as u64;
+    let pick = |longer: bool| {
+        (0..models.len())
+            .reduce(|a, b| {
+                let (x, y) = (models[b].denoise_ms(), models[a].denoise_ms());
+                if x != y && (x > y) == longer { b } else { a }
+            })
+            .unwrap_or(0) as u64
+    };
+    let (long, short) = (pick(true), pick(false));
+    let base = first.div_ceil(len) * len;
+    ((0..n).map(|k| base + k * len + long).collect(), (long, short))
 }
 
 /// What the denoise workers said about their step checkpoints.
@@ -688,10 +793,14 @@ pub(crate) async fn disaggregated(
     if a.checkpoint_every > 0 && a.chaos.is_none() {
         let next = a.requests;
         let probe = c.preemption_probe(next, split.denoise, models).await?;
-        for l in c.drain_lines(Duration::from_millis(300)).await {
+        // Past the ids the preemption probe used.
+        let next = next + models.len() as u64 * (u64::from(split.denoise) + 2);
+        let (moved, seen) = c.migration_probe(next, split.denoise, models).await?;
+        for l in seen.into_iter().chain(c.drain_lines(Duration::from_millis(300)).await) {
             steps.count(&l.split_whitespace().collect::<Vec<_>>());
         }
         println!("{probe}");
+        println!("{moved}");
     }
     if a.checkpoint_every > 0 {
         println!("{}", steps.line(a.checkpoint_every));

@@ -262,10 +262,13 @@ pub(crate) struct WorkerArgs {
     /// the store node found in etcd (the registered one with the lowest id).
     #[arg(long, value_delimiter = ',')]
     pub(crate) models: Vec<String>,
-    /// With payloads, for denoise: save a step checkpoint to the store every N steps (0:
-    /// never); a job whose worker dies resumes from its last one elsewhere.
+    /// With payloads, for denoise: save a step checkpoint of a batch job to the store every N
+    /// steps (0: never); a job whose worker dies resumes from its last one elsewhere.
     #[arg(long, default_value_t = 0)]
     pub(crate) checkpoint_every: u32,
+    /// The same for interactive jobs (short ones, usually: 0, never, by default).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) checkpoint_every_interactive: u32,
 }
 
 /// Runs `worker`.
@@ -311,7 +314,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
             store,
             secret,
             mix,
-            (a.time_scale, a.checkpoint_every),
+            (a.time_scale, [a.checkpoint_every_interactive, a.checkpoint_every]),
             a.slots,
         )
         .await;

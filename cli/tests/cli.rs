@@ -32,6 +32,9 @@ fn short_demo_with_worker_processes() {
     assert!(out.contains("checked by the workers"), "{out}");
     // Then an interactive request arrives while batch jobs hold every denoise worker.
     assert!(out.contains("preemption: with 6 batch jobs"), "{out}");
+    // And a denoise worker process gets SIGTERM mid-job: it drains and exits, nothing is lost.
+    assert!(out.contains("migration: the denoise worker running a batch job got SIGTERM"), "{out}");
+    assert!(out.contains("all 6 requests completed"), "{out}");
     assert!(out.contains("step checkpoints (every 10 steps)"), "{out}");
 }
 

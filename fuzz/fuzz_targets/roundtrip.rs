@@ -218,6 +218,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         5 => Msg::Assign {
             request: u.arbitrary()?,
             stage,
+            priority: priority(u)?,
             attempt: u.arbitrary()?,
             data: data(u)?,
             resume_step: u.arbitrary()?,

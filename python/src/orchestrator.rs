@@ -96,6 +96,14 @@ impl Assignment {
     fn stage(&self) -> &'static str {
         self.inner.stage.name()
     }
+    /// The request's class ("interactive" or "batch").
+    #[getter]
+    fn priority(&self) -> &'static str {
+        match self.inner.priority {
+            Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
+        }
+    }
     /// Try number (1 the first time; more after a worker was lost or an attempt failed).
     #[getter]
     fn attempt(&self) -> u32 {

@@ -208,7 +208,7 @@ def test_an_interactive_request_preempts_a_batch_job_which_resumes_elsewhere():
     batch = sub.submit(1, "batch")
     a_worker = Worker(service.address, "denoise", heartbeat=0.1)
     a = _next_job(a_worker)
-    assert a.request == 1 and not a_worker.yield_requested(a)
+    assert a.request == 1 and a.priority == "batch" and not a_worker.yield_requested(a)
     urgent = sub.submit(2, "interactive")
     deadline = time.time() + 10
     while not a_worker.yield_requested(a):  # a step boundary of a real denoise loop
@@ -216,7 +216,7 @@ def test_an_interactive_request_preempts_a_batch_job_which_resumes_elsewhere():
         time.sleep(0.02)
     a_worker.yield_job(a, 7, b"latents at step 7")
     b = _next_job(a_worker)
-    assert (b.request, b.resume) == (2, None)  # the interactive request took the slot
+    assert (b.request, b.priority, b.resume) == (2, "interactive", None)  # it took the slot
     other = Worker(service.address, "denoise", heartbeat=0.1)
     c = _next_job(other)
     assert (c.request, c.attempt, c.resume) == (1, 1, (7, b"latents at step 7"))

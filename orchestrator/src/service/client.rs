@@ -253,6 +253,8 @@ pub struct Assignment {
     pub request: u64,
     /// Stage.
     pub stage: Stage,
+    /// The request's class (interactive for a release).
+    pub priority: Priority,
     /// Try number.
     pub attempt: u32,
     /// What the previous stage reported (empty for encode).
@@ -375,12 +377,21 @@ impl WorkerClient {
         tasks.spawn(async move {
             while let Some(m) = arrived.recv().await {
                 let a = match m {
-                    Msg::Assign { request, stage, attempt, data, resume_step, resume } => {
+                    Msg::Assign {
+                        request,
+                        stage,
+                        priority,
+                        attempt,
+                        data,
+                        resume_step,
+                        resume,
+                    } => {
                         let held = Held { attempt, ..Held::default() };
                         st.held.lock().insert(ItemKey { request, stage }, held);
                         Assignment {
                             request,
                             stage,
+                            priority,
                             attempt,
                             inputs: data,
                             resume: (!resume.is_empty()).then_some((resume_step, resume)),
@@ -391,6 +402,7 @@ impl WorkerClient {
                     Msg::Release { request, held } => Assignment {
                         request,
                         stage,
+                        priority: Priority::Interactive,
                         attempt: 0,
                         inputs: Vec::new(),
                         resume: None,

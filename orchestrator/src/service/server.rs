@@ -384,6 +384,7 @@ async fn run(
                 let m = Msg::Assign {
                     request: item.key.request,
                     stage: item.key.stage,
+                    priority: item.priority,
                     attempt: item.attempt,
                     data: a.inputs.to_vec(),
                     resume_step,

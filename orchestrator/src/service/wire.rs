@@ -69,10 +69,12 @@ pub enum Msg {
     /// Server -> worker: run this item; `data` is what the previous stage reported (its outputs,
     /// e.g. encoded payload references), empty for the first stage. `resume` is the item's last
     /// checkpoint (what a worker that ran it before said with `Checkpoint`), empty for none:
-    /// continue from `resume_step`.
+    /// continue from `resume_step`. `priority` is the request's class (e.g. a worker checkpoints
+    /// batch jobs more often than interactive ones).
     Assign {
         request: u64,
         stage: Stage,
+        priority: Priority,
         attempt: u32,
         data: Vec<u8>,
         resume_step: u32,
@@ -188,9 +190,10 @@ impl Msg {
                 w.u32(*slots);
                 4
             }
-            Msg::Assign { request, stage, attempt, data, resume_step, resume } => {
+            Msg::Assign { request, stage, priority, attempt, data, resume_step, resume } => {
                 w.u64(*request);
                 stage.encode(&mut w);
+                priority.encode(&mut w);
                 w.u32(*attempt).bytes(data).u32(*resume_step).bytes(resume);
                 5
             }
@@ -305,6 +308,7 @@ impl Msg {
             5 => Msg::Assign {
                 request: r.u64()?,
                 stage: Stage::decode(&mut r)?,
+                priority: Priority::decode(&mut r)?,
                 attempt: r.u32()?,
                 data: r.bytes(MAX_DATA, "data")?.to_vec(),
                 resume_step: r.u32()?,
@@ -426,6 +430,7 @@ mod tests {
             Msg::Assign {
                 request: 9,
                 stage: Stage::Denoise,
+                priority: Priority::Batch,
                 attempt: 2,
                 data: vec![1, 2],
                 resume_step: 20,

@@ -268,6 +268,7 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Assign {
             request: 1,
             stage: Stage::Decode,
+            priority: Priority::Interactive,
             attempt: 2,
             data: b"refs".to_vec(),
             resume_step: 0,
@@ -276,6 +277,7 @@ fn orchestrator(c: &mut Corpus) {
         Msg::Assign {
             request: 1,
             stage: Stage::Denoise,
+            priority: Priority::Batch,
             attempt: 3,
             data: b"refs".to_vec(),
             resume_step: 30,
