@@ -95,6 +95,10 @@ struct Inner {
     cfg: ConnectorConfig,
     publisher: Mutex<Publisher<Buffer>>,
     waiters: Mutex<HashMap<(EngineId, u64), mpsc::Sender<Control>>>,
+    /// Consumption reports on their way, by (producer, payload): they complete in the
+    /// background, and a later consume of the same payload waits for its report first, so it
+    /// sees the payload consumed.
+    reporting: Mutex<HashMap<(EngineId, u64), tokio::sync::watch::Receiver<bool>>>,
     /// Sessions with producers, by control address (one handshake per producer).
     sessions: tokio::sync::Mutex<HashMap<SocketAddr, Session>>,
     next: AtomicU64,
@@ -163,6 +167,7 @@ impl DiffusionConnector {
             cfg,
             publisher: Mutex::default(),
             waiters: Mutex::default(),
+            reporting: Mutex::default(),
             sessions: tokio::sync::Mutex::default(),
             next: AtomicU64::new(1),
         });
@@ -634,7 +639,7 @@ impl Drop for Waiter<'_> {
 }
 
 async fn consume_p2p(
-    inner: &Inner,
+    inner: &Arc<Inner>,
     r: &PayloadRef,
     dst: Destination<'_>,
     out: &mpsc::Sender<Result<ChunkView>>,
@@ -644,6 +649,11 @@ async fn consume_p2p(
         return Err(ConnectorError::Internal("not a p2p payload".into()));
     };
     let engine = remote.engine;
+    let wait = inner.cfg.wait_timeout;
+    let reported = inner.reporting.lock().get(&(engine, payload)).cloned();
+    if let Some(mut r) = reported {
+        let _ = tokio::time::timeout(wait, r.wait_for(|done| *done)).await;
+    }
     let s = session_to(inner, addr).await?;
     if s.peer() != engine {
         return Err(ConnectorError::ProducerGone(format!(
@@ -653,10 +663,12 @@ async fn consume_p2p(
     let (tx, mut rx) = mpsc::channel(dst.plan.len() as usize + 4);
     inner.waiters.lock().insert((engine, payload), tx);
     let _w = Waiter(inner, (engine, payload));
-    let wait = inner.cfg.wait_timeout;
     let mut reads: HashMap<u32, Vec<TransferHandle>> = HashMap::new();
     let (mut fetch, mut steps) = Fetch::new(payload, dst.plan.len(), WINDOW, r.chunking.is_none());
-    let mut subscribed = false;
+    // The subscription completes in the background: a read does not wait a round trip for it.
+    // Chunk announcements and a Gone answer come once it lands; the consumption report (which
+    // counts only from a subscriber) is sent after it.
+    let mut subscribed: Option<tokio::task::JoinHandle<bool>> = None;
     loop {
         for step in std::mem::take(&mut steps) {
             match step {
@@ -685,22 +697,48 @@ async fn consume_p2p(
                         return Ok(()); // the consumer stopped listening
                     }
                 }
-                // Every view is out; the lease moves on once the producer knows (before the
-                // stream ends, so a consume that follows sees the payload consumed).
+                // Every view is out; the lease moves on once the producer knows. The report goes
+                // out now and completes in the background: the consumer has its bytes and does
+                // not wait a round trip for it (a later consume of this payload does).
                 FetchStep::Report if !report => return Ok(()),
                 FetchStep::Report => {
                     let bytes = Bytes::from(Control::Consumed { payload }.encode());
-                    return s.notify(bytes).await.map_err(ConnectorError::from_producer);
+                    let (done, pending) = tokio::sync::watch::channel(false);
+                    inner.reporting.lock().insert((engine, payload), pending);
+                    let (s, inner) = (s.clone(), inner.clone());
+                    let subscription = subscribed.take();
+                    tokio::spawn(async move {
+                        let ok = match subscription {
+                            Some(h) => h.await.unwrap_or(false),
+                            None => true,
+                        };
+                        if !ok {
+                            tracing::debug!(payload, "connector: not subscribed; no report");
+                        } else if let Err(e) = s.notify(bytes).await {
+                            tracing::debug!(payload, error = %e, "connector: consumption report");
+                        }
+                        inner.reporting.lock().remove(&(engine, payload));
+                        done.send_replace(true);
+                    });
+                    return Ok(());
                 }
                 FetchStep::Fail(e) => return Err(e),
             }
         }
-        if !subscribed {
+        if subscribed.is_none() {
             // After the speculative read of an unchunked payload was submitted (the engine orders
             // the subscription after it).
             let bytes = Bytes::from(Control::Subscribe { payload }.encode());
-            s.notify(bytes).await.map_err(ConnectorError::from_producer)?;
-            subscribed = true;
+            let s = s.clone();
+            subscribed = Some(tokio::spawn(async move {
+                match s.notify(bytes).await {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::debug!(payload, error = %e, "connector: subscription");
+                        false
+                    }
+                }
+            }));
         }
         steps = match fetch.next() {
             Next::Done => return Ok(()),

@@ -1,7 +1,8 @@
 //! The initiating side: a connection is N data streams to one peer. Ops are cut into pieces of at
-//! most `piece_bytes`; every stream's writer takes the next piece from a shared queue (ops of one
-//! piece before pieces of larger ops, so a small op never waits behind a large one), which stripes
-//! large ops across the streams. Each stream's reader matches responses to its pieces in order
+//! most `piece_bytes`, and into at least one piece per stream when each is still at least
+//! [`MIN_SHARE`] (see [`cut`]): a 1 MiB op uses every stream, as a 1 GiB one does. Every stream's
+//! writer takes the next piece from a shared queue (ops of one piece before pieces of larger
+//! ops, so a small op never waits behind a large one), which stripes ops across the streams. Each stream's reader matches responses to its pieces in order
 //! (the server answers a stream's requests in order) and lands READ payloads in local memory.
 //!
 //! A stream that fails kills the whole connection: every queued and pending op fails with the
@@ -24,6 +25,27 @@ use tokio::task::AbortHandle;
 
 use crate::io::{self, Landed, Watchdog};
 use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, check_preamble};
+
+/// The smallest piece an op is cut into to use another stream: below it, a stream's header, its
+/// wake-ups and its answer cost more than the copy it takes over.
+pub(crate) const MIN_SHARE: u64 = 64 << 10;
+
+/// How an op of `len` bytes is cut: (offset, length) of each piece, contiguous and in order.
+/// As many pieces as `streams` (fewer when a piece would be under [`MIN_SHARE`]), or more when
+/// that keeps each within `piece`; the pieces are as equal as bytes allow.
+pub(crate) fn cut(len: u64, piece: u64, streams: usize) -> Vec<(u64, u64)> {
+    let wide = (len / MIN_SHARE).clamp(1, streams.max(1) as u64);
+    let n = len.div_ceil(piece.max(1)).max(wide);
+    let (each, extra) = (len / n, len % n);
+    let mut at = 0;
+    (0..n)
+        .map(|k| {
+            let l = each + u64::from(k < extra);
+            at += l;
+            (at - l, l)
+        })
+        .collect()
+}
 
 /// The state of one op shared by its pieces.
 #[derive(Debug)]
@@ -478,7 +500,8 @@ impl Connection for TcpConnection {
                     }));
                 }
                 let len = op.local().len();
-                let n = len.div_ceil(c.cfg.piece).max(1);
+                let cuts = cut(len, c.cfg.piece, c.streams.len());
+                let n = cuts.len() as u64;
                 let (gate, tx, completion) = gated();
                 let base = op.local().ptr() as usize;
                 let (dir, remote) = (op.dir(), op.remote().clone());
@@ -492,18 +515,16 @@ impl Connection for TcpConnection {
                     Direction::Write => What::Write,
                     Direction::Read => What::Read,
                 };
-                let pieces = (0..n)
-                    .map(|k| {
-                        let at = k * c.cfg.piece;
-                        Piece {
-                            what: what(),
-                            op: state.clone(),
-                            region: remote.region,
-                            key: remote.key,
-                            offset: remote.offset + at,
-                            addr: base + at as usize,
-                            len: c.cfg.piece.min(len - at),
-                        }
+                let pieces = cuts
+                    .into_iter()
+                    .map(|(at, len)| Piece {
+                        what: what(),
+                        op: state.clone(),
+                        region: remote.region,
+                        key: remote.key,
+                        offset: remote.offset + at,
+                        addr: base + at as usize,
+                        len,
                     })
                     .collect();
                 c.enqueue(pieces, n == 1);
@@ -538,5 +559,39 @@ impl Connection for TcpConnection {
             c.enqueue(vec![piece], true);
             completion.await
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn an_op_uses_every_stream_once_its_shares_are_big_enough() {
+        let mib = 1 << 20;
+        assert_eq!(cut(mib, 4 * mib, 2), vec![(0, mib / 2), (mib / 2, mib / 2)]);
+        assert_eq!(cut(4 * mib, 4 * mib, 4).len(), 4);
+        assert_eq!(cut(64 << 10, 4 * mib, 8), vec![(0, 64 << 10)], "one share's worth");
+        assert_eq!(cut(100, 4 * mib, 8), vec![(0, 100)]);
+        assert_eq!(cut(0, 4 * mib, 8), vec![(0, 0)], "an empty op is one empty piece");
+        assert_eq!(cut(64 * mib, 4 * mib, 2).len(), 16, "no piece over the piece size");
+    }
+
+    proptest! {
+        #[test]
+        fn pieces_cover_the_op_in_order_within_bounds(len in 0u64..(1 << 34), piece in 1u64..(1 << 24), streams in 1usize..9) {
+            let v = cut(len, piece, streams);
+            let mut at = 0;
+            for &(o, l) in &v {
+                prop_assert_eq!(o, at);
+                prop_assert!(l <= piece.max(1) || v.len() == 1 && l == 0);
+                at += l;
+            }
+            prop_assert_eq!(at, len);
+            let (lo, hi) = (v.iter().map(|p| p.1).min().unwrap(), v.iter().map(|p| p.1).max().unwrap());
+            prop_assert!(hi - lo <= 1, "as equal as bytes allow");
+            prop_assert!(v.len() as u64 >= (len / MIN_SHARE).clamp(1, streams as u64));
+        }
     }
 }
