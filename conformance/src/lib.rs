@@ -139,6 +139,7 @@ macro_rules! __each_test {
         $crate::__one_test!($mode, $f, reverse_session);
         $crate::__one_test!($mode, $f, peer_goes_away_mid_transfer);
         $crate::__one_test!($mode, $f, deregister_with_transfers_in_flight);
+        $crate::__one_test!($mode, $f, deregister_after_repeated_ops);
         $crate::__one_test!($mode, $f, cancellation_is_safe);
     };
 }

@@ -1,7 +1,12 @@
-//! The initiating side: one Unix stream to the peer's backend. An op asks the peer to hold the
-//! region (Begin), maps the region from the granted memfd the first time, copies once between
-//! the local slice and the mapping, and releases the region (End). A reader task matches grants
-//! to ops, drops mappings the peer forgets, and fails everything when the peer goes away.
+//! The initiating side: one Unix stream to the peer's backend. The first op on a region (for an
+//! access) asks the peer to hold the region (Begin), maps it from the granted memfd, and copies
+//! once between the local slice and the mapping. The peer grants a lease: the whole region stays
+//! held for this connection, so later ops with the same key and access copy at once, with no
+//! message at all (a 4 KiB op is a memcpy and a completion). Without a lease an op releases the
+//! region when its copy is over (End). A reader task matches grants to ops, and on the peer's
+//! Forget (the region is being deregistered) drops the mapping and ends the leases: once no copy
+//! of the region is in flight it answers Released, which lets the deregistration finish. It
+//! fails everything when the peer goes away.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -20,20 +25,70 @@ use tokio::task::AbortHandle;
 
 use crate::mapping::Mapping;
 use crate::uds::{FrameReader, FrameWriter};
-use crate::wire::{ACCESS_WRITE, Header, Kind, WANT_FD, WRITABLE};
+use crate::wire::{ACCESS_WRITE, Header, Kind, LEASE, WANT_FD, WRITABLE};
 
-/// A peer's answer to a Begin or Notify.
-#[derive(Debug)]
+/// A peer's answer to a Begin (the mapping to copy through, and the lease the op runs on if
+/// the peer granted one) or to a Notify (nothing).
+#[derive(Debug, Default)]
 struct Answer {
-    len: u64,
-    writable: bool,
-    fd: Option<OwnedFd>,
+    map: Option<Arc<Mapping>>,
+    lease: Option<Arc<Lease>>,
+}
+
+/// A request waiting for its answer; for a Begin, what it asked for: (region, key, write).
+#[derive(Debug)]
+struct Pending {
+    tx: oneshot::Sender<Result<Answer>>,
+    begin: Option<(RegionId, tensorwire_core::AccessKey, bool)>,
+}
+
+/// A region the peer holds for this connection until we release it.
+#[derive(Debug)]
+struct Lease {
+    map: Arc<Mapping>,
+    key: tensorwire_core::AccessKey,
+    users: Mutex<Users>,
+}
+
+#[derive(Debug, Default)]
+struct Users {
+    /// Copies running on the lease.
+    copying: usize,
+    /// The peer asked for it back: no new copies.
+    revoked: bool,
+}
+
+impl Lease {
+    /// Starts a copy on the lease; false once it was revoked.
+    fn enter(&self) -> bool {
+        let mut u = self.users.lock();
+        if !u.revoked {
+            u.copying += 1;
+        }
+        !u.revoked
+    }
+
+    /// Ends a copy; true when this was the last one of a revoked lease (release it now).
+    fn exit(&self) -> bool {
+        let mut u = self.users.lock();
+        u.copying -= 1;
+        u.revoked && u.copying == 0
+    }
+
+    /// Revokes it; true when no copy runs (release it now).
+    fn revoke(&self) -> bool {
+        let mut u = self.users.lock();
+        u.revoked = true;
+        u.copying == 0
+    }
 }
 
 #[derive(Debug, Default)]
 struct State {
-    pending: HashMap<u64, oneshot::Sender<Result<Answer>>>,
+    pending: HashMap<u64, Pending>,
     maps: HashMap<RegionId, Arc<Mapping>>,
+    /// Leases by (region, write access).
+    leases: HashMap<(RegionId, bool), Arc<Lease>>,
     dead: Option<Error>,
 }
 
@@ -53,12 +108,22 @@ impl ClientShared {
             if s.dead.is_none() {
                 s.dead = Some(e.clone());
             }
+            s.leases.clear();
             (std::mem::take(&mut s.pending), std::mem::take(&mut s.maps))
         };
-        for (_, tx) in pending {
-            let _ = tx.send(Err(e.clone()));
+        for (_, p) in pending {
+            let _ = p.tx.send(Err(e.clone()));
         }
         drop(maps); // ops still copying hold their own Arc; the last one unmaps
+    }
+
+    /// Tells the peer our leases on `region` are over.
+    async fn released(&self, region: RegionId) {
+        let mut h = Header::new(Kind::Released, 0);
+        h.region = region;
+        if let Err(e) = self.writer.send(&h, &[], None).await {
+            self.kill(e);
+        }
     }
 
     fn alive(&self) -> Result<()> {
@@ -76,7 +141,9 @@ impl ClientShared {
             if let Some(e) = &s.dead {
                 return Err(e.clone());
             }
-            s.pending.insert(h.req, tx);
+            let begin =
+                (h.kind == Kind::Begin).then_some((h.region, h.key, h.flags & ACCESS_WRITE != 0));
+            s.pending.insert(h.req, Pending { tx, begin });
         }
         if let Err(e) = self.writer.send(&h, body, None).await {
             self.state.lock().pending.remove(&h.req);
@@ -137,18 +204,28 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
         };
         match f.h.kind {
             Kind::Forget => {
-                c.state.lock().maps.remove(&f.h.region);
+                let region = f.h.region;
+                let leases: Vec<Arc<Lease>> = {
+                    let mut s = c.state.lock();
+                    s.maps.remove(&region);
+                    [false, true].iter().filter_map(|w| s.leases.remove(&(region, *w))).collect()
+                };
+                // Released once no copy runs; a copy still running sends it when it ends.
+                if !leases.is_empty() && leases.iter().map(|l| l.revoke()).all(|idle| idle) {
+                    c.released(region).await;
+                }
             }
             Kind::Granted | Kind::NotifyAck => {
-                let Some(tx) = c.state.lock().pending.remove(&f.h.req) else {
+                let Some(p) = c.state.lock().pending.remove(&f.h.req) else {
                     break Error::protocol(format!("shm: answer to unknown request {}", f.h.req));
                 };
-                let answer = if f.h.ok {
-                    Ok(Answer { len: f.h.len, writable: f.h.flags & WRITABLE != 0, fd: f.fd })
-                } else {
-                    Err(decode_error(&f.body).unwrap_or_else(|e| e))
+                let answer = match (f.h.ok, p.begin) {
+                    (false, _) => Err(decode_error(&f.body).unwrap_or_else(|e| e)),
+                    (true, None) => Ok(Answer::default()),
+                    // Mapped and leased here, in frame order: a Forget that follows finds them.
+                    (true, Some(asked)) => granted(&c, &f.h, f.fd, asked).await,
                 };
-                let _ = tx.send(answer);
+                let _ = p.tx.send(answer);
             }
             k => break Error::protocol(format!("shm: the server sent a {k:?}")),
         }
@@ -156,46 +233,90 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
     c.kill(err);
 }
 
+/// A Begin was granted: the mapping (new from the descriptor, or the one cached) and, when
+/// the peer leased the region, the lease (with this op's copy entered on it).
+async fn granted(
+    c: &ClientShared,
+    h: &Header,
+    fd: Option<OwnedFd>,
+    (region, key, write): (RegionId, tensorwire_core::AccessKey, bool),
+) -> Result<Answer> {
+    let leased = h.flags & LEASE != 0;
+    let map = {
+        let mut s = c.state.lock();
+        let map = match fd {
+            Some(fd) => Mapping::new(fd, h.len, h.flags & WRITABLE != 0).map(Arc::new).map(|m| {
+                s.maps.insert(region, m.clone());
+                m
+            }),
+            None => s.maps.get(&region).cloned().ok_or_else(|| {
+                Error::protocol("shm: granted without a descriptor for an unmapped region")
+            }),
+        };
+        match (map, leased) {
+            (Ok(map), true) => {
+                let users = Mutex::new(Users { copying: 1, revoked: false });
+                let l = Arc::new(Lease { map: map.clone(), key, users });
+                s.leases.insert((region, write), l.clone());
+                return Ok(Answer { map: Some(map), lease: Some(l) });
+            }
+            (Ok(map), false) => return Ok(Answer { map: Some(map), lease: None }),
+            (Err(e), _) => Err(e),
+        }
+    };
+    if leased {
+        c.released(region).await; // it cannot be used: give it back at once
+    }
+    map
+}
+
 async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<()> {
     let len = op.local().len();
     let region = op.remote().region;
     let write = op.dir() == Direction::Write;
-    let cached = c.state.lock().maps.get(&region).cloned();
+    let (cached, lease) = {
+        let s = c.state.lock();
+        (s.maps.contains_key(&region), s.leases.get(&(region, write)).cloned())
+    };
+    // Held for us already: copy now.
+    if let Some(l) = lease.filter(|l| l.key == op.remote().key) {
+        if l.enter() {
+            let result = copy(&c, &op, &l.map, &gate).await;
+            if l.exit() {
+                c.released(region).await;
+            }
+            result?;
+            return c.alive();
+        }
+    }
     let mut h = Header::new(Kind::Begin, c.next_req.fetch_add(1, Ordering::Relaxed));
     h.region = region;
     h.key = op.remote().key;
     h.offset = op.remote().offset;
     h.len = len;
-    h.flags = if write { ACCESS_WRITE } else { 0 } | if cached.is_none() { WANT_FD } else { 0 };
-    let answer = c.ask(h, &[]).await?;
-    // From here the peer holds the region for us: always release it, whatever happens.
-    let result = copy(&c, &op, cached, answer, &gate).await;
+    h.flags = if write { ACCESS_WRITE } else { 0 } | if cached { 0 } else { WANT_FD } | LEASE;
+    let answer = c.ask(h, &[]).await;
+    // From here the peer holds the region for us (for this op, or leased): release it however
+    // the copy ends. A leased region is released when its lease ends, not per op.
+    let result = match answer {
+        Ok(Answer { lease: Some(l), .. }) => {
+            let r = copy(&c, &op, &l.map, &gate).await;
+            if l.exit() {
+                c.released(region).await;
+            }
+            return r.and_then(|()| c.alive());
+        }
+        Ok(Answer { map: Some(map), .. }) => copy(&c, &op, &map, &gate).await,
+        Ok(Answer { map: None, .. }) => Err(Error::protocol("shm: granted without a mapping")),
+        Err(e) => return Err(e),
+    };
     let end = Header::new(Kind::End, h.req);
-    let released = c.writer.send(&end, &[], None).await;
+    c.writer.send(&end, &[], None).await?;
     result?;
-    released?;
     c.alive()
 }
 
-async fn copy(
-    c: &ClientShared,
-    op: &Op,
-    cached: Option<Arc<Mapping>>,
-    answer: Answer,
-    gate: &CancelGate,
-) -> Result<()> {
-    let map = match (answer.fd, cached) {
-        (Some(fd), _) => {
-            let m = Arc::new(Mapping::new(fd, answer.len, answer.writable)?);
-            let mut s = c.state.lock();
-            if s.dead.is_none() {
-                s.maps.insert(op.remote().region, m.clone());
-            }
-            m
-        }
-        (None, Some(m)) => m,
-        (None, None) => return Err(Error::protocol("shm: granted without a descriptor")),
-    };
+async fn copy(c: &ClientShared, op: &Op, map: &Mapping, gate: &CancelGate) -> Result<()> {
     let len = op.local().len();
     let write = op.dir() == Direction::Write;
     let remote = map.at(op.remote().offset, len, write)?;

@@ -2,7 +2,10 @@
 //! `BackendHost::resolve` (region, key, permission, bounds, deregistration) and the resolved slice
 //! is held until the peer's End, so deregistration waits for the peer's copy exactly as it waits
 //! for local ones. The region's memfd goes with the first grant (read-only unless peers may write).
-//! When the peer goes away, everything it held is released.
+//! A Begin that asks for a lease holds the whole region (checked the same way, for the op's
+//! access) until the peer's `Released`, which it sends after the region's `Forget` once its
+//! copies are over: deregistration waits for it as it waits for a held op. When the peer goes
+//! away, everything it held is released.
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -14,7 +17,7 @@ use tensorwire_core::{Access, BackendHost, Error, MemSlice, RegionId, Result};
 
 use crate::Table;
 use crate::uds::{FrameReader, FrameWriter};
-use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, WANT_FD, WRITABLE};
+use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, LEASE, WANT_FD, WRITABLE};
 
 /// Most ops one peer may hold open at once.
 const MAX_HELD: usize = 1 << 16;
@@ -58,7 +61,7 @@ pub(crate) async fn serve(
     host: Arc<dyn BackendHost>,
     table: Arc<Table>,
 ) {
-    let mut held: HashMap<u64, MemSlice> = HashMap::new();
+    let mut held = Held::default();
     if let Err(e) = serve_inner(&conn, &mut reader, &*host, &table, &mut held).await {
         if !matches!(e, Error::PeerClosed(_)) {
             tracing::warn!(error = %e, "shm: peer connection closed");
@@ -67,12 +70,19 @@ pub(crate) async fn serve(
     // `held` drops here: a peer that vanished mid-copy no longer blocks deregistration.
 }
 
+/// What one peer holds: ops until their End, leases (region, write access) until Released.
+#[derive(Debug, Default)]
+struct Held {
+    ops: HashMap<u64, MemSlice>,
+    leases: HashMap<(RegionId, bool), MemSlice>,
+}
+
 async fn serve_inner(
     conn: &ServerConn,
     reader: &mut FrameReader,
     host: &dyn BackendHost,
     table: &Table,
-    held: &mut HashMap<u64, MemSlice>,
+    held: &mut Held,
 ) -> Result<()> {
     while let Some(f) = reader.next().await? {
         let h = f.h;
@@ -97,13 +107,27 @@ async fn serve_inner(
                     reply(conn, Kind::Granted, h.req, Err(e)).await?;
                     continue;
                 };
-                if held.len() >= MAX_HELD || held.contains_key(&h.req) {
+                if held.ops.len() >= MAX_HELD || held.ops.contains_key(&h.req) {
                     return Err(Error::protocol("shm: too many open ops, or a reused request id"));
                 }
-                held.insert(h.req, slice);
                 let mut g = Header::new(Kind::Granted, h.req);
                 g.region = h.region;
                 g.len = share.len;
+                // A lease: the whole region, for this access, until the peer releases it.
+                let write = access == Access::Write;
+                let whole = tensorwire_core::RemoteRange { offset: 0, len: share.len, ..h.range() };
+                let lease = (h.flags & LEASE != 0 && !held.leases.contains_key(&(h.region, write)))
+                    .then(|| host.resolve(whole, access).ok())
+                    .flatten();
+                match lease {
+                    Some(whole) => {
+                        held.leases.insert((h.region, write), whole);
+                        g.flags |= LEASE;
+                    }
+                    None => {
+                        held.ops.insert(h.req, slice);
+                    }
+                }
                 let mut fd = None;
                 if h.flags & WANT_FD != 0 {
                     g.flags |= HAS_FD | if share.writable { WRITABLE } else { 0 };
@@ -111,9 +135,21 @@ async fn serve_inner(
                     conn.mapped.lock().insert(h.region);
                 }
                 conn.writer.send(&g, &[], fd).await?;
+                // Deregistered meanwhile (its gate closed after the resolve): the Forget that
+                // deregistration sent may have come before this lease existed. Say it again,
+                // so the peer releases the lease and the deregistration can finish.
+                if g.flags & LEASE != 0 && table.get(h.region).is_none() {
+                    let mut f = Header::new(Kind::Forget, 0);
+                    f.region = h.region;
+                    conn.writer.send(&f, &[], None).await?;
+                }
             }
             Kind::End => {
-                held.remove(&h.req);
+                held.ops.remove(&h.req);
+            }
+            Kind::Released => {
+                held.leases.remove(&(h.region, false));
+                held.leases.remove(&(h.region, true));
             }
             Kind::Notify => {
                 let r = host.deliver(Bytes::from(f.body));

@@ -8,6 +8,12 @@
 //! ```
 //! Body that follows: Notify: `len` bytes; Granted or NotifyAck with status Err: `len` bytes of
 //! encoded error; nothing otherwise (a Granted ok's `len` is the region length).
+//!
+//! Leases (version 2): a Begin with [`LEASE`] asks to hold the whole region for this connection.
+//! A Granted with [`LEASE`] says it is held until the client's `Released`: the client runs later
+//! ops on it (same key and access) without asking, and sends no End for them. When the region is
+//! deregistered the server sends `Forget`; the client stops using the lease, waits for its copies
+//! in flight, and answers `Released`, which lets the deregistration finish.
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
@@ -16,7 +22,7 @@ use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
 pub const HEADER_LEN: usize = 56;
 /// The protocol's magic ("TS"), version and largest body.
 pub const FRAMING: Framing =
-    Framing { name: "shm", magic: *b"TS", version: 1, max_payload: MAX_NOTIFY_WIRE as u32 };
+    Framing { name: "shm", magic: *b"TS", version: 2, max_payload: MAX_NOTIFY_WIRE as u32 };
 
 /// Begin: the client wants the region's memfd with the grant.
 pub const WANT_FD: u8 = 1;
@@ -26,7 +32,9 @@ pub const ACCESS_WRITE: u8 = 2;
 pub const HAS_FD: u8 = 4;
 /// Granted: the memfd may be mapped writable.
 pub const WRITABLE: u8 = 8;
-const KNOWN_FLAGS: u8 = WANT_FD | ACCESS_WRITE | HAS_FD | WRITABLE;
+/// Begin: hold the whole region until released; Granted: it is held (a lease).
+pub const LEASE: u8 = 16;
+const KNOWN_FLAGS: u8 = WANT_FD | ACCESS_WRITE | HAS_FD | WRITABLE | LEASE;
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,8 +49,10 @@ pub enum Kind {
     Notify,
     /// Server: the notification was delivered, or the error.
     NotifyAck,
-    /// Server: a region was deregistered; drop its mapping.
+    /// Server: a region was deregistered; drop its mapping (and release its leases).
     Forget,
+    /// Client: its leases on `region` are over and no copy of it is in flight.
+    Released,
 }
 
 impl Kind {
@@ -54,6 +64,7 @@ impl Kind {
             Kind::Notify => 4,
             Kind::NotifyAck => 5,
             Kind::Forget => 6,
+            Kind::Released => 7,
         }
     }
     fn from_tag(t: u8) -> Result<Kind> {
@@ -64,6 +75,7 @@ impl Kind {
             4 => Kind::Notify,
             5 => Kind::NotifyAck,
             6 => Kind::Forget,
+            7 => Kind::Released,
             _ => return Err(Error::protocol(format!("shm: unknown frame kind {t}"))),
         })
     }

@@ -76,6 +76,39 @@ pub async fn deregister_with_transfers_in_flight(f: &dyn PairFactory) {
     assert_eq!(pair.b.region_count(), 0);
 }
 
+/// A region that several ops used (a backend may keep state for it between ops: a lease, a
+/// cached grant) deregisters within its bound while a 64 MiB WRITE lands in it; later WRITEs and
+/// READs, on the same cached path, are refused.
+pub async fn deregister_after_repeated_ops(f: &dyn PairFactory) {
+    let (pair, s) = connected(f).await;
+    let len = 64u64 << 20;
+    let src = pair.a.alloc(len, Permissions::NONE).await.unwrap();
+    src.write_bytes(0, &pattern(len as usize, 9)).unwrap();
+    let dst = pair.b.alloc(len, Permissions::READ_WRITE).await.unwrap();
+    let remote = dst.remote();
+    for i in 0..4u64 {
+        let op = TransferOp::write(&src, i * 4096, &remote, i * 4096, 4096);
+        bounded("small write", s.transfer(op)).await.unwrap();
+        let op = TransferOp::read(&src, len - 4096, &remote, i * 4096, 4096);
+        bounded("small read", s.transfer(op)).await.unwrap();
+    }
+    assert_eq!(dst.to_vec(0, 4 * 4096).unwrap(), pattern(len as usize, 9)[..4 * 4096]);
+    let mut hs = s.submit(vec![TransferOp::write(&src, 0, &remote, 0, len)]).await;
+    let h = hs.pop().unwrap();
+    bounded("deregister", dst.deregister()).await.expect("deregister waits, then succeeds");
+    if let Err(e) = bounded("in-flight write", h).await {
+        assert!(matches!(e, Error::NotFound(Missing::Deregistered(_))), "in-flight op: {e}");
+    }
+    let e = bounded("write after", s.transfer(TransferOp::write(&src, 0, &remote, 0, 8)))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotFound(Missing::Deregistered(_))), "{e}");
+    let e = bounded("read after", s.transfer(TransferOp::read(&src, 0, &remote, 0, 8)))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotFound(Missing::Deregistered(_))), "{e}");
+}
+
 /// Dropping the handle of a 64 MiB READ cancels it: once the drop returns, the destination does not
 /// change any more (checked after another transfer on the same session has completed).
 pub async fn cancellation_is_safe(f: &dyn PairFactory) {
