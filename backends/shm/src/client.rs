@@ -47,6 +47,8 @@ struct Pending {
 struct Lease {
     map: Arc<Mapping>,
     key: tensorwire_core::AccessKey,
+    /// What it leases: (region, write access).
+    of: (RegionId, bool),
     users: Mutex<Users>,
 }
 
@@ -117,10 +119,11 @@ impl ClientShared {
         drop(maps); // ops still copying hold their own Arc; the last one unmaps
     }
 
-    /// Tells the peer our leases on `region` are over.
-    async fn released(&self, region: RegionId) {
+    /// Tells the peer our lease on `region` for (write) access is over.
+    async fn released(&self, (region, write): (RegionId, bool)) {
         let mut h = Header::new(Kind::Released, 0);
         h.region = region;
+        h.flags = if write { ACCESS_WRITE } else { 0 };
         if let Err(e) = self.writer.send(&h, &[], None).await {
             self.kill(e);
         }
@@ -210,9 +213,12 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
                     s.maps.remove(&region);
                     [false, true].iter().filter_map(|w| s.leases.remove(&(region, *w))).collect()
                 };
-                // Released once no copy runs; a copy still running sends it when it ends.
-                if !leases.is_empty() && leases.iter().map(|l| l.revoke()).all(|idle| idle) {
-                    c.released(region).await;
+                // Each is released once no copy runs on it; a copy still running releases it
+                // when it ends.
+                for l in leases {
+                    if l.revoke() {
+                        c.released(l.of).await;
+                    }
                 }
             }
             Kind::Granted | Kind::NotifyAck => {
@@ -245,10 +251,9 @@ async fn granted(
     let map = {
         let mut s = c.state.lock();
         let map = match fd {
-            Some(fd) => Mapping::new(fd, h.len, h.flags & WRITABLE != 0).map(Arc::new).map(|m| {
-                s.maps.insert(region, m.clone());
-                m
-            }),
+            Some(fd) => Mapping::new(fd, h.len, h.flags & WRITABLE != 0)
+                .map(Arc::new)
+                .inspect(|m| drop(s.maps.insert(region, m.clone()))),
             None => s.maps.get(&region).cloned().ok_or_else(|| {
                 Error::protocol("shm: granted without a descriptor for an unmapped region")
             }),
@@ -256,7 +261,7 @@ async fn granted(
         match (map, leased) {
             (Ok(map), true) => {
                 let users = Mutex::new(Users { copying: 1, revoked: false });
-                let l = Arc::new(Lease { map: map.clone(), key, users });
+                let l = Arc::new(Lease { map: map.clone(), key, of: (region, write), users });
                 s.leases.insert((region, write), l.clone());
                 return Ok(Answer { map: Some(map), lease: Some(l) });
             }
@@ -265,7 +270,7 @@ async fn granted(
         }
     };
     if leased {
-        c.released(region).await; // it cannot be used: give it back at once
+        c.released((region, write)).await; // it cannot be used: give it back at once
     }
     map
 }
@@ -283,7 +288,7 @@ async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<(
         if l.enter() {
             let result = copy(&c, &op, &l.map, &gate).await;
             if l.exit() {
-                c.released(region).await;
+                c.released(l.of).await;
             }
             result?;
             return c.alive();
@@ -302,7 +307,7 @@ async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<(
         Ok(Answer { lease: Some(l), .. }) => {
             let r = copy(&c, &op, &l.map, &gate).await;
             if l.exit() {
-                c.released(region).await;
+                c.released(l.of).await;
             }
             return r.and_then(|()| c.alive());
         }

@@ -148,8 +148,7 @@ async fn serve_inner(
                 held.ops.remove(&h.req);
             }
             Kind::Released => {
-                held.leases.remove(&(h.region, false));
-                held.leases.remove(&(h.region, true));
+                held.leases.remove(&(h.region, h.flags & ACCESS_WRITE != 0));
             }
             Kind::Notify => {
                 let r = host.deliver(Bytes::from(f.body));

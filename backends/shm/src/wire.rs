@@ -51,7 +51,8 @@ pub enum Kind {
     NotifyAck,
     /// Server: a region was deregistered; drop its mapping (and release its leases).
     Forget,
-    /// Client: its leases on `region` are over and no copy of it is in flight.
+    /// Client: its lease on `region` for the access its flags name ([`ACCESS_WRITE`] or not)
+    /// is over, and no copy on it is in flight.
     Released,
 }
 
