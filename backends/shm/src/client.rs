@@ -321,6 +321,45 @@ async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<(
     c.alive()
 }
 
+/// Ops on a leased region are copied right here, in `submit`, up to this many bytes per call:
+/// no task to spawn and no thread to wake, which on an idle machine costs more than a small
+/// copy. The caller waits for at most this much copying (about 25 us); larger ops, and the rest
+/// of a larger batch, run on the runtime's workers.
+const INLINE: u64 = 1 << 20;
+
+/// Copies `op` now if it fits in `budget` (which it then uses up) and its region is leased for
+/// its access and key; `None` otherwise (the op goes the usual way).
+fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>> {
+    let len = op.local().len();
+    if len == 0 || len > *budget {
+        return None;
+    }
+    let write = op.dir() == Direction::Write;
+    let l = c.state.lock().leases.get(&(op.remote().region, write)).cloned()?;
+    if l.key != op.remote().key || !l.enter() {
+        return None;
+    }
+    *budget -= len;
+    let copied = l.map.at(op.remote().offset, len, write).map(|remote| {
+        let local = op.local().ptr() as usize;
+        let (src, dst) = if write { (local, remote) } else { (remote, local) };
+        // SAFETY: `op.local()` is a live registered slice of `len` bytes held by `op` for this
+        // call; `remote` is inside the lease's mapping (checked by `at`), which `l` keeps mapped;
+        // the peer holds its region for the lease, which this copy entered. `ptr::copy`
+        // tolerates overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+    });
+    if l.exit() {
+        // Revoked meanwhile and this was its last copy: release it from a task (submit runs
+        // inside the engine's runtime).
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let c = c.clone();
+            rt.spawn(async move { c.released(l.of).await });
+        }
+    }
+    Some(copied.and_then(|()| c.alive()))
+}
+
 async fn copy(c: &ClientShared, op: &Op, map: &Mapping, gate: &CancelGate) -> Result<()> {
     let len = op.local().len();
     let write = op.dir() == Direction::Write;
@@ -340,8 +379,12 @@ impl Connection for ShmConnection {
     }
 
     fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
+        let mut budget = INLINE;
         ops.into_iter()
             .map(|op| {
+                if let Some(done) = inline(&self.shared, &op, &mut budget) {
+                    return tensorwire_core::backend::kit::ready(done);
+                }
                 let c = self.shared.clone();
                 spawn_cancellable(move |gate| async move {
                     if op.local().is_empty() { c.alive() } else { run_op(c, op, gate).await }
