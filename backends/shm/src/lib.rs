@@ -7,9 +7,12 @@
 //!   Regions peers may only read are passed as read-only descriptors (mapped `PROT_READ`). A
 //!   writable grant is also readable: `mmap` cannot express write-only.
 //! - **One copy.** The initiator copies between its local slice and its mapping of the peer's
-//!   region; the control messages around it (Begin/Granted/End, 56-byte frames) make the peer hold
-//!   the region open while the copy runs, so deregistration waits for remote copies too. Waiting is
-//!   on the socket (epoll), never a spinning poll.
+//!   region. The first op on a region asks the peer to hold it (Begin/Granted, 56-byte frames)
+//!   and is granted a lease: the region stays held for the connection, and later ops with the
+//!   same key and access copy with no message (inline in `submit` up to 1 MiB per call).
+//!   Deregistration revokes the lease (Forget; the client answers Released once its copies are
+//!   over), so it waits for remote copies as for local ones. Waiting is on the socket (epoll),
+//!   never a spinning poll.
 //! - **Fallback.** Caller-registered (raw) memory has no memfd: `register` returns no blob for
 //!   it, so the engine picks its next backend (tcp) for ops on such regions.
 //! - **Cleanup.** Mappings of a peer's memory are dropped when the peer deregisters the region
