@@ -1084,7 +1084,7 @@ mod tests {
         /// for release.
         #[test]
         fn a_restart_from_the_journal_loses_and_repeats_nothing(
-            before in proptest::collection::vec((0u8..5, 0u64..8), 1..120),
+            before in proptest::collection::vec((0u8..6, 0u64..8), 1..120),
             claims in proptest::collection::vec(0u8..2, 0..40),
         ) {
             use std::collections::{BTreeMap, BTreeSet};
@@ -1104,6 +1104,8 @@ mod tests {
                 d.join(s, 2, "h", vec![], (), t(0));
             }
             let done = |key: ItemKey, n: &mut u64| { *n += 1; format!("{}:{:?}:{n}", key.request, key.stage).into_bytes() };
+            // Denoise jobs that yielded with a checkpoint, until their next dispatch.
+            let mut yielded: BTreeMap<ItemKey, Vec<u8>> = BTreeMap::new();
             // Life one.
             for (i, (op, b)) in before.into_iter().enumerate() {
                 let now = t(i as u64);
@@ -1117,14 +1119,28 @@ mod tests {
                             *accepted.entry(key).or_default() += 1;
                         }
                     }
+                    5 => {
+                        // A denoise job yields at step 7 (preempted, or its worker drains).
+                        if let Some(i) = running.iter().position(|r| r.1.stage == Stage::Denoise) {
+                            let (w, key, _) = running.swap_remove(i);
+                            let cp = format!("cp {}:{b}", key.request).into_bytes();
+                            proptest::prop_assert!(d.yielded(w, key, 7, cp.clone(), now));
+                            yielded.insert(key, cp);
+                        }
+                    }
                     _ if !running.is_empty() => {
                         let (w, key, _) = running.swap_remove((b as usize) % running.len());
                         d.result(w, key, StageResult::Failed("x".into()), now);
+                        yielded.remove(&key); // a failed try does not resume
                     }
                     _ => {}
                 }
                 for a in d.dispatch(now) {
-                    running.push((a.dispatch.worker, a.dispatch.item.key, a.dispatch.item.attempt));
+                    let key = a.dispatch.item.key;
+                    if let Some(cp) = yielded.remove(&key) {
+                        proptest::prop_assert_eq!(a.resume, Some((7, &cp[..])), "resumes from its yield");
+                    }
+                    running.push((a.dispatch.worker, key, a.dispatch.item.attempt));
                 }
                 for e in d.take_outcomes() { *ended.entry(e.outcome.request()).or_default() += 1; }
                 // What the service syncs each turn.
@@ -1163,7 +1179,16 @@ mod tests {
                         *accepted.entry(key).or_default() += 1;
                     }
                 }
-                for a in d.dispatch(now) { running.push((a.dispatch.worker, a.dispatch.item.key)); }
+                for a in d.dispatch(now) {
+                    let key = a.dispatch.item.key;
+                    if let Some(cp) = yielded.remove(&key) {
+                        // Queued at once after the restart (nobody runs it to claim it), with
+                        // its checkpoint.
+                        proptest::prop_assert!(now < t0 + grace, "a yielded job waited out the grace");
+                        proptest::prop_assert_eq!(a.resume, Some((7, &cp[..])));
+                    }
+                    running.push((a.dispatch.worker, key));
+                }
                 for e in d.take_outcomes() { *ended.entry(e.outcome.request()).or_default() += 1; }
                 for r in d.releases().into_iter().map(|r| (r.id, r.request, r.outputs.to_vec())).collect::<Vec<_>>() {
                     let want = reported.get(&r.1).cloned().unwrap_or_default();
