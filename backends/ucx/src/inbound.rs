@@ -3,6 +3,11 @@
 //! bounds) and, when granted, the resolved slice is held (the region's in-flight gate stays
 //! open, so deregistration waits) until the peer's End; notifications go to the engine.
 //!
+//! A Begin that asks for a lease, and may have one (the whole region resolves for its access),
+//! holds the whole region for the connection: the peer runs later ops on it with no Begin. When
+//! the region is deregistered the peer is told (Forget) and the lease is held until its Released,
+//! sent once its ops on it are over.
+//!
 //! The grant is what makes one-sided access safe here: a peer learns the address of a range only
 //! after the check, moves bytes only inside it, and the range stays registered until End. The
 //! packed key alone (in the region's blob) grants nothing to a peer that follows this protocol;
@@ -18,7 +23,7 @@ use tensorwire_core::{Error, Result};
 
 use crate::ffi::{Endpoint, MemHandle};
 use crate::progress::{Graveyard, INBOUND, Progress};
-use crate::wire::{Kind, Msg, OK, WRITE};
+use crate::wire::{Kind, LEASE, Msg, OK, WRITE};
 
 /// Regions one peer may hold at once (Begin without End).
 const MAX_HOLDS: usize = 1 << 16;
@@ -41,6 +46,8 @@ impl Hold {
 #[derive(Debug)]
 pub(crate) struct InConn {
     pub(crate) holds: HashMap<u64, Hold>,
+    /// Whole regions leased, by (region, write access), until the peer's Released.
+    pub(crate) leases: HashMap<(tensorwire_core::RegionId, bool), Hold>,
     pub(crate) ep: Endpoint,
 }
 
@@ -62,7 +69,7 @@ impl Progress {
             tracing::warn!(error = %e, "ucx: cannot answer a hello");
             return;
         }
-        self.inb.insert(msg.conn, InConn { holds: HashMap::new(), ep });
+        self.inb.insert(msg.conn, InConn { holds: HashMap::new(), leases: HashMap::new(), ep });
     }
 
     fn check(&self, msg: &Msg<'_>, held: usize) -> Result<MemSlice> {
@@ -88,11 +95,34 @@ impl Progress {
             return;
         };
         let checked = self.check(msg, held);
+        let write = msg.flags & WRITE != 0;
+        let wanted = msg.flags & LEASE != 0
+            && self
+                .inb
+                .get(&msg.conn)
+                .is_some_and(|c| !c.leases.contains_key(&(msg.region, write)));
+        // The lease: the whole region, checked the same way for this access.
+        let lease = match (&checked, wanted, self.lengths.get(&msg.region)) {
+            (Ok(_), true, Some(&len)) if len > 0 => {
+                self.check(&Msg { offset: 0, len, ..*msg }, held).ok()
+            }
+            _ => None,
+        };
         let memh = self.regions.get(&msg.region).cloned();
         let Some(c) = self.inb.get_mut(&msg.conn) else { return };
         let (answer, err);
-        match checked {
-            Ok(slice) => {
+        match (checked, lease) {
+            (Ok(_), Some(whole)) => {
+                answer = Msg {
+                    flags: OK | LEASE,
+                    region: msg.region,
+                    offset: whole.ptr() as u64,
+                    len: whole.len(),
+                    ..Msg::new(Kind::Granted, msg.conn, msg.req)
+                };
+                c.leases.insert((msg.region, write), Hold { slice: whole, memh });
+            }
+            (Ok(slice), None) => {
                 answer = Msg {
                     flags: OK,
                     region: msg.region,
@@ -102,7 +132,7 @@ impl Progress {
                 };
                 c.holds.insert(msg.req, Hold { slice, memh });
             }
-            Err(e) => {
+            (Err(e), _) => {
                 err = encode_error(&e);
                 answer = Msg {
                     region: msg.region,
@@ -120,6 +150,25 @@ impl Progress {
     pub(crate) fn end(&mut self, msg: &Msg<'_>) {
         if let Some(c) = self.inb.get_mut(&msg.conn) {
             c.holds.remove(&msg.req);
+        }
+    }
+
+    /// A peer's lease is over (its ops on it are flushed): the region goes back.
+    pub(crate) fn released(&mut self, msg: &Msg<'_>) {
+        if let Some(c) = self.inb.get_mut(&msg.conn) {
+            c.leases.remove(&(msg.region, msg.flags & WRITE != 0));
+        }
+    }
+
+    /// `region` is being deregistered: every peer leasing it is told to give it back.
+    pub(crate) fn forget(&mut self, region: tensorwire_core::RegionId) {
+        for (&conn, c) in &self.inb {
+            if c.leases.keys().any(|(r, _)| *r == region) {
+                let m = Msg { region, ..Msg::new(Kind::Forget, conn, 0) };
+                if let Err(e) = self.tokens.send(&c.ep, conn | INBOUND, &m) {
+                    tracing::warn!(error = %e, "ucx: cannot tell a peer a region is going");
+                }
+            }
         }
     }
 
@@ -148,7 +197,7 @@ impl Progress {
     pub(crate) fn drop_inbound(&mut self, conn: u64, why: &Error) {
         if let Some(c) = self.inb.remove(&conn) {
             tracing::debug!(conn, held = c.holds.len(), reason = %why, "ucx: peer connection over");
-            for (_, hold) in c.holds {
+            for hold in c.holds.into_values().chain(c.leases.into_values()) {
                 hold.bury(&mut self.graveyard);
             }
         }

@@ -10,7 +10,11 @@
 //!   after `ucp_ep_flush_nbx`, so its bytes are at the peer before anything that follows.
 //! - **Access control.** Before moving bytes, an op asks the target (active message Begin) to check
 //!   it through the engine: region, key, permission, bounds. Only a granted op learns the address of
-//!   its range; the target holds the range (deregistration waits) until the op's End. UCX itself
+//!   its range; the target holds the range (deregistration waits) until the op's End. The first op
+//!   on a region is granted a lease on the whole region (checked the same way, for its access):
+//!   later ops with the same key and access start at once, with no Begin and no End, their range
+//!   checked against the lease. Deregistration tells the initiator (Forget), which gives the lease
+//!   back (Released) once its ops on it are flushed; deregistration waits for that. UCX itself
 //!   does not bound what a modified peer does with a packed key on tcp or shared-memory transports
 //!   (CMA lets any same-user process write anywhere): trust peers as you trust UCX's.
 //! - **Notifications** are active messages, sent once every op submitted before them completed,

@@ -3,6 +3,11 @@
 //! (at most `window` in flight), a WRITE then flushes the endpoint so the bytes are in place at
 //! the peer, and End releases the region; the op is dropped (releasing the engine's notification
 //! fence) only then. A notification is acknowledged by the target.
+//!
+//! Every Begin asks for a lease. Once the target grants one, later ops on the region with the
+//! same key and access start at once, with no Begin and no End (the op's range is checked here
+//! against the leased region). On the target's Forget the lease takes no new ops; once those on
+//! it finished (flushed), Released goes back.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
@@ -19,7 +24,7 @@ use tokio::sync::oneshot;
 use crate::ffi::{self, Endpoint, MemHandle, RemoteKey, Rma, Started};
 use crate::gate::OpGate;
 use crate::progress::{Graveyard, INBOUND, Progress, Submitted, Token};
-use crate::wire::{Kind, Msg, WRITE};
+use crate::wire::{Kind, LEASE, Msg, WRITE};
 
 /// Remote keys cached per connection before the cache starts over.
 const MAX_RKEYS: usize = 4096;
@@ -41,6 +46,22 @@ pub(crate) struct OutConn {
     next_req: u64,
     ops: HashSet<u64>,
     closing: bool,
+    /// Whole regions the peer leased to this connection, by (region, write access).
+    leases: HashMap<(RegionId, bool), Lease>,
+}
+
+/// A region the peer holds for this connection until Released.
+#[derive(Debug)]
+struct Lease {
+    /// The region's base address at the peer, and its length.
+    base: u64,
+    len: u64,
+    key: tensorwire_core::AccessKey,
+    rkey: Rc<RemoteKey>,
+    /// Ops running on it.
+    users: u32,
+    /// The peer asked for it back: no new ops.
+    revoked: bool,
 }
 
 impl OutConn {
@@ -90,6 +111,8 @@ pub(crate) struct OpState {
     flushing: bool,
     /// Requests were forgotten after a forced close (see `Progress::abandon`).
     abandoned: bool,
+    /// It runs on a lease (no End; the lease counts it).
+    leased: bool,
     error: Option<Error>,
     gate: Arc<OpGate>,
     done: oneshot::Sender<Result<()>>,
@@ -97,6 +120,40 @@ pub(crate) struct OpState {
 }
 
 impl OpState {
+    /// An op submitted on `conn` (request `req` of its Begin; 0 on a lease), not yet granted.
+    fn new(
+        conn: u64,
+        req: u64,
+        write: bool,
+        memh: Option<Rc<MemHandle>>,
+        s: Submitted,
+        now: Instant,
+    ) -> OpState {
+        let blob = s.op.remote().blob.clone();
+        OpState {
+            conn,
+            req,
+            write,
+            memh,
+            region: s.op.remote().region,
+            blob: (!blob.is_empty()).then_some(blob),
+            rkey: None,
+            addr: 0,
+            next: 0,
+            inflight: 0,
+            granted: false,
+            flush_started: false,
+            flushing: false,
+            abandoned: false,
+            leased: false,
+            error: None,
+            gate: s.gate,
+            done: s.done,
+            work: s.op,
+            last: now,
+        }
+    }
+
     /// Whether requests are outstanding with no progress for `bound`.
     pub(crate) fn stalled(&self, now: Instant, bound: Duration) -> bool {
         (self.inflight > 0 || self.flushing) && now.duration_since(self.last) > bound
@@ -155,6 +212,7 @@ impl Progress {
                 next_req: HELLO + 1,
                 ops: HashSet::new(),
                 closing: false,
+                leases: HashMap::new(),
             },
         );
     }
@@ -187,10 +245,30 @@ impl Progress {
                 continue;
             }
             let write = s.op.dir() == Direction::Write;
+            let region = s.op.remote().region;
+            let memh = self.regions.get(&s.op.local().region_id()).cloned();
+            // On a lease: start now, no Begin.
+            let (off, len) = (s.op.remote().offset, s.op.local().len());
+            if let Some(l) = c.leases.get_mut(&(region, write)).filter(|l| {
+                !l.revoked
+                    && l.key == s.op.remote().key
+                    && off.checked_add(len).is_some_and(|end| end <= l.len)
+            }) {
+                l.users += 1;
+                self.next_op += 1;
+                let id = self.next_op;
+                c.ops.insert(id);
+                let mut op = OpState::new(conn, 0, write, memh, s, now);
+                (op.granted, op.leased, op.addr, op.rkey) =
+                    (true, true, l.base + off, Some(l.rkey.clone()));
+                self.ops.insert(id, op);
+                self.runnable.insert((len, id));
+                continue;
+            }
             let req = c.next_req;
             c.next_req += 1;
             let begin = Msg {
-                flags: if write { WRITE } else { 0 },
+                flags: if write { WRITE | LEASE } else { LEASE },
                 region: s.op.remote().region,
                 key: s.op.remote().key,
                 offset: s.op.remote().offset,
@@ -206,32 +284,26 @@ impl Progress {
             c.grants.insert(req, id);
             c.deadlines.push_back((now + self.cfg.answer_timeout, req));
             c.ops.insert(id);
-            let memh = self.regions.get(&s.op.local().region_id()).cloned();
-            let blob = s.op.remote().blob.clone();
-            self.ops.insert(
-                id,
-                OpState {
-                    conn,
-                    req,
-                    write,
-                    memh,
-                    region: s.op.remote().region,
-                    blob: (!blob.is_empty()).then_some(blob),
-                    rkey: None,
-                    addr: 0,
-                    next: 0,
-                    inflight: 0,
-                    granted: false,
-                    flush_started: false,
-                    flushing: false,
-                    abandoned: false,
-                    error: None,
-                    gate: s.gate,
-                    done: s.done,
-                    work: s.op,
-                    last: now,
-                },
-            );
+            self.ops.insert(id, OpState::new(conn, req, write, memh, s, now));
+        }
+    }
+
+    /// The target is deregistering `msg.region`: its leases take no new ops and go back once
+    /// their ops are over.
+    pub(crate) fn forgotten(&mut self, msg: &Msg<'_>) {
+        let Some(c) = self.out.get_mut(&msg.conn) else { return };
+        c.rkeys.remove(&msg.region);
+        let mut idle = Vec::new();
+        for write in [false, true] {
+            if let Some(l) = c.leases.get_mut(&(msg.region, write)) {
+                l.revoked = true;
+                if l.users == 0 {
+                    idle.push(write);
+                }
+            }
+        }
+        for write in idle {
+            release(&mut self.tokens, c, msg.conn, (msg.region, write));
         }
     }
 
@@ -254,7 +326,27 @@ impl Progress {
         }
         op.granted = true;
         op.addr = msg.offset;
-        let rkey = if msg.len != op.work.local().len() {
+        let leased = msg.flags & LEASE != 0;
+        let (off, len) = (op.work.remote().offset, op.work.local().len());
+        let rkey = if leased {
+            // The whole region: this op's range is inside it, at its offset.
+            match off.checked_add(len).filter(|&end| end <= msg.len) {
+                Some(_) => rkey_for(c, op.region, op.blob.as_ref()).inspect(|k| {
+                    op.addr = msg.offset + off;
+                    op.leased = true;
+                    let lease = Lease {
+                        base: msg.offset,
+                        len: msg.len,
+                        key: op.work.remote().key,
+                        rkey: k.clone(),
+                        users: 1,
+                        revoked: false,
+                    };
+                    c.leases.insert((op.region, op.write), lease);
+                }),
+                None => Err(Error::protocol("ucx: a lease that does not cover its op")),
+            }
+        } else if msg.len != op.work.local().len() {
             Err(Error::protocol(format!(
                 "ucx: granted {} bytes of {}",
                 msg.len,
@@ -272,6 +364,11 @@ impl Progress {
             }
             Err(e) => {
                 op.error = Some(e);
+                if leased && !op.leased {
+                    // Granted, yet unusable here: give the region back at once.
+                    op.granted = false;
+                    release(&mut self.tokens, c, msg.conn, (op.region, op.write));
+                }
                 self.pump(id);
             }
         }
@@ -402,12 +499,22 @@ impl Progress {
         }
     }
 
-    /// Releases the peer's hold (End), resolves the completion, drops the op's memory.
+    /// Releases the peer's hold (End; for an op on a lease, the lease once revoked and
+    /// unused), resolves the completion, drops the op's memory.
     fn finish(&mut self, id: u64) {
         let Some(op) = self.ops.remove(&id) else { return };
         if let Some(c) = self.out.get_mut(&op.conn) {
             c.ops.remove(&id);
-            if op.granted && c.dead.is_none() {
+            if op.leased {
+                let of = (op.region, op.write);
+                let done = c.leases.get_mut(&of).map(|l| {
+                    l.users = l.users.saturating_sub(1);
+                    l.revoked && l.users == 0
+                });
+                if done == Some(true) && c.dead.is_none() {
+                    release(&mut self.tokens, c, op.conn, of);
+                }
+            } else if op.granted && c.dead.is_none() {
                 let end = Msg::new(Kind::End, op.conn, op.req);
                 if let Err(e) = self.tokens.send(&c.ep, op.conn, &end) {
                     tracing::warn!(error = %e, "ucx: could not release a region at the peer");
@@ -549,6 +656,19 @@ impl Progress {
 }
 
 /// The connection's unpacked key for `region`, unpacking `blob` the first time.
+/// Gives a revoked, unused lease back to the peer.
+fn release(tokens: &mut crate::progress::Tokens, c: &mut OutConn, conn: u64, of: (RegionId, bool)) {
+    c.leases.remove(&of);
+    let m = Msg {
+        flags: if of.1 { WRITE } else { 0 },
+        region: of.0,
+        ..Msg::new(Kind::Released, conn, 0)
+    };
+    if let Err(e) = tokens.send(&c.ep, conn, &m) {
+        tracing::warn!(error = %e, "ucx: could not give a lease back to the peer");
+    }
+}
+
 fn rkey_for(c: &mut OutConn, region: RegionId, blob: Option<&Bytes>) -> Result<Rc<RemoteKey>> {
     let Some(blob) = blob else {
         return Err(Error::protocol(format!("ucx: region {} carries no ucx remote key", region.0)));

@@ -291,6 +291,8 @@ pub(crate) struct Progress {
     pub(crate) host: Option<Arc<dyn BackendHost>>,
     /// Local registrations; ops and holds keep their own `Rc`, so unmapping waits for them.
     pub(crate) regions: HashMap<RegionId, Rc<MemHandle>>,
+    /// Their lengths (a lease covers the whole region).
+    pub(crate) lengths: HashMap<RegionId, u64>,
     pub(crate) out: HashMap<u64, OutConn>,
     pub(crate) inb: HashMap<u64, InConn>,
     pub(crate) ops: HashMap<u64, OpState>,
@@ -319,6 +321,7 @@ impl Progress {
             address,
             host: None,
             regions: HashMap::new(),
+            lengths: HashMap::new(),
             out: HashMap::new(),
             inb: HashMap::new(),
             ops: HashMap::new(),
@@ -484,6 +487,8 @@ impl Progress {
             Kind::Granted => self.granted(&msg),
             Kind::NotifyAck => self.notify_ack(&msg),
             Kind::Bye => self.kill(msg.conn, Error::PeerClosed("ucx: the peer shut down".into())),
+            Kind::Forget => self.forgotten(&msg),
+            Kind::Released => self.released(&msg),
         }
     }
 
@@ -495,6 +500,8 @@ impl Progress {
             }
             Cmd::Deregister(id) => {
                 self.regions.remove(&id);
+                self.lengths.remove(&id);
+                self.forget(id);
             }
             Cmd::Allocate { len, reply } => {
                 let r = usize::try_from(len)
@@ -555,6 +562,7 @@ impl Progress {
             });
         }
         self.regions.insert(info.id, memh);
+        self.lengths.insert(info.id, info.len);
         Ok(Some(Bytes::from(blob)))
     }
 
@@ -588,12 +596,13 @@ impl Progress {
             op.fail_now(e, &mut self.graveyard);
         }
         for (_, c) in self.inb.drain() {
-            for (_, hold) in c.holds {
+            for hold in c.holds.into_values().chain(c.leases.into_values()) {
                 hold.bury(&mut self.graveyard);
             }
         }
         self.out.clear();
         self.regions.clear();
+        self.lengths.clear();
         // Memory handed out by `Allocate` and not yet freed may still be in use by its owner:
         // leak it (and so the UCX context) rather than unmap it under them.
         for (_, (_, m)) in self.allocations.drain() {

@@ -9,6 +9,12 @@
 //! `offset` of a Granted is the absolute address of the granted range in the target's memory. The
 //! body is the initiator's worker address (Hello), the user message (Notify), or an encoded error
 //! (Granted, HelloAck or NotifyAck without the OK flag).
+//!
+//! Leases (version 2): a Begin with [`LEASE`] asks to hold the whole region for the connection. A
+//! Granted with [`LEASE`] grants it: `offset` is then the region's base address and `len` its
+//! length; the initiator runs later ops on it (same key and access) with no Begin and no End. On
+//! deregistration the target sends Forget; the initiator stops using the lease, and once its ops
+//! on it are over (flushed) answers Released (with [`WRITE`] for a write lease).
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
@@ -19,7 +25,7 @@ pub const HEADER_LEN: usize = 64;
 pub const MAX_ADDRESS_BYTES: usize = 16 << 10;
 /// The messages' magic ("TU"), version and largest body.
 pub const FRAMING: Framing =
-    Framing { name: "ucx", magic: *b"TU", version: 1, max_payload: MAX_ADDRESS_BYTES as u32 };
+    Framing { name: "ucx", magic: *b"TU", version: 2, max_payload: MAX_ADDRESS_BYTES as u32 };
 
 /// Answer flag: the request succeeded (else the body is an encoded error).
 pub const OK: u8 = 1;
@@ -27,7 +33,9 @@ pub const OK: u8 = 1;
 pub const WRITE: u8 = 2;
 /// Bye flag: sent by the target side of the connection (else by the initiator).
 pub const TARGET: u8 = 4;
-const KNOWN_FLAGS: u8 = OK | WRITE | TARGET;
+/// Begin: lease the whole region; Granted: leased (see the module docs).
+pub const LEASE: u8 = 8;
+const KNOWN_FLAGS: u8 = OK | WRITE | TARGET | LEASE;
 
 /// Message kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +56,10 @@ pub enum Kind {
     NotifyAck,
     /// Either side: this connection is over (shutdown or drop).
     Bye,
+    /// Target: `region` is being deregistered; end its leases.
+    Forget,
+    /// Initiator: its lease on `region` (a write lease with [`WRITE`]) is over, no op on it left.
+    Released,
 }
 
 impl Kind {
@@ -61,6 +73,8 @@ impl Kind {
             Kind::Notify => 6,
             Kind::NotifyAck => 7,
             Kind::Bye => 8,
+            Kind::Forget => 9,
+            Kind::Released => 10,
         }
     }
 
@@ -74,6 +88,8 @@ impl Kind {
             6 => Kind::Notify,
             7 => Kind::NotifyAck,
             8 => Kind::Bye,
+            9 => Kind::Forget,
+            10 => Kind::Released,
             _ => return Err(Error::protocol(format!("ucx: unknown message kind {t}"))),
         })
     }
@@ -174,13 +190,13 @@ mod tests {
     use proptest::prelude::*;
 
     fn kind(t: u8) -> Kind {
-        Kind::from_tag(t % 8 + 1).unwrap()
+        Kind::from_tag(t % 10 + 1).unwrap()
     }
 
     proptest! {
         #[test]
         fn roundtrip(
-            t in 0u8..8, flags in 0u8..8, conn: u64, req: u64, region: u64, key: u128,
+            t in 0u8..10, flags in 0u8..16, conn: u64, req: u64, region: u64, key: u128,
             offset: u64, len: u64, body in proptest::collection::vec(any::<u8>(), 0..64),
         ) {
             let kind = kind(t);
@@ -201,7 +217,7 @@ mod tests {
         }
 
         #[test]
-        fn decode_survives_mutation(t in 0u8..8, at in 0usize..72, byte: u8) {
+        fn decode_survives_mutation(t in 0u8..10, at in 0usize..72, byte: u8) {
             let body = [7u8; 8];
             let mut m = Msg::new(kind(t), 1, 2);
             m.body = if kind(t).max_body(0) >= 8 { &body } else { &[] };

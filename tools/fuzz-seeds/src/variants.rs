@@ -157,7 +157,7 @@ fn ucx_msgs(c: &mut Corpus) {
     let envelope =
         Envelope { from: EngineId(1), msg: Message::User(bytes::Bytes::from_static(b"n")) };
     let notify = envelope.encode().map(|b| b.to_vec()).unwrap_or_default();
-    for kind in [Hello, HelloAck, Begin, Granted, End, Notify, NotifyAck, Bye] {
+    for kind in [Hello, HelloAck, Begin, Granted, End, Notify, NotifyAck, Bye, Forget, Released] {
         let mut m = ucx::Msg::new(kind, 5, 6);
         m.region = RegionId(3);
         m.key = AccessKey::from_bits(0xabcd);
@@ -166,10 +166,12 @@ fn ucx_msgs(c: &mut Corpus) {
         match kind {
             Hello => m.body = b"ucx worker address bytes",
             Notify => m.body = &notify,
-            HelloAck | Granted | NotifyAck => m.flags = ucx::OK,
-            Begin => m.flags = ucx::WRITE,
+            HelloAck | NotifyAck => m.flags = ucx::OK,
+            Granted => m.flags = ucx::OK | ucx::LEASE,
+            Begin => m.flags = ucx::WRITE | ucx::LEASE,
+            Released => m.flags = ucx::WRITE,
             Bye => m.flags = ucx::TARGET,
-            End => {}
+            End | Forget => {}
         }
         c.add("ucx_msg", m.encode());
         if matches!(kind, HelloAck | Granted | NotifyAck) {
