@@ -460,8 +460,8 @@ impl<W, R> Driver<W, R> {
         if accepted {
             self.checkpoints.remove(&key); // done, or it cannot run from here: not resumed
         }
-        if let Some(t) = accepted.then(|| self.started.remove(&key)).flatten() {
-            self.busy[key.stage.index()] += now.saturating_sub(t);
+        if accepted {
+            self.stopped_running(key, now);
         }
         accepted
     }
@@ -517,11 +517,16 @@ impl<W, R> Driver<W, R> {
         let ok = self.sched.yielded(key, worker, now);
         if ok {
             self.record(|| Fact::Yielded { key });
-            if let Some(t) = self.started.remove(&key) {
-                self.busy[key.stage.index()] += now.saturating_sub(t);
-            }
+            self.stopped_running(key, now);
         }
         ok
+    }
+
+    /// `key` stopped running at `now`: its run counts towards its stage's busy time.
+    fn stopped_running(&mut self, key: ItemKey, now: Duration) {
+        if let Some(t) = self.started.remove(&key) {
+            self.busy[key.stage.index()] += now.saturating_sub(t);
+        }
     }
 
     /// Jobs to yield, asked since the last call (preemption for a waiting interactive job, or

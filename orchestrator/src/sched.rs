@@ -345,6 +345,13 @@ impl std::fmt::Debug for Scheduler {
     }
 }
 
+/// Whether a running `item` may be asked to yield for an interactive one: a batch denoise job,
+/// with preemption on, unless it was admitted past the aging bound (`aged`): preempting it would
+/// undo the starvation bound, and it would be asked back at once.
+fn victim(cfg: &SchedConfig, item: &Item, aged: bool) -> bool {
+    cfg.preempt && item.key.stage == Stage::Denoise && item.priority == Priority::Batch && !aged
+}
+
 fn class(p: Priority) -> u8 {
     match p {
         Priority::Interactive => 0,
@@ -615,8 +622,7 @@ impl Scheduler {
 
     /// A job started running: a batch denoise job may be preempted.
     fn started(&mut self, item: &Item) {
-        if self.cfg.preempt && item.key.stage == Stage::Denoise && item.priority == Priority::Batch
-        {
+        if victim(&self.cfg, item, false) {
             self.preemptible.insert(item.seq, item.key);
         }
     }
@@ -906,14 +912,7 @@ impl Scheduler {
                 }
                 picked.push((wid, item.key));
                 self.running_by[stage.index()] += 1;
-                // A batch job that waited past the aging bound is not preempted: that would
-                // undo the starvation bound (and it would be asked back at once).
-                let aged = qk.0 != class(item.priority);
-                if self.cfg.preempt
-                    && stage == Stage::Denoise
-                    && item.priority == Priority::Batch
-                    && !aged
-                {
+                if victim(&self.cfg, &item, qk.0 != class(item.priority)) {
                     self.preemptible.insert(item.seq, item.key);
                 }
                 self.running.insert(item.key, (wid, item.clone()));

@@ -161,14 +161,28 @@ def test_a_request_can_start_past_the_encoder_with_given_inputs():
     assert seen["decode"] == [(4, b"denoise:4")]
 
 
-def test_a_job_resumes_from_its_checkpoint_after_its_worker_dies():
-    from tensorwire._native import Worker
-
-    service = Service(max_attempts=3)
+def _encode_and_decode(service):
+    """Encode and decode workers that answer every item with b"x"; set the event to stop them."""
     stop = threading.Event()
     for s in ("encode", "decode"):
         threading.Thread(target=serve_stage, args=(service.address, s, lambda a: b"x"),
                          kwargs={"stop": stop, "poll": 0.1}, daemon=True).start()
+    return stop
+
+
+def _until_asked(worker, a):
+    """Waits (as a denoise loop would at its step boundaries) until `a` is asked back."""
+    deadline = time.time() + 10
+    while not worker.yield_requested(a):
+        assert time.time() < deadline, "never asked to yield"
+        time.sleep(0.02)
+
+
+def test_a_job_resumes_from_its_checkpoint_after_its_worker_dies():
+    from tensorwire._native import Worker
+
+    service = Service(max_attempts=3)
+    stop = _encode_and_decode(service)
     out = Submitter(service.address).submit(11)
     first = Worker(service.address, "denoise", heartbeat=0.1)
     a = first.next(timeout=10)
@@ -200,20 +214,14 @@ def test_an_interactive_request_preempts_a_batch_job_which_resumes_elsewhere():
     from tensorwire._native import Worker
 
     service = Service()
-    stop = threading.Event()
-    for s in ("encode", "decode"):
-        threading.Thread(target=serve_stage, args=(service.address, s, lambda a: b"x"),
-                         kwargs={"stop": stop, "poll": 0.1}, daemon=True).start()
+    stop = _encode_and_decode(service)
     sub = Submitter(service.address)
     batch = sub.submit(1, "batch")
     a_worker = Worker(service.address, "denoise", heartbeat=0.1)
     a = _next_job(a_worker)
     assert a.request == 1 and a.priority == "batch" and not a_worker.yield_requested(a)
     urgent = sub.submit(2, "interactive")
-    deadline = time.time() + 10
-    while not a_worker.yield_requested(a):  # a step boundary of a real denoise loop
-        assert time.time() < deadline, "never asked to yield"
-        time.sleep(0.02)
+    _until_asked(a_worker, a)
     a_worker.yield_job(a, 7, b"latents at step 7")
     b = _next_job(a_worker)
     assert (b.request, b.priority, b.resume) == (2, "interactive", None)  # it took the slot
@@ -231,20 +239,14 @@ def test_a_drained_worker_gives_its_job_back_and_an_edit_resumes_a_checkpoint():
     from tensorwire._native import Worker
 
     service = Service()
-    stop = threading.Event()
-    for s in ("encode", "decode"):
-        threading.Thread(target=serve_stage, args=(service.address, s, lambda a: b"x"),
-                         kwargs={"stop": stop, "poll": 0.1}, daemon=True).start()
+    stop = _encode_and_decode(service)
     sub = Submitter(service.address)
     out = sub.submit(5, "batch")
     leaving = Worker(service.address, "denoise", heartbeat=0.1)
     a = _next_job(leaving)
     drained = threading.Thread(target=leaving.drain, kwargs={"timeout": 20})
     drained.start()
-    deadline = time.time() + 10
-    while not leaving.yield_requested(a):
-        assert time.time() < deadline, "never asked to yield"
-        time.sleep(0.02)
+    _until_asked(leaving, a)
     leaving.yield_job(a, 3, b"latents at step 3")
     drained.join(timeout=20)
     assert not drained.is_alive()

@@ -279,21 +279,16 @@ async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<(
     let len = op.local().len();
     let region = op.remote().region;
     let write = op.dir() == Direction::Write;
-    let (cached, lease) = {
-        let s = c.state.lock();
-        (s.maps.contains_key(&region), s.leases.get(&(region, write)).cloned())
-    };
     // Held for us already: copy now.
-    if let Some(l) = lease.filter(|l| l.key == op.remote().key) {
-        if l.enter() {
-            let result = copy(&c, &op, &l.map, &gate).await;
-            if l.exit() {
-                c.released(l.of).await;
-            }
-            result?;
-            return c.alive();
+    if let Some(l) = entered(&c, &op) {
+        let result = copy(&c, &op, &l.map, &gate).await;
+        if l.exit() {
+            c.released(l.of).await;
         }
+        result?;
+        return c.alive();
     }
+    let cached = c.state.lock().maps.contains_key(&region);
     let mut h = Header::new(Kind::Begin, c.next_req.fetch_add(1, Ordering::Relaxed));
     h.region = region;
     h.key = op.remote().key;
@@ -321,6 +316,14 @@ async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<(
     c.alive()
 }
 
+/// The lease `op` may run on (its region, access and key), with this op's copy entered on it;
+/// `None` when there is none or it was revoked.
+fn entered(c: &ClientShared, op: &Op) -> Option<Arc<Lease>> {
+    let write = op.dir() == Direction::Write;
+    let l = c.state.lock().leases.get(&(op.remote().region, write)).cloned()?;
+    (l.key == op.remote().key && l.enter()).then_some(l)
+}
+
 /// Ops on a leased region are copied right here, in `submit`, up to this many bytes per call:
 /// no task to spawn and no thread to wake, which on an idle machine costs more than a small
 /// copy. The caller waits for at most this much copying (about 25 us); larger ops, and the rest
@@ -335,10 +338,7 @@ fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>
         return None;
     }
     let write = op.dir() == Direction::Write;
-    let l = c.state.lock().leases.get(&(op.remote().region, write)).cloned()?;
-    if l.key != op.remote().key || !l.enter() {
-        return None;
-    }
+    let l = entered(c, op)?;
     *budget -= len;
     let copied = l.map.at(op.remote().offset, len, write).map(|remote| {
         let local = op.local().ptr() as usize;

@@ -535,15 +535,7 @@ impl WorkerClient {
                 data.len()
             )));
         }
-        let m = Msg::Yielded { request: a.request, stage: a.stage, step, data };
-        let key = ItemKey { request: a.request, stage: a.stage };
-        self.state
-            .held
-            .lock()
-            .entry(key)
-            .or_insert_with(|| Held { attempt: a.attempt, ..Held::default() })
-            .result = Some(m.clone());
-        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
+        self.send_held(a, Msg::Yielded { request: a.request, stage: a.stage, step, data }).await
     }
 
     /// Scale-down: asks the service to give this worker nothing new and to ask back each
@@ -586,9 +578,14 @@ impl WorkerClient {
                 data.len()
             )));
         }
-        let m = Msg::Result { request: a.request, stage: a.stage, ending, reason, data };
+        self.send_held(a, Msg::Result { request: a.request, stage: a.stage, ending, reason, data })
+            .await
+    }
+
+    /// Sends the end of `a` (a result or a yield), kept until the service says it has it:
+    /// resent after a reconnect.
+    async fn send_held(&self, a: &Assignment, m: Msg) -> Result<()> {
         let key = ItemKey { request: a.request, stage: a.stage };
-        // Kept until the service says it has it: resent after a reconnect.
         self.state
             .held
             .lock()
