@@ -613,9 +613,13 @@ impl Cluster {
         // Let it run a few steps first.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let t = Instant::now();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status();
-        if !sent.is_ok_and(|s| s.success()) {
-            return Err(format!("migration probe: cannot send SIGTERM to {pid}"));
+        let target: libc::pid_t =
+            pid.parse().map_err(|_| format!("migration probe: a worker pid {pid:?}"))?;
+        // SAFETY: kill(2) takes plain integers and touches no memory of ours; `target` is a
+        // worker process this cluster supervises.
+        if unsafe { libc::kill(target, libc::SIGTERM) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(format!("migration probe: cannot send SIGTERM to {pid}: {e}"));
         }
         let mut drained = None;
         while drained.is_none() && t.elapsed() < Duration::from_secs(120) {
