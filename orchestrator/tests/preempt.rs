@@ -296,3 +296,36 @@ async fn an_edit_resumes_from_an_earlier_requests_checkpoint() {
     );
     assert!(p.store.exists(&step6.key).await.unwrap(), "request 1's checkpoint is kept");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_yields_edits_and_drains_fail_with_their_reason() {
+    use tensorwire_orchestrator::OrchestratorError;
+    let (p, _ran) = Pipeline::start(&[]).await;
+    let sub = SubmitClient::connect(p.svc.addr(), None).await.unwrap();
+    let too_big = vec![0u8; tensorwire_orchestrator::service::wire::MAX_DATA + 1];
+    let e = sub
+        .submit_resuming(1, Priority::Batch, Stage::Denoise, vec![], Some((3, too_big.clone())))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, OrchestratorError::InvalidArgument(m) if m.starts_with("a checkpoint of")),
+        "{e}"
+    );
+    // A worker that holds a job and never yields it: its drain times out.
+    let (w, mut rx) =
+        WorkerClient::connect(p.svc.addr(), None, Stage::Denoise, 1, "h", HB).await.unwrap();
+    let _out = sub.submit(2, Priority::Batch).await.unwrap();
+    let a = tokio::time::timeout(WAIT, rx.recv()).await.unwrap().unwrap();
+    let e = w.yield_job(&a, 3, too_big).await.unwrap_err();
+    assert!(
+        matches!(&e, OrchestratorError::InvalidArgument(m) if m.starts_with("a checkpoint of")),
+        "{e}"
+    );
+    let e = w.drain(Duration::from_millis(300)).await.unwrap_err();
+    assert!(
+        matches!(&e, OrchestratorError::Transport(tensorwire_core::Error::Timeout { what, .. })
+            if what.contains("draining this worker")),
+        "{e}"
+    );
+    assert!(w.yield_requested(&a), "the drain asked for the job back");
+}
