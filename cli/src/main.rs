@@ -15,6 +15,7 @@
 //! Library warnings and errors go to stderr (`RUST_LOG` sets the level; default info).
 
 mod bench;
+mod capacity;
 mod cluster;
 mod demo;
 mod plot;

@@ -27,6 +27,67 @@ pub(crate) struct Model {
     pub(crate) step_ms: f64,
     /// Decode time per request.
     pub(crate) decode_ms: f64,
+    /// Classifier-free guidance: each step runs the DiT on two branches.
+    #[serde(default)]
+    pub(crate) cfg: bool,
+    /// Weights per stage, GB (the capacity model; absent: assumed to fit).
+    #[serde(default)]
+    pub(crate) weights_gb: Option<PerStage>,
+    /// Peak activations per stage, GB.
+    #[serde(default)]
+    pub(crate) act_gb: Option<PerStage>,
+    /// Times measured on GPU classes other than the reference.
+    #[serde(default)]
+    pub(crate) measured: Vec<Measured>,
+}
+
+/// A figure per stage.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub(crate) struct PerStage {
+    /// Condition encode.
+    pub(crate) encode: f64,
+    /// DiT denoise.
+    pub(crate) denoise: f64,
+    /// VAE decode.
+    pub(crate) decode: f64,
+}
+
+impl PerStage {
+    /// The figure of `stage`.
+    pub(crate) fn get(&self, stage: tensorwire_orchestrator::Stage) -> f64 {
+        [self.encode, self.denoise, self.decode][stage.index()]
+    }
+}
+
+/// Times measured on one GPU class.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct Measured {
+    /// The class (a name from gpus.toml).
+    pub(crate) class: String,
+    /// With only that stage's model on the GPU.
+    #[serde(default)]
+    pub(crate) alone: Times,
+    /// With the whole pipeline on one GPU.
+    #[serde(default)]
+    pub(crate) colocated: Times,
+}
+
+/// Measured times (ms); a missing one is derived.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub(crate) struct Times {
+    /// Encode per request.
+    pub(crate) encode_ms: Option<f64>,
+    /// Per denoising step.
+    pub(crate) step_ms: Option<f64>,
+    /// Decode per request.
+    pub(crate) decode_ms: Option<f64>,
+}
+
+impl Times {
+    /// The time of `stage` (per step for denoise).
+    pub(crate) fn get(&self, stage: tensorwire_orchestrator::Stage) -> Option<f64> {
+        [self.encode_ms, self.step_ms, self.decode_ms][stage.index()]
+    }
 }
 
 impl Model {
@@ -54,6 +115,19 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Vec<Model>, String> {
     let f: File = toml::from_str(text)
         .map_err(|e| format!("{origin}: not a valid profile file: {}", e.message()))?;
     for m in &f.model {
+        for (what, v) in [("weights_gb", m.weights_gb), ("act_gb", m.act_gb)] {
+            let Some(v) = v else { continue };
+            if [v.encode, v.denoise, v.decode].iter().any(|x| !x.is_finite() || *x < 0.0) {
+                return Err(format!("{origin}: model {}: {what} must be >= 0", m.name));
+            }
+        }
+        let times = m.measured.iter().flat_map(|x| [x.alone, x.colocated]);
+        let bad = |t: Option<f64>| t.is_some_and(|x| !x.is_finite() || x <= 0.0);
+        if times.clone().any(|t| bad(t.encode_ms) || bad(t.step_ms) || bad(t.decode_ms))
+            || [m.encode_ms, m.step_ms, m.decode_ms].iter().any(|x| !x.is_finite() || *x < 0.0)
+        {
+            return Err(format!("{origin}: model {}: times must be finite and > 0", m.name));
+        }
         let elems: u64 = m.latent_shape.iter().product();
         if elems * 2 != m.latent_bytes {
             return Err(format!(

@@ -1,47 +1,67 @@
-//! `tensorwire simulate`: a discrete-event simulation of a serving cluster. Requests arrive as a
-//! Poisson process; the orchestrator's own driver and scheduler (`tensorwire_orchestrator::Driver`,
-//! the same code the library orchestrator and the service run) make every dispatch decision; a stage's service time is its
-//! profiled compute plus the transfer of its input (bytes / bandwidth + per-hop latency). No bytes
-//! move and nothing sleeps. The colocated baseline serves whole requests on the same GPUs.
-//!
-//! Reuse: a share of the requests hits the embedding cache (`--embedding-hit-rate`: encode is
-//! skipped, denoise starts from the cached embedding); denoise saves a step checkpoint every N
-//! steps (`--checkpoint-every`: the latents go to the store, each save costs their transfer);
-//! a share of the requests is interactive (`--interactive`), and with preemption on the
-//! scheduler asks a batch denoise job to yield for each waiting interactive one: the job
-//! stops at its next step boundary, saves a checkpoint and later resumes from it. With
-//! interactive requests the best layout is run with and without preemption and both reported.
+//! `tensorwire simulate`: capacity planning by discrete-event simulation with the orchestrator's
+//! own scheduler (see [`crate::capacity`]). Modes:
+//! - default: colocated serving against every `E:N:M` split on one GPU class (or `--split`);
+//! - `--sweep`: the smallest decode pool meeting a TTFF target (benchmark (c));
+//! - `--layout L` (repeatable): layouts with grouped stages and pools on GPU classes, against
+//!   colocated serving on the same GPUs (benchmark (a)), with the mechanisms that decided;
+//! - `--plan`: searches layouts within a budget of GPUs or dollars and prints the best few;
+//! - `--calibrate`: the simulator against published results.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tensorwire_benches::rng::Rng;
-use tensorwire_orchestrator::sched::{
-    AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Submit, WorkerId,
-};
-use tensorwire_orchestrator::{Driver, Priority, Stage, StageResult};
-
-use crate::demo::{Split, auto_split, parse_split};
-use crate::profiles::{self, Model};
+use crate::capacity::calibrate;
+use crate::capacity::classes::{self, GpuClass};
+use crate::capacity::engine::{self, Knobs, Load, Net, Outcome, Prepared, Reused};
+use crate::capacity::layout::Layout;
+use crate::capacity::plan::{self, Budget};
+use crate::capacity::workload::Mix;
+use crate::demo::parse_split;
+use crate::profiles;
 use crate::report::percentile;
 
 /// Simulation settings.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct SimArgs {
-    /// Model to serve (a name from the profiles).
+    /// Model to serve (a name from the profiles); see --mix for several.
     #[arg(long, default_value = "wan2.1-t2v-14b-480p")]
     pub(crate) model: String,
+    /// A mix of models and classes: MODEL[=SHARE][:interactive|:batch],... (overrides --model).
+    #[arg(long)]
+    pub(crate) mix: Option<String>,
     /// Profile file (default: the copy built into the binary).
     #[arg(long)]
     pub(crate) profiles: Option<PathBuf>,
-    /// GPUs in the cluster.
-    #[arg(long, default_value_t = 8)]
-    pub(crate) gpus: u32,
+    /// GPU class file (default: the one built into the binary).
+    #[arg(long)]
+    pub(crate) classes: Option<PathBuf>,
+    /// GPU class of every pool that names none.
+    #[arg(long, default_value = "h100")]
+    pub(crate) gpu: String,
+    /// GPUs in the cluster (with --plan: the budget, all used).
+    #[arg(long)]
+    pub(crate) gpus: Option<u32>,
     /// Disaggregated split E:N:M; default: try every split and report the best.
     #[arg(long)]
     pub(crate) split: Option<String>,
+    /// A layout to run, e.g. E@l40s:1|DV@h100:7 (repeatable); compared with colocated serving.
+    #[arg(long)]
+    pub(crate) layout: Vec<String>,
+    /// Search layouts within the budget (--gpus and/or --budget-usd) and print the best.
+    #[arg(long)]
+    pub(crate) plan: bool,
+    /// Budget for --plan in US$ per hour.
+    #[arg(long)]
+    pub(crate) budget_usd: Option<f64>,
+    /// Classes --plan may use, comma-separated (default: every class in the file).
+    #[arg(long)]
+    pub(crate) plan_classes: Option<String>,
+    /// Run the published results (profiles/published.toml, or FILE) and compare.
+    #[arg(long)]
+    pub(crate) calibrate: bool,
+    /// Published results for --calibrate.
+    #[arg(long)]
+    pub(crate) published: Option<PathBuf>,
     /// Requests to simulate.
     #[arg(long, default_value_t = 100_000)]
     pub(crate) requests: u64,
@@ -79,283 +99,50 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) checkpoint_every: u32,
     /// A batch request waiting this long is ordered as interactive (the starvation bound), in
-    /// seconds; default: four times the model's denoise time.
+    /// seconds; default: four times the mix's mean denoise time.
     #[arg(long)]
     pub(crate) aging_s: Option<f64>,
+    /// Classifier-free guidance off (a CFG model's step runs one branch: about half the time).
+    #[arg(long)]
+    pub(crate) no_cfg: bool,
 }
 
-/// What a run measured.
-#[derive(Debug, Clone, Default)]
-struct SimResult {
-    throughput: f64,
-    ttff: Vec<Duration>,
-    e2e: Vec<Duration>,
-    utilisation: [f64; 3],
-    decisions: u64,
-    wall: Duration,
-    reuse: Reused,
+/// GPUs when --gpus is not given.
+const DEFAULT_GPUS: u32 = 8;
+
+/// Everything a mode needs, loaded and checked once.
+struct Ctx {
+    a: SimArgs,
+    mix: Mix,
+    classes: Vec<GpuClass>,
+    knobs: Knobs,
+    target: Option<Duration>,
 }
 
-/// What reuse did in a run.
-#[derive(Debug, Clone, Default)]
-struct Reused {
-    /// TTFF of the interactive requests.
-    ttff_interactive: Vec<Duration>,
-    /// Requests that skipped encode (embedding-cache hits).
-    encode_skipped: u64,
-    /// Jobs that yielded to an interactive one.
-    preempted: u64,
-    /// Steps not run again: the step each resumed job started from, summed.
-    resumed_steps: u64,
-    /// Latent bytes written to the store as step checkpoints.
-    checkpoint_bytes: u64,
-}
-
-fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
-    Ok(match name {
-        "max-free" => Box::new(MaxFreeCredit),
-        "round-robin" => Box::new(RoundRobin::default()),
-        "affinity" => Box::new(AffinityFirst),
-        other => {
-            return Err(format!("--policy {other:?}: expected max-free, round-robin or affinity"));
-        }
-    })
-}
-
-/// What happens at a time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Ev {
-    /// Request arrives.
-    Arrive(u64),
-    /// A worker ends an item (ignored if the run was cut short by a yield).
-    Done(ItemKey, WorkerId),
-    /// A denoise job yields at this step, its checkpoint saved.
-    Yield(ItemKey, WorkerId, u32),
-}
-
-/// (time, sequence, event).
-type SimEvent = (Duration, u64, Ev);
-
-/// A denoise run in progress: when it started, its fixed cost before the first step, the step
-/// it started at, its time per step (checkpoint saves spread over the steps), and the sequence
-/// number of its end event.
-#[derive(Debug, Clone, Copy)]
-struct DenoiseRun {
-    start: Duration,
-    base: Duration,
-    from: u32,
-    per_step: Duration,
-    seq: u64,
-}
-
-/// Simulates the disaggregated cluster (`preempt`: interactive jobs preempt batch denoise).
-fn disaggregated(
-    m: &Model,
-    split: Split,
-    a: &SimArgs,
-    rate: f64,
-    preempt: bool,
-) -> Result<SimResult, String> {
-    let wall = Instant::now();
-    let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
-    // A batch job is ordered as interactive once it waited this long (the starvation bound).
-    let aging = a.aging_s.map_or(ms(m.denoise_ms()) * 4, Duration::from_secs_f64);
-    let cfg =
-        SchedConfig { heartbeat_timeout: Duration::MAX, preempt, aging, ..SchedConfig::default() };
-    // Workers are reached through nothing (the events below play them); a request's waiter is
-    // its arrival time.
-    let mut d: Driver<(), Duration> = Driver::new(cfg, policy(&a.policy)?);
-    for stage in Stage::ALL {
-        for _ in 0..[split.encode, split.denoise, split.decode][stage.index()] {
-            d.join(stage, 1, "node", vec![], (), Duration::ZERO);
-        }
+impl Ctx {
+    fn gpus(&self) -> u32 {
+        self.a.gpus.unwrap_or(DEFAULT_GPUS)
     }
-    let xfer = |bytes: u64| {
-        Duration::from_secs_f64(bytes as f64 / (a.bandwidth_gbps * 1e9) + a.latency_ms / 1e3)
-    };
-    let chunks = f64::from(m.chunks().map_or(1, |(_, n)| n));
-    let mut rng = Rng::new(a.seed);
-    let mut events: BinaryHeap<Reverse<SimEvent>> = BinaryHeap::new();
-    let mut t = 0.0;
-    for r in 0..a.requests {
-        t += rng.exp(rate);
-        events.push(Reverse((Duration::from_secs_f64(t), r, Ev::Arrive(r))));
-    }
-    let mut seq = a.requests;
-    let mut arrived: HashMap<u64, Duration> = HashMap::new();
-    let mut interactive: std::collections::HashSet<u64> = Default::default();
-    let mut runs: HashMap<ItemKey, DenoiseRun> = HashMap::new();
-    let mut cut: std::collections::HashSet<u64> = Default::default();
-    let mut reuse = Reused::default();
-    let (mut ttff, mut e2e) = (Vec::new(), Vec::new());
-    let mut now = Duration::ZERO;
-    let steps = m.steps.max(1);
-    let every = a.checkpoint_every;
-    // Checkpoint saves at steps in (from, to) (the last step's latents go to decode instead).
-    let saves = |from: u32, to: u32| -> u32 {
-        if every == 0 {
-            0
-        } else {
-            (from + 1..to.min(steps)).filter(|s| s % every == 0).count() as u32
-        }
-    };
-    while let Some(Reverse((at, sq, ev))) = events.pop() {
-        now = at;
-        match ev {
-            Ev::Arrive(r) => {
-                arrived.insert(r, at);
-                let p = if rng.next_f64() < a.interactive {
-                    interactive.insert(r);
-                    Priority::Interactive
-                } else {
-                    Priority::Batch
-                };
-                if rng.next_f64() < a.embedding_hit_rate {
-                    reuse.encode_skipped += 1;
-                    let s = Submit { start: Stage::Denoise, ..Submit::new(r, p) };
-                    let _ = d.submit_with(s, b"cached embedding".to_vec(), at, at);
-                } else {
-                    let _ = d.submit(Submit::new(r, p), at, at);
-                }
-            }
-            Ev::Done(key, w) => {
-                if cut.remove(&sq) {
-                    continue; // it yielded before
-                }
-                if let Some(run) = runs.remove(&key) {
-                    reuse.checkpoint_bytes += u64::from(saves(run.from, steps)) * m.latent_bytes;
-                }
-                d.result(w, key, StageResult::Done(Vec::new()), at);
-            }
-            Ev::Yield(key, w, step) => {
-                if let Some(run) = runs.remove(&key) {
-                    reuse.checkpoint_bytes += u64::from(saves(run.from, step) + 1) * m.latent_bytes;
-                }
-                reuse.preempted += 1;
-                d.yielded(w, key, step, b"checkpoint".to_vec(), at);
-            }
-        }
-        for t0 in d.take_outcomes().into_iter().filter_map(|e| e.waiter) {
-            e2e.push(now - t0);
-        }
-        drop(d.take_dead()); // simulated workers never go silent; keep the list empty
-        for x in d.dispatch(now) {
-            let k = x.dispatch.item.key;
-            let service = match k.stage {
-                Stage::Encode => ms(m.encode_ms),
-                Stage::Denoise => {
-                    // From the checkpoint it resumes at (loading its latents), or step 0.
-                    let from = x.resume.map_or(0, |(s, _)| s.min(steps));
-                    reuse.resumed_steps += u64::from(from);
-                    let load = if from > 0 { xfer(m.latent_bytes) } else { Duration::ZERO };
-                    let base = xfer(m.embed_bytes) + load;
-                    let work =
-                        ms(m.step_ms) * (steps - from) + xfer(m.latent_bytes) * saves(from, steps);
-                    let per_step = work / (steps - from).max(1);
-                    runs.insert(k, DenoiseRun { start: now, base, from, per_step, seq: seq + 1 });
-                    base + work
-                }
-                Stage::Decode => xfer(m.latent_bytes) + ms(m.decode_ms),
-            };
-            if k.stage == Stage::Decode {
-                // First frame: the first chunk has landed and is decoded.
-                let first =
-                    xfer((m.latent_bytes as f64 / chunks) as u64) + ms(m.decode_ms / chunks);
-                if let Some(t0) = arrived.get(&k.request) {
-                    ttff.push(now + first - *t0);
-                    if interactive.contains(&k.request) {
-                        reuse.ttff_interactive.push(now + first - *t0);
-                    }
-                }
-            }
-            seq += 1;
-            events.push(Reverse((now + service, seq, Ev::Done(k, x.dispatch.worker))));
-        }
-        // Asked to yield: the job stops at its next step boundary (past the one it started
-        // at), saving a checkpoint; one that would reach its last step first just finishes.
-        for (key, w, _) in d.take_asks() {
-            let Some(run) = runs.get(&key) else { continue };
-            let ran = now.saturating_sub(run.start + run.base);
-            let done = (ran.as_secs_f64() / run.per_step.as_secs_f64().max(1e-12)) as u32;
-            let at_step = run.from + done + 1;
-            if at_step >= steps {
-                continue;
-            }
-            let when =
-                run.start + run.base + run.per_step * (at_step - run.from) + xfer(m.latent_bytes);
-            cut.insert(run.seq);
-            seq += 1;
-            events.push(Reverse((when, seq, Ev::Yield(key, w, at_step))));
-        }
-    }
-    let busy = d.stats(now).busy;
-    let span = now.as_secs_f64().max(1e-9);
-    let pools = [split.encode, split.denoise, split.decode];
-    Ok(SimResult {
-        throughput: e2e.len() as f64 / span,
-        ttff,
-        e2e,
-        utilisation: std::array::from_fn(|i| busy[i].as_secs_f64() / (span * f64::from(pools[i]))),
-        decisions: d.sched().stats().dispatched,
-        wall: wall.elapsed(),
-        reuse,
-    })
-}
 
-/// Simulates colocated serving: `gpus` servers, each runs a whole request (FIFO).
-fn colocated(m: &Model, gpus: u32, a: &SimArgs, rate: f64) -> SimResult {
-    let wall = Instant::now();
-    let per = Duration::from_secs_f64((m.encode_ms + m.denoise_ms() + m.decode_ms) / 1e3);
-    let chunks = f64::from(m.chunks().map_or(1, |(_, n)| n));
-    let first =
-        Duration::from_secs_f64((m.encode_ms + m.denoise_ms() + m.decode_ms / chunks) / 1e3);
-    let mut rng = Rng::new(a.seed);
-    let mut free: BinaryHeap<Reverse<Duration>> =
-        (0..gpus).map(|_| Reverse(Duration::ZERO)).collect();
-    let (mut ttff, mut e2e) = (Vec::new(), Vec::new());
-    let (mut t, mut end) = (0.0, Duration::ZERO);
-    let mut queue: VecDeque<Duration> = VecDeque::new();
-    for _ in 0..a.requests {
-        t += rng.exp(rate);
-        queue.push_back(Duration::from_secs_f64(t));
+    fn prepare(&self, l: &Layout) -> Result<Prepared, String> {
+        Prepared::new(l, &self.classes, &self.mix, self.knobs.cfg)
     }
-    while let Some(arr) = queue.pop_front() {
-        let Reverse(gpu_free) = free.pop().unwrap_or(Reverse(Duration::ZERO));
-        let start = gpu_free.max(arr);
-        ttff.push(start + first - arr);
-        e2e.push(start + per - arr);
-        end = end.max(start + per);
-        free.push(Reverse(start + per));
-    }
-    let span = end.as_secs_f64().max(1e-9);
-    let u = per.as_secs_f64() * a.requests as f64 / (span * f64::from(gpus));
-    SimResult {
-        throughput: a.requests as f64 / span,
-        ttff,
-        e2e,
-        utilisation: [u; 3],
-        decisions: 0,
-        wall: wall.elapsed(),
-        reuse: Reused::default(),
-    }
-}
 
-fn show(label: &str, r: &SimResult, target: Option<Duration>) {
-    let slo = target.map_or(String::new(), |t| {
-        let ok = r.ttff.iter().filter(|&&x| x <= t).count();
-        format!(", TTFF SLO met {:.1}%", 100.0 * ok as f64 / r.ttff.len().max(1) as f64)
-    });
-    println!(
-        "{label:<34} {:>8.4} req/s  TTFF p50 {:>8.1} s p99 {:>8.1} s  E2E p50 {:>8.1} s p99 {:>8.1} s  util enc/den/dec {:.0}%/{:.0}%/{:.0}%{slo}",
-        r.throughput,
-        percentile(&r.ttff, 50.0).as_secs_f64(),
-        percentile(&r.ttff, 99.0).as_secs_f64(),
-        percentile(&r.e2e, 50.0).as_secs_f64(),
-        percentile(&r.e2e, 99.0).as_secs_f64(),
-        r.utilisation[0] * 100.0,
-        r.utilisation[1] * 100.0,
-        r.utilisation[2] * 100.0,
-    );
+    fn poisson(&self, p: &Prepared, rate: f64, preempt: bool) -> Result<Outcome, String> {
+        let k = Knobs { preempt, ..self.knobs.clone() };
+        engine::simulate(p, &self.mix, &k, Load::Poisson { rate, requests: self.a.requests })
+    }
+
+    /// Capacity: requests per second with every request queued at once.
+    fn capacity(&self, p: &Prepared) -> Result<f64, String> {
+        let requests = self.a.requests.min(5_000);
+        Ok(engine::simulate(p, &self.mix, &self.knobs, Load::Saturated { requests })?.throughput)
+    }
+
+    /// Colocated serving on `n` GPUs of the default class.
+    fn colocated(&self, n: u32) -> Result<Layout, String> {
+        Layout::parse(&format!("EDV:{n}"), &self.a.gpu)
+    }
 }
 
 /// Runs the simulation.
@@ -363,11 +150,7 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
     if a.requests == 0 || a.requests > 10_000_000 {
         return Err(format!("--requests {}: must be in 1..=10000000", a.requests));
     }
-    if a.bandwidth_gbps.is_nan()
-        || a.bandwidth_gbps <= 0.0
-        || a.latency_ms.is_nan()
-        || a.latency_ms < 0.0
-    {
+    if !(a.bandwidth_gbps > 0.0 && a.latency_ms >= 0.0) {
         return Err("--bandwidth-gbps must be > 0 and --latency-ms >= 0".into());
     }
     for (name, v) in
@@ -377,115 +160,130 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
             return Err(format!("{name} {v}: a share, 0 to 1"));
         }
     }
+    if let Some(b) = a.budget_usd.filter(|b| b.is_nan() || *b <= 0.0) {
+        return Err(format!("--budget-usd {b}: must be > 0"));
+    }
     let all = profiles::load(a.profiles.as_deref())?;
-    let m = profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone();
-    let per_req_s = (m.encode_ms + m.denoise_ms() + m.decode_ms) / 1e3;
-    let sweep_n = a.denoise.unwrap_or(a.gpus.saturating_sub(2).max(1));
-    // Default load: 90% of what colocated serving sustains; for --sweep, 90% of what the denoise
-    // pool sustains (the decode pool is what is being sized).
-    let rate = a.rate.unwrap_or(if a.sweep {
-        0.9 * f64::from(sweep_n) / (m.denoise_ms() / 1e3)
-    } else {
-        0.9 * f64::from(a.gpus) / per_req_s
-    });
-    if rate.is_nan() || rate <= 0.0 {
+    let classes = classes::load(a.classes.as_deref())?;
+    classes::pick(&classes, &a.gpu)?;
+    let mix = match &a.mix {
+        Some(s) => Mix::parse(s, &all)?,
+        None => Mix::single(profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone()),
+    };
+    engine::policy(&a.policy)?;
+    let knobs = Knobs {
+        policy: a.policy.clone(),
+        interactive: a.interactive,
+        embedding_hit_rate: a.embedding_hit_rate,
+        checkpoint_every: a.checkpoint_every,
+        aging: a.aging_s.map(Duration::from_secs_f64),
+        preempt: true,
+        cfg: !a.no_cfg,
+        net: Net { bandwidth_gbps: a.bandwidth_gbps, latency_ms: a.latency_ms },
+        seed: a.seed,
+    };
+    let target = a.target_ttff_ms.map(|x| Duration::from_secs_f64(x / 1e3));
+    let cx = Ctx { a, mix, classes, knobs, target };
+    if cx.a.calibrate {
+        return run_calibrate(&cx, &all);
+    }
+    if cx.a.plan {
+        return run_plan(&cx);
+    }
+    if !cx.a.layout.is_empty() {
+        return run_layouts(&cx);
+    }
+    run_splits(&cx)
+}
+
+/// The rate a run offers: --rate, or `share` of what `p` sustains by the analytic bound.
+fn offered(cx: &Ctx, p: &Prepared, share: f64) -> Result<f64, String> {
+    let rate =
+        cx.a.rate.unwrap_or_else(|| share * plan::bound(p, &cx.mix, cx.a.embedding_hit_rate).0);
+    if rate.is_nan() || rate <= 0.0 || rate.is_infinite() {
         return Err(format!("--rate {rate}: must be > 0"));
     }
-    let target = a.target_ttff_ms.map(|x| Duration::from_secs_f64(x / 1e3));
+    Ok(rate)
+}
+
+/// Default mode and --sweep: colocated against `E:N:M` splits on the default class.
+fn run_splits(cx: &Ctx) -> Result<(), String> {
+    let a = &cx.a;
+    let gpus = cx.gpus();
+    let colo = cx.prepare(&cx.colocated(gpus)?)?;
+    let sweep_n = a.denoise.unwrap_or(gpus.saturating_sub(2).max(1));
+    // Default load: 90% of what colocated serving sustains; for --sweep, 90% of what the
+    // denoise pool sustains (the decode pool is what is being sized).
+    let rate = if a.sweep {
+        let den = cx.prepare(&Layout::parse(&format!("E:1|D:{sweep_n}|V:1"), &a.gpu)?)?;
+        offered(cx, &den, 0.9)?
+    } else {
+        offered(cx, &colo, 0.9)?
+    };
     println!(
-        "tensorwire simulate: {} on {} GPUs, {} requests at {:.4} req/s (Poisson), {} GB/s + {} ms per hop, policy {}",
-        m.name, a.gpus, a.requests, rate, a.bandwidth_gbps, a.latency_ms, a.policy
+        "tensorwire simulate: {} on {gpus} {}, {} requests at {rate:.4} req/s (Poisson), {} GB/s + {} ms per hop, policy {}",
+        cx.mix.describe(),
+        a.gpu,
+        a.requests,
+        a.bandwidth_gbps,
+        a.latency_ms,
+        a.policy
     );
-    let c = colocated(&m, a.gpus, &a, rate);
-    show("colocated", &c, target);
+    let c = cx.poisson(&colo, rate, true)?;
+    show("colocated", &colo, &c, cx.target);
     if a.sweep {
-        let target = target.ok_or("--sweep needs --target-ttff-ms")?;
-        let n = sweep_n;
-        let mut last = f64::INFINITY;
-        let mut flat = 0;
-        for mm in 1..=64 {
-            let split = Split { encode: 1, denoise: n, decode: mm };
-            let r = disaggregated(&m, split, &a, rate, true)?;
-            show(&format!("1:{n}:{mm}"), &r, Some(target));
-            let p99 = percentile(&r.ttff, 99.0);
-            if p99 <= target {
-                println!(
-                    "chosen N:M = {n}:{mm} (smallest decode pool with p99 TTFF <= {:.1} s)",
-                    target.as_secs_f64()
-                );
-                return Ok(());
-            }
-            // Stop once more decoders no longer help: the wait is elsewhere (denoise).
-            flat = if p99.as_secs_f64() >= last * 0.99 { flat + 1 } else { 0 };
-            last = p99.as_secs_f64();
-            if flat >= 3 {
-                return Err(format!(
-                    "p99 TTFF stays at {:.1} s however many decoders: {n} denoise workers cannot meet {:.1} s at {rate:.4} req/s (add denoise workers, or lower --rate)",
-                    p99.as_secs_f64(),
-                    target.as_secs_f64()
-                ));
-            }
-        }
-        return Err(format!(
-            "no decode pool up to 64 workers meets p99 TTFF <= {:.1} s with {n} denoise workers",
-            target.as_secs_f64()
-        ));
+        return sweep(cx, sweep_n, rate);
     }
-    let splits: Vec<Split> = match &a.split {
-        Some(s) => vec![parse_split(s, a.gpus)?],
+    let splits: Vec<String> = match &a.split {
+        Some(s) => {
+            let sp = parse_split(s, gpus)?;
+            vec![format!("E:{}|D:{}|V:{}", sp.encode, sp.denoise, sp.decode)]
+        }
         None => {
             let mut v = Vec::new();
-            for e in 1..a.gpus {
-                for mm in 1..a.gpus {
-                    if e + mm < a.gpus {
-                        v.push(Split { encode: e, denoise: a.gpus - e - mm, decode: mm });
+            for e in 1..gpus {
+                for m in 1..gpus {
+                    if e + m < gpus {
+                        v.push(format!("E:{e}|D:{}|V:{m}", gpus - e - m));
                     }
                 }
             }
             if v.is_empty() {
-                v.push(auto_split(&[&m], a.gpus)?);
+                return Err(format!("--gpus {gpus}: a disaggregated pipeline needs at least 3"));
             }
             v
         }
     };
-    let mut best: Option<(Split, SimResult)> = None;
-    let mut decisions = 0;
     let wall = Instant::now();
-    for split in splits {
-        let r = disaggregated(&m, split, &a, rate, true)?;
+    let mut decisions = 0;
+    let mut best: Option<(Prepared, Outcome)> = None;
+    for s in splits {
+        let p = cx.prepare(&Layout::parse(&s, &a.gpu)?)?;
+        let r = cx.poisson(&p, rate, true)?;
         decisions += r.decisions;
-        let better = best.as_ref().is_none_or(|(_, b)| {
-            (r.throughput, -percentile(&r.ttff, 99.0).as_secs_f64())
-                > (b.throughput, -percentile(&b.ttff, 99.0).as_secs_f64())
-        });
-        if better {
-            best = Some((split, r));
+        let key = |o: &Outcome| (o.throughput, -percentile(&o.ttff, 99.0).as_secs_f64());
+        if best.as_ref().is_none_or(|(_, b)| key(&r) > key(b)) {
+            best = Some((p, r));
         }
     }
-    let (split, r) = best.ok_or("no split to simulate")?;
-    show(
-        &format!("disaggregated best {}:{}:{}", split.encode, split.denoise, split.decode),
-        &r,
-        target,
-    );
+    let (p, r) = best.ok_or("no split to simulate")?;
+    show(&format!("disaggregated best {}", p.layout), &p, &r, cx.target);
     println!(
-        "best disaggregated / colocated throughput: {:.3}x ({} scheduler decisions in {:.2} s of wall time)",
+        "best disaggregated / colocated throughput: {:.3}x ({decisions} scheduler decisions in {:.2} s of wall time)",
         r.throughput / c.throughput.max(1e-12),
-        decisions,
         wall.elapsed().as_secs_f64()
     );
-    let _ = r.wall;
     if a.interactive > 0.0 || a.embedding_hit_rate > 0.0 || a.checkpoint_every > 0 {
         println!("{}", reuse_line(&r.reuse, a.requests));
     }
     if a.interactive > 0.0 {
-        let without = disaggregated(&m, split, &a, rate, false)?;
+        let without = cx.poisson(&p, rate, false)?;
         let p99 = |v: &[Duration]| percentile(v, 99.0).as_secs_f64();
         println!(
             "interactive TTFF p99: {:.1} s with preemption, {:.1} s without ({:.2}x); all requests: p99 TTFF {:.1} s vs {:.1} s, throughput {:.4} vs {:.4} req/s",
-            p99(&r.reuse.ttff_interactive),
-            p99(&without.reuse.ttff_interactive),
-            p99(&r.reuse.ttff_interactive) / p99(&without.reuse.ttff_interactive).max(1e-12),
+            p99(&r.ttff_interactive),
+            p99(&without.ttff_interactive),
+            p99(&r.ttff_interactive) / p99(&without.ttff_interactive).max(1e-12),
             p99(&r.ttff),
             p99(&without.ttff),
             r.throughput,
@@ -493,6 +291,373 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// --sweep: the smallest decode pool with p99 TTFF within the target (benchmark (c)).
+fn sweep(cx: &Ctx, n: u32, rate: f64) -> Result<(), String> {
+    let target = cx.target.ok_or("--sweep needs --target-ttff-ms")?;
+    let mut last = f64::INFINITY;
+    let mut flat = 0;
+    for mm in 1..=64 {
+        let p = cx.prepare(&Layout::parse(&format!("E:1|D:{n}|V:{mm}"), &cx.a.gpu)?)?;
+        let r = cx.poisson(&p, rate, true)?;
+        show(&format!("1:{n}:{mm}"), &p, &r, Some(target));
+        let p99 = percentile(&r.ttff, 99.0);
+        if p99 <= target {
+            println!(
+                "chosen N:M = {n}:{mm} (smallest decode pool with p99 TTFF <= {:.1} s); {}",
+                target.as_secs_f64(),
+                cost_line(&p, r.throughput)
+            );
+            return Ok(());
+        }
+        // Stop once more decoders no longer help: the wait is elsewhere (denoise).
+        flat = if p99.as_secs_f64() >= last * 0.99 { flat + 1 } else { 0 };
+        last = p99.as_secs_f64();
+        if flat >= 3 {
+            return Err(format!(
+                "p99 TTFF stays at {:.1} s however many decoders: {n} denoise workers cannot meet {:.1} s at {rate:.4} req/s (add denoise workers, or lower --rate)",
+                p99.as_secs_f64(),
+                target.as_secs_f64()
+            ));
+        }
+    }
+    Err(format!(
+        "no decode pool up to 64 workers meets p99 TTFF <= {:.1} s with {n} denoise workers",
+        target.as_secs_f64()
+    ))
+}
+
+/// One layout measured: capacity (saturated) and the run under the offered load.
+struct Measured {
+    p: Prepared,
+    capacity: f64,
+    run: Outcome,
+}
+
+fn measure(cx: &Ctx, p: Prepared, rate: f64) -> Result<Measured, String> {
+    let capacity = cx.capacity(&p)?;
+    let run = cx.poisson(&p, rate, true)?;
+    Ok(Measured { p, capacity, run })
+}
+
+/// --layout: each layout and colocated serving on as many GPUs (benchmark (a)).
+fn run_layouts(cx: &Ctx) -> Result<(), String> {
+    let mut layouts = Vec::new();
+    for l in &cx.a.layout {
+        layouts.push(Layout::parse(l, &cx.a.gpu)?);
+    }
+    let colo_layout = cx.colocated(cx.a.gpus.unwrap_or(layouts[0].gpus()))?;
+    if !layouts.iter().any(Layout::colocated) {
+        layouts.insert(0, colo_layout);
+    }
+    let mut fitted = Vec::new();
+    for l in &layouts {
+        match cx.prepare(l) {
+            Ok(p) => fitted.push(p),
+            Err(e) => println!("{l}: infeasible: {e}"),
+        }
+    }
+    let first = fitted.first().ok_or("no layout fits its GPUs")?;
+    let rate = offered(cx, first, 0.9)?;
+    header(cx, rate);
+    let mut rows = Vec::new();
+    for p in fitted {
+        rows.push(measure(cx, p, rate)?);
+    }
+    table(cx, &rows);
+    compare(&rows);
+    Ok(())
+}
+
+/// --plan: the layout search.
+fn run_plan(cx: &Ctx) -> Result<(), String> {
+    let a = &cx.a;
+    let budget = Budget {
+        gpus: a.gpus.or(if a.budget_usd.is_some() { None } else { Some(DEFAULT_GPUS) }),
+        usd_per_hour: a.budget_usd,
+    };
+    let classes: Vec<GpuClass> = match &a.plan_classes {
+        Some(list) => {
+            let mut v = Vec::new();
+            for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                v.push(classes::pick(&cx.classes, name)?.clone());
+            }
+            v
+        }
+        None => cx.classes.clone(),
+    };
+    if classes.is_empty() {
+        return Err("--plan-classes: no class named".into());
+    }
+    let mut infeasible = Vec::new();
+    let wall = Instant::now();
+    let found = plan::search(
+        &classes,
+        &cx.mix,
+        budget,
+        cx.knobs.cfg,
+        a.embedding_hit_rate,
+        &mut infeasible,
+    );
+    let searched = found.len();
+    // The best few distinct groupings-and-classes, and the best colocated layout.
+    let mut picked: Vec<plan::Candidate> = Vec::new();
+    for c in &found {
+        let shape = |x: &plan::Candidate| {
+            x.prepared
+                .layout
+                .pools
+                .iter()
+                .map(|p| (p.letters(), p.class.clone()))
+                .collect::<Vec<_>>()
+        };
+        if picked.len() < PLAN_SHOWN && !picked.iter().any(|p| shape(p) == shape(c)) {
+            picked.push(c.clone());
+        }
+    }
+    if let Some(colo) = found.iter().find(|c| c.prepared.layout.colocated()) {
+        if !picked.iter().any(|p| p.prepared.layout == colo.prepared.layout) {
+            picked.push(colo.clone());
+        }
+    }
+    if picked.is_empty() {
+        let e = infeasible.first().map_or(String::new(), |e| format!(" (e.g. {e})"));
+        return Err(format!("no layout fits the budget{e}"));
+    }
+    // Offered load: 70% of the least capacity shown, so that every row carries it.
+    let least = picked.iter().map(|c| c.bound).fold(f64::INFINITY, f64::min);
+    let rate = a.rate.unwrap_or(0.7 * least);
+    println!(
+        "plan: {} layouts within {} searched in {:.2} s ({} pool/class pairs never fit{}); simulating the best {}",
+        searched,
+        budget_text(budget),
+        wall.elapsed().as_secs_f64(),
+        infeasible.len(),
+        infeasible.first().map_or(String::new(), |e| format!(", e.g. {e}")),
+        picked.len()
+    );
+    header(cx, rate);
+    let mut rows = Vec::new();
+    for c in picked {
+        rows.push(measure(cx, c.prepared, rate)?);
+    }
+    let per_dollar = budget.usd_per_hour.is_some() && budget.gpus.is_none();
+    rows.sort_by(|x, y| {
+        let k = |m: &Measured| {
+            if per_dollar { m.capacity / m.p.usd_per_hour.max(1e-12) } else { m.capacity }
+        };
+        k(y).total_cmp(&k(x))
+    });
+    table(cx, &rows);
+    compare(&rows);
+    Ok(())
+}
+
+/// Layouts --plan simulates and prints.
+const PLAN_SHOWN: usize = 6;
+
+fn budget_text(b: Budget) -> String {
+    match (b.gpus, b.usd_per_hour) {
+        (Some(g), Some(u)) => format!("{g} GPUs and ${u:.2}/h"),
+        (Some(g), None) => format!("{g} GPUs"),
+        (None, Some(u)) => format!("${u:.2}/h"),
+        (None, None) => "no budget".into(),
+    }
+}
+
+fn header(cx: &Ctx, rate: f64) {
+    let a = &cx.a;
+    println!(
+        "workload: {}; {} requests at {rate:.4} req/s (Poisson) for TTFF, capacity with {} queued at once; CFG {}, embedding hit rate {:.0}%, {:.0}% interactive; {} GB/s + {} ms per hop",
+        cx.mix.describe(),
+        a.requests,
+        a.requests.min(5_000),
+        if cx.knobs.cfg { "on" } else { "off" },
+        a.embedding_hit_rate * 100.0,
+        a.interactive * 100.0,
+        a.bandwidth_gbps,
+        a.latency_ms
+    );
+}
+
+/// The comparison table.
+fn table(cx: &Ctx, rows: &[Measured]) {
+    println!(
+        "{:<36} {:>5} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9}  util per pool",
+        "layout", "GPUs", "$/h", "cap req/s", "TTFF p50", "TTFF p99", "E2E p99", "$/1k req"
+    );
+    for m in rows {
+        let r = &m.run;
+        let util: Vec<String> =
+            m.p.layout
+                .pools
+                .iter()
+                .zip(&r.utilisation)
+                .map(|(p, u)| format!("{} {:.0}%", p.letters(), u * 100.0))
+                .collect();
+        let slo = cx.target.map_or(String::new(), |t| format!("  SLO met {:.1}%", slo_met(r, t)));
+        println!(
+            "{:<36} {:>5} {:>8.2} {:>10.4} {:>8.1}s {:>8.1}s {:>8.1}s {:>9.2}  {}{slo}",
+            m.p.layout.to_string(),
+            m.p.layout.gpus(),
+            m.p.usd_per_hour,
+            m.capacity,
+            percentile(&r.ttff, 50.0).as_secs_f64(),
+            percentile(&r.ttff, 99.0).as_secs_f64(),
+            percentile(&r.e2e, 99.0).as_secs_f64(),
+            per_1k(m.p.usd_per_hour, m.capacity),
+            util.join(" / ")
+        );
+    }
+    for m in rows {
+        let why = mechanisms(cx, m);
+        println!("  {}: {}", m.p.layout, why.join("; "));
+    }
+}
+
+/// US$ per 1,000 requests at full capacity.
+fn per_1k(usd_per_hour: f64, capacity: f64) -> f64 {
+    usd_per_hour / (capacity * 3.6).max(1e-12)
+}
+
+fn slo_met(r: &Outcome, t: Duration) -> f64 {
+    let ok = r.ttff.iter().filter(|&&x| x <= t).count();
+    100.0 * ok as f64 / r.ttff.len().max(1) as f64
+}
+
+/// What decided a layout's figures: the memory fit of each pool, the pool that bounds its
+/// capacity, and the wait of interactive requests against all.
+fn mechanisms(cx: &Ctx, m: &Measured) -> Vec<String> {
+    let mut why = Vec::new();
+    let notes = m.p.notes();
+    if notes.is_empty() {
+        why.push("every model fits its pool's memory".into());
+    }
+    why.extend(notes);
+    let (_, b) = plan::bound(&m.p, &cx.mix, cx.a.embedding_hit_rate);
+    let pool = &m.p.layout.pools[b];
+    why.push(format!(
+        "capacity bound by the {} pool ({} x {})",
+        pool.letters(),
+        pool.count,
+        pool.class
+    ));
+    let r = &m.run;
+    if !r.ttff_interactive.is_empty() {
+        why.push(format!(
+            "interactive p99 TTFF {:.1} s vs {:.1} s for all (head-of-line blocking{})",
+            percentile(&r.ttff_interactive, 99.0).as_secs_f64(),
+            percentile(&r.ttff, 99.0).as_secs_f64(),
+            if r.reuse.preempted > 0 {
+                format!(", {} preemptions", r.reuse.preempted)
+            } else {
+                String::new()
+            }
+        ));
+    }
+    why
+}
+
+/// Benchmark (a): the best colocated and the best disaggregated row, at equal GPUs and at
+/// equal cost.
+fn compare(rows: &[Measured]) {
+    let Some(c) = rows.iter().find(|m| m.p.layout.colocated()) else { return };
+    let p99 = |m: &Measured| percentile(&m.run.ttff, 99.0).as_secs_f64();
+    let same_gpus = rows
+        .iter()
+        .filter(|m| !m.p.layout.colocated() && m.p.layout.gpus() == c.p.layout.gpus())
+        .max_by(|x, y| x.capacity.total_cmp(&y.capacity));
+    let same_cost = rows
+        .iter()
+        .filter(|m| !m.p.layout.colocated() && m.p.usd_per_hour <= c.p.usd_per_hour + 1e-9)
+        .max_by(|x, y| x.capacity.total_cmp(&y.capacity));
+    for (label, d) in [("equal GPU count", same_gpus), ("equal or lower cost", same_cost)] {
+        let Some(d) = d else { continue };
+        println!(
+            "disaggregated vs colocated at {label}: {} vs {}: throughput {:.2}x, p99 TTFF {:.1} s vs {:.1} s, ${:.2} vs ${:.2} per 1k requests",
+            d.p.layout,
+            c.p.layout,
+            d.capacity / c.capacity.max(1e-12),
+            p99(d),
+            p99(c),
+            per_1k(d.p.usd_per_hour, d.capacity),
+            per_1k(c.p.usd_per_hour, c.capacity)
+        );
+    }
+}
+
+/// --calibrate: the published results against the simulator.
+fn run_calibrate(cx: &Ctx, all: &[profiles::Model]) -> Result<(), String> {
+    let results = calibrate::load(cx.a.published.as_deref())?;
+    let checked = calibrate::check(&results, all, &cx.classes, &cx.knobs)?;
+    println!(
+        "{:<22} {:>9} {:>9} {:>6} {:>9}  published result (simulated capacity colocated / disaggregated)",
+        "layouts", "published", "simulated", "off", "derived"
+    );
+    let mut missed = Vec::new();
+    for c in &checked {
+        let off = c.ratio() / c.published.ratio - 1.0;
+        let verdict = if c.within() { "" } else { " MISSED" };
+        println!(
+            "{:<22} {:>8.2}x {:>8.2}x {:>+5.0}% {:>8.2}x  {} ({}; {:.3} / {:.3} req/s){verdict}",
+            format!("{} vs {}", c.published.disaggregated, c.published.colocated),
+            c.published.ratio,
+            c.ratio(),
+            off * 100.0,
+            c.derived_ratio(),
+            c.published.what,
+            c.published.model,
+            c.throughput.0,
+            c.throughput.1
+        );
+        if !c.within() {
+            match &c.published.lacks {
+                Some(l) => println!("  the simulator lacks: {l}"),
+                None => missed.push(c.published.what.clone()),
+            }
+        }
+    }
+    println!(
+        "derived: every time from the H100 profile, the class's speed and the offload model, ignoring the times measured on the class"
+    );
+    if missed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} published result(s) outside their tolerance with no mechanism named: {}",
+            missed.len(),
+            missed.join("; ")
+        ))
+    }
+}
+
+fn show(label: &str, p: &Prepared, r: &Outcome, target: Option<Duration>) {
+    let slo = target.map_or(String::new(), |t| format!(", TTFF SLO met {:.1}%", slo_met(r, t)));
+    let util: Vec<String> = p
+        .layout
+        .pools
+        .iter()
+        .zip(&r.utilisation)
+        .map(|(q, u)| format!("{} {:.0}%", q.letters(), u * 100.0))
+        .collect();
+    println!(
+        "{label:<34} {:>8.4} req/s  TTFF p50 {:>8.1} s p99 {:>8.1} s  E2E p50 {:>8.1} s p99 {:>8.1} s  util {}{slo}",
+        r.throughput,
+        percentile(&r.ttff, 50.0).as_secs_f64(),
+        percentile(&r.ttff, 99.0).as_secs_f64(),
+        percentile(&r.e2e, 50.0).as_secs_f64(),
+        percentile(&r.e2e, 99.0).as_secs_f64(),
+        util.join(" / "),
+    );
+}
+
+fn cost_line(p: &Prepared, throughput: f64) -> String {
+    format!(
+        "${:.2}/h, ${:.2} per 1k requests at this load",
+        p.usd_per_hour,
+        per_1k(p.usd_per_hour, throughput)
+    )
 }
 
 /// One line on what reuse did in a run.

@@ -75,6 +75,32 @@ fn short_simulation_reports_the_best_split() {
 }
 
 #[test]
+fn simulator_meets_every_published_result() {
+    // profiles/published.toml: each published disaggregated/colocated throughput ratio, with its
+    // citation; the command fails if one is outside its tolerance with no mechanism named.
+    let (ok, out, err) = tensorwire(&["simulate", "--calibrate"]);
+    assert!(ok, "{out}\n{err}");
+    assert!(!out.contains("MISSED"), "{out}");
+    assert!(out.lines().filter(|l| l.contains(" vs EDV:")).count() >= 5, "{out}");
+}
+
+#[test]
+fn plan_ranks_layouts_with_their_cost_and_reasons() {
+    let mix = "flux.1-dev-1024=0.8:interactive,wan2.1-t2v-14b-480p=0.2:batch";
+    let args = ["simulate", "--plan", "--budget-usd", "20", "--requests", "2000", "--mix", mix];
+    let (ok, out, err) = tensorwire(&args);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("$/1k req"), "{out}");
+    assert!(out.contains("capacity bound by the"), "{out}");
+    assert!(out.contains("disaggregated vs colocated at equal GPU count"), "{out}");
+    // A layout that cannot hold its models says why.
+    let args = ["simulate", "--layout", "EDV@rtx4090:8", "--model", "wan2.1-14b-720p"];
+    let (_, out, err) = tensorwire(&[&args[..], &["--requests", "500"]].concat());
+    assert!(out.contains("infeasible") || err.contains("no layout fits"), "{out}\n{err}");
+    assert!(out.contains("29.0 GB of activations do not fit a rtx4090"), "{out}");
+}
+
+#[test]
 fn bad_input_is_one_clear_line() {
     let dir = std::env::temp_dir().join(format!("tw-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -93,6 +119,9 @@ fn bad_input_is_one_clear_line() {
         (vec!["soak".into(), "--chaos".into(), "0.001".into()], "--chaos 0.001"),
         (vec!["simulate".into(), "--model".into(), "nope".into()], "unknown model"),
         (vec!["simulate".into(), "--policy".into(), "random".into()], "--policy"),
+        (vec!["simulate".into(), "--layout".into(), "E:1|D:7".into()], "no pool serves stage V"),
+        (vec!["simulate".into(), "--gpu".into(), "tpu".into()], "unknown GPU class"),
+        (vec!["simulate".into(), "--mix".into(), "flux.1-dev-1024:urgent".into()], "--mix"),
     ];
     for (args, want) in cases {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();

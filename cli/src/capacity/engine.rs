@@ -1,0 +1,503 @@
+//! The discrete-event simulation of one layout serving one workload. Requests arrive (Poisson,
+//! or all at once to measure capacity); the orchestrator's own driver and scheduler
+//! (`tensorwire_orchestrator::Driver`, the code the library orchestrator and the service run)
+//! make every dispatch decision; nothing sleeps and no bytes move.
+//!
+//! Each GPU of a pool joins the driver once per run of consecutive stages it serves (see
+//! [`Pool::runs`]): a run is one item whose service time is its stages' times on that GPU (from
+//! [`fit`](super::fit)) plus the transfer of its input, with no transfer inside the run. A stage
+//! inside a run (decode in a `DV` pool) is passed by a worker that ends its items at once, so
+//! the driver still sees every stage. A GPU runs one item at a time: an item dispatched to a GPU
+//! busy with its other run (an `EV` pool's encode and decode) starts when the GPU is free.
+//!
+//! Reuse: embedding-cache hits start at denoise; denoise saves a step checkpoint every N steps
+//! (each save costs the latents' transfer to the store); with preemption a batch denoise job asked
+//! to yield stops at its next step boundary, saves a checkpoint and resumes from it later.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::time::Duration;
+
+use tensorwire_benches::rng::Rng;
+use tensorwire_orchestrator::sched::{
+    AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Submit, WorkerId,
+};
+use tensorwire_orchestrator::{Driver, Priority, Stage, StageResult};
+
+use super::classes::{self, GpuClass};
+use super::fit::{self, PoolFit};
+use super::layout::Layout;
+use super::workload::Mix;
+
+/// Slots of a worker that passes a stage inside a run (never the limit).
+const PASS_SLOTS: u32 = 1 << 24;
+
+/// The links between pools.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Net {
+    /// GB/s per transfer.
+    pub(crate) bandwidth_gbps: f64,
+    /// Per hop, ms.
+    pub(crate) latency_ms: f64,
+}
+
+/// Settings of a run besides the layout and the mix.
+#[derive(Debug, Clone)]
+pub(crate) struct Knobs {
+    /// Routing policy: max-free, round-robin or affinity.
+    pub(crate) policy: String,
+    /// Share of requests interactive (for mix entries that fix no class).
+    pub(crate) interactive: f64,
+    /// Share of requests whose embedding is cached.
+    pub(crate) embedding_hit_rate: f64,
+    /// Step checkpoint every N steps (0: never).
+    pub(crate) checkpoint_every: u32,
+    /// The starvation bound (None: four times the mix's mean denoise time).
+    pub(crate) aging: Option<Duration>,
+    /// Interactive jobs preempt batch denoise.
+    pub(crate) preempt: bool,
+    /// Classifier-free guidance on.
+    pub(crate) cfg: bool,
+    /// Links.
+    pub(crate) net: Net,
+    /// Random seed.
+    pub(crate) seed: u64,
+}
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Load {
+    /// Poisson arrivals at `rate` per second.
+    Poisson {
+        /// Requests per second.
+        rate: f64,
+        /// How many.
+        requests: u64,
+    },
+    /// All queued at time zero: the layout's capacity (as a closed-loop load test measures).
+    Saturated {
+        /// How many.
+        requests: u64,
+    },
+}
+
+/// A layout checked against the memory of its classes, ready to simulate.
+#[derive(Debug, Clone)]
+pub(crate) struct Prepared {
+    /// The layout.
+    pub(crate) layout: Layout,
+    /// Per pool: what each stage costs there.
+    pub(crate) fits: Vec<PoolFit>,
+    /// US$ per hour for all its GPUs.
+    pub(crate) usd_per_hour: f64,
+}
+
+impl Prepared {
+    /// Fits every pool; Err: the first pool that cannot run, and why.
+    pub(crate) fn new(
+        layout: &Layout,
+        all: &[GpuClass],
+        mix: &Mix,
+        cfg: bool,
+    ) -> Result<Prepared, String> {
+        let models = mix.models();
+        let mut fits = Vec::new();
+        let mut usd = 0.0;
+        for p in &layout.pools {
+            let class = classes::pick(all, &p.class)?;
+            let f = fit::fit(p, class, &models, cfg)
+                .map_err(|e| format!("{} on {}: {e}", p.letters(), p.class))?;
+            fits.push(f);
+            usd += class.usd_per_hour * f64::from(p.count);
+        }
+        Ok(Prepared { layout: layout.clone(), fits, usd_per_hour: usd })
+    }
+
+    /// What the fits decided, a line per pool that had something to say.
+    pub(crate) fn notes(&self) -> Vec<String> {
+        self.layout
+            .pools
+            .iter()
+            .zip(&self.fits)
+            .filter(|(_, f)| !f.notes.is_empty())
+            .map(|(p, f)| format!("{} on {}: {}", p.letters(), p.class, f.notes.join(", ")))
+            .collect()
+    }
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Outcome {
+    /// Completed requests per second.
+    pub(crate) throughput: f64,
+    /// Time to first frame of every request.
+    pub(crate) ttff: Vec<Duration>,
+    /// ... of the interactive ones.
+    pub(crate) ttff_interactive: Vec<Duration>,
+    /// End to end.
+    pub(crate) e2e: Vec<Duration>,
+    /// Busy share of each pool's GPUs.
+    pub(crate) utilisation: Vec<f64>,
+    /// Scheduler decisions.
+    pub(crate) decisions: u64,
+    /// What reuse did.
+    pub(crate) reuse: Reused,
+}
+
+/// What reuse did in a run.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Reused {
+    /// Requests that skipped encode (embedding-cache hits).
+    pub(crate) encode_skipped: u64,
+    /// Jobs that yielded to an interactive one.
+    pub(crate) preempted: u64,
+    /// Steps not run again: the step each resumed job started from, summed.
+    pub(crate) resumed_steps: u64,
+    /// Latent bytes written to the store as step checkpoints.
+    pub(crate) checkpoint_bytes: u64,
+}
+
+/// A routing policy by name.
+pub(crate) fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
+    Ok(match name {
+        "max-free" => Box::new(MaxFreeCredit),
+        "round-robin" => Box::new(RoundRobin::default()),
+        "affinity" => Box::new(AffinityFirst),
+        other => {
+            return Err(format!("--policy {other:?}: expected max-free, round-robin or affinity"));
+        }
+    })
+}
+
+/// What happens at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// Request arrives.
+    Arrive(u64),
+    /// A worker ends an item (ignored if a yield cut the run short).
+    Done(ItemKey, WorkerId),
+    /// A denoise job yields at this step, its checkpoint saved.
+    Yield(ItemKey, WorkerId, u32),
+}
+
+/// (time, sequence, event).
+type SimEvent = (Duration, u64, Ev);
+
+/// Who a driver worker is.
+#[derive(Debug, Clone, Copy)]
+enum Role {
+    /// GPU `gpu` of pool `pool`, serving its run `run`.
+    Gpu { gpu: usize, pool: usize, run: usize },
+    /// Passes a stage inside a run.
+    Pass,
+}
+
+/// One simulated GPU.
+#[derive(Debug, Clone, Copy, Default)]
+struct Gpu {
+    pool: usize,
+    free_at: Duration,
+    busy: Duration,
+}
+
+/// A denoise run in progress: its GPU, when it started, the time before its first step, the
+/// step it started at, its time per step (checkpoint saves spread over the steps), when it
+/// ends, and the sequence number of its end event.
+#[derive(Debug, Clone, Copy)]
+struct DenoiseRun {
+    gpu: usize,
+    start: Duration,
+    base: Duration,
+    from: u32,
+    per_step: Duration,
+    end: Duration,
+    seq: u64,
+}
+
+/// Runs `p` under `load`.
+pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result<Outcome, String> {
+    let ms = |x: f64| Duration::from_secs_f64(x.max(0.0) / 1e3);
+    let xfer = |bytes: u64| {
+        Duration::from_secs_f64(
+            bytes as f64 / (k.net.bandwidth_gbps * 1e9) + k.net.latency_ms / 1e3,
+        )
+    };
+    let mean_denoise: f64 = mix.entries.iter().map(|e| e.share * e.model.denoise_ms()).sum();
+    let aging = k.aging.unwrap_or(ms(mean_denoise) * 4);
+    let cfg = SchedConfig {
+        heartbeat_timeout: Duration::MAX,
+        preempt: k.preempt,
+        aging,
+        ..SchedConfig::default()
+    };
+    let mut d: Driver<(), Duration> = Driver::new(cfg, policy(&k.policy)?);
+    let mut roles: HashMap<WorkerId, Role> = HashMap::new();
+    let mut gpus: Vec<Gpu> = Vec::new();
+    let runs_of: Vec<Vec<Vec<Stage>>> = p.layout.pools.iter().map(|q| q.runs()).collect();
+    for (pi, pool) in p.layout.pools.iter().enumerate() {
+        for g in 0..pool.count {
+            let gpu = gpus.len();
+            gpus.push(Gpu { pool: pi, ..Gpu::default() });
+            for (run, stages) in runs_of[pi].iter().enumerate() {
+                let host = format!("p{pi}g{g}");
+                let id = d.join(stages[0], 1, &host, vec![], (), Duration::ZERO);
+                roles.insert(id, Role::Gpu { gpu, pool: pi, run });
+            }
+        }
+        for stages in &runs_of[pi] {
+            for &s in &stages[1..] {
+                let id = d.join(s, PASS_SLOTS, "pass", vec![], (), Duration::ZERO);
+                roles.insert(id, Role::Pass);
+            }
+        }
+    }
+    let (rate, requests) = match load {
+        Load::Poisson { rate, requests } => (Some(rate), requests),
+        Load::Saturated { requests } => (None, requests),
+    };
+    let mut rng = Rng::new(k.seed);
+    let mut events: BinaryHeap<Reverse<SimEvent>> = BinaryHeap::new();
+    let mut t = 0.0;
+    for r in 0..requests {
+        if let Some(rate) = rate {
+            t += rng.exp(rate);
+        }
+        events.push(Reverse((Duration::from_secs_f64(t), r, Ev::Arrive(r))));
+    }
+    let n = usize::try_from(requests).map_err(|_| "too many requests")?;
+    let mut entry_of = vec![0u32; n];
+    let mut arrived = vec![Duration::ZERO; n];
+    let mut interactive = vec![false; n];
+    let mut runs: HashMap<ItemKey, DenoiseRun> = HashMap::new();
+    let mut first_frame: HashMap<ItemKey, Duration> = HashMap::new();
+    let mut cut: HashSet<u64> = HashSet::new();
+    let mut out = Outcome::default();
+    let mut seq = requests;
+    let mut now = Duration::ZERO;
+    let every = k.checkpoint_every;
+    // Checkpoint saves at steps in (from, to) (the last step's latents go to decode instead).
+    let saves = |from: u32, to: u32, steps: u32| -> u32 {
+        if every == 0 {
+            0
+        } else {
+            (from + 1..to.min(steps)).filter(|s| s % every == 0).count() as u32
+        }
+    };
+    while let Some(Reverse((at, sq, ev))) = events.pop() {
+        now = at;
+        match ev {
+            Ev::Arrive(r) => {
+                let i = r as usize;
+                arrived[i] = at;
+                let e = if mix.entries.len() > 1 { mix.pick(rng.next_f64()) } else { 0 };
+                entry_of[i] = e as u32;
+                let draw = rng.next_f64() < k.interactive;
+                let pr = mix.entries[e].priority.unwrap_or(if draw {
+                    Priority::Interactive
+                } else {
+                    Priority::Batch
+                });
+                interactive[i] = pr == Priority::Interactive;
+                if rng.next_f64() < k.embedding_hit_rate {
+                    out.reuse.encode_skipped += 1;
+                    let s = Submit { start: Stage::Denoise, ..Submit::new(r, pr) };
+                    let _ = d.submit_with(s, b"cached embedding".to_vec(), at, at);
+                } else {
+                    let _ = d.submit(Submit::new(r, pr), at, at);
+                }
+            }
+            Ev::Done(key, w) => {
+                if cut.remove(&sq) {
+                    continue; // it yielded before
+                }
+                let i = key.request as usize;
+                if let Some(run) = runs.remove(&key) {
+                    let m = &mix.entries[entry_of[i] as usize].model;
+                    let steps = m.steps.max(1);
+                    out.reuse.checkpoint_bytes +=
+                        u64::from(saves(run.from, steps, steps)) * m.latent_bytes;
+                }
+                if let Some(f) = first_frame.remove(&key) {
+                    out.ttff.push(f - arrived[i]);
+                    if interactive[i] {
+                        out.ttff_interactive.push(f - arrived[i]);
+                    }
+                }
+                d.result(w, key, StageResult::Done(Vec::new()), at);
+            }
+            Ev::Yield(key, w, step) => {
+                if let Some(run) = runs.remove(&key) {
+                    let m = &mix.entries[entry_of[key.request as usize] as usize].model;
+                    let saved = saves(run.from, step, m.steps.max(1)) + 1;
+                    out.reuse.checkpoint_bytes += u64::from(saved) * m.latent_bytes;
+                    let g = &mut gpus[run.gpu];
+                    if g.free_at == run.end {
+                        g.busy = g.busy.saturating_sub(run.end.saturating_sub(at));
+                        g.free_at = at;
+                    }
+                }
+                first_frame.remove(&key);
+                out.reuse.preempted += 1;
+                d.yielded(w, key, step, b"checkpoint".to_vec(), at);
+            }
+        }
+        for t0 in d.take_outcomes().into_iter().filter_map(|e| e.waiter) {
+            out.e2e.push(now - t0);
+        }
+        drop(d.take_dead()); // simulated workers never go silent; keep the list empty
+        for x in d.dispatch(now) {
+            let (key, w) = (x.dispatch.item.key, x.dispatch.worker);
+            let Some(&Role::Gpu { gpu, pool, run }) = roles.get(&w) else {
+                seq += 1;
+                events.push(Reverse((now, seq, Ev::Done(key, w))));
+                continue;
+            };
+            let e = entry_of[key.request as usize] as usize;
+            let m = &mix.entries[e].model;
+            let cost = &p.fits[pool].costs[e];
+            let stages = &runs_of[pool][run];
+            let steps = m.steps.max(1);
+            let from = x.resume.map_or(0, |(s, _)| s.min(steps));
+            let start = now.max(gpus[gpu].free_at);
+            // The input from another pool (or the store), then each stage of the run.
+            let mut t = match stages[0] {
+                Stage::Encode => Duration::ZERO,
+                Stage::Denoise if from > 0 => xfer(m.embed_bytes) + xfer(m.latent_bytes),
+                Stage::Denoise => xfer(m.embed_bytes),
+                Stage::Decode => xfer(m.latent_bytes),
+            };
+            let mut denoise = None;
+            for &s in stages {
+                let c = cost[s.index()].ok_or("a pool's fit covers its stages")?.ms;
+                match s {
+                    Stage::Encode => t += ms(c),
+                    Stage::Denoise => {
+                        out.reuse.resumed_steps += u64::from(from);
+                        let work = ms(c) * (steps - from)
+                            + xfer(m.latent_bytes) * saves(from, steps, steps);
+                        let per_step = work / (steps - from).max(1);
+                        denoise = Some((t, per_step));
+                        t += work;
+                    }
+                    Stage::Decode => {
+                        let chunks = m.chunks().map_or(1, |(_, n)| n);
+                        let f = if stages[0] == Stage::Decode {
+                            xfer(m.latent_bytes / u64::from(chunks)) + ms(c / f64::from(chunks))
+                        } else {
+                            t + ms(c / f64::from(chunks))
+                        };
+                        first_frame.insert(key, start + f);
+                        t += ms(c);
+                    }
+                }
+            }
+            let g = &mut gpus[gpu];
+            g.free_at = start + t;
+            g.busy += t;
+            seq += 1;
+            if let Some((base, per_step)) = denoise {
+                let end = start + t;
+                runs.insert(key, DenoiseRun { gpu, start, base, from, per_step, end, seq });
+            }
+            events.push(Reverse((start + t, seq, Ev::Done(key, w))));
+        }
+        // Asked to yield: the job stops at its next step boundary (past the one it started
+        // at), saving a checkpoint; one that would reach its last step first just finishes.
+        for (key, w, _) in d.take_asks() {
+            let Some(run) = runs.get(&key) else { continue };
+            let steps = mix.entries[entry_of[key.request as usize] as usize].model.steps.max(1);
+            let latent = mix.entries[entry_of[key.request as usize] as usize].model.latent_bytes;
+            let ran = now.saturating_sub(run.start + run.base);
+            let done = (ran.as_secs_f64() / run.per_step.as_secs_f64().max(1e-12)) as u32;
+            let at_step = run.from + done + 1;
+            if at_step >= steps {
+                continue;
+            }
+            let when = run.start + run.base + run.per_step * (at_step - run.from) + xfer(latent);
+            cut.insert(run.seq);
+            seq += 1;
+            events.push(Reverse((when, seq, Ev::Yield(key, w, at_step))));
+        }
+    }
+    let span = now.as_secs_f64().max(1e-9);
+    out.throughput = out.e2e.len() as f64 / span;
+    out.utilisation = p
+        .layout
+        .pools
+        .iter()
+        .enumerate()
+        .map(|(pi, pool)| {
+            let busy: f64 =
+                gpus.iter().filter(|g| g.pool == pi).map(|g| g.busy.as_secs_f64()).sum();
+            busy / (span * f64::from(pool.count))
+        })
+        .collect();
+    out.decisions = d.sched().stats().dispatched;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profiles;
+
+    fn knobs() -> Knobs {
+        Knobs {
+            policy: "max-free".into(),
+            interactive: 0.0,
+            embedding_hit_rate: 0.0,
+            checkpoint_every: 0,
+            aging: None,
+            preempt: true,
+            cfg: true,
+            net: Net { bandwidth_gbps: 25.0, latency_ms: 0.05 },
+            seed: 1,
+        }
+    }
+
+    fn run(layout: &str, load: Load) -> (Prepared, Outcome, Mix) {
+        let all = profiles::load(None).unwrap();
+        let mix =
+            Mix::single(profiles::pick(&all, &["wan2.1-t2v-1.3b-480p".into()]).unwrap()[0].clone());
+        let classes = classes::load(None).unwrap();
+        let p =
+            Prepared::new(&Layout::parse(layout, "h100").unwrap(), &classes, &mix, true).unwrap();
+        let o = simulate(&p, &mix, &knobs(), load).unwrap();
+        (p, o, mix)
+    }
+
+    #[test]
+    fn one_request_costs_its_stages_plus_the_transfers_between_pools() {
+        let secs = |d: Duration| d.as_secs_f64();
+        let (_, o, mix) = run("EDV:1", Load::Saturated { requests: 1 });
+        let m = &mix.entries[0].model;
+        let whole = (m.encode_ms + m.denoise_ms() + m.decode_ms) / 1e3;
+        assert!((secs(o.e2e[0]) - whole).abs() < 1e-6, "{:?}", o.e2e);
+        // The first frame: the first of 7 chunks decoded.
+        let first = (m.encode_ms + m.denoise_ms() + m.decode_ms / 7.0) / 1e3;
+        assert!((secs(o.ttff[0]) - first).abs() < 1e-6, "{:?}", o.ttff);
+        let (_, o, _) = run("E:1|D:1|V:1", Load::Saturated { requests: 1 });
+        let hop = |b: u64| b as f64 / 25e9 + 0.05e-3;
+        let apart = whole + hop(m.embed_bytes) + hop(m.latent_bytes);
+        assert!((secs(o.e2e[0]) - apart).abs() < 1e-6, "{} vs {apart}", secs(o.e2e[0]));
+        // Decode fused with denoise: no latent transfer.
+        let (_, o, _) = run("E:1|DV:1", Load::Saturated { requests: 1 });
+        assert!((secs(o.e2e[0]) - (whole + hop(m.embed_bytes))).abs() < 1e-6);
+    }
+
+    #[test]
+    fn saturated_capacity_meets_the_analytic_bound_and_no_gpu_runs_two_items() {
+        for layout in ["EDV:8", "E:1|DV:7", "EV:1|D:7", "ED:6|V:2", "E:1|D:6|V:1"] {
+            let (p, o, mix) = run(layout, Load::Saturated { requests: 2000 });
+            let (bound, _) = crate::capacity::plan::bound(&p, &mix, 0.0);
+            assert!(o.throughput <= bound * 1.001, "{layout}: {} > {bound}", o.throughput);
+            assert!(o.throughput >= bound * 0.95, "{layout}: {} << {bound}", o.throughput);
+            assert!(
+                o.utilisation.iter().all(|&u| u <= 1.0 + 1e-9),
+                "{layout}: {:?}",
+                o.utilisation
+            );
+            assert_eq!(o.e2e.len(), 2000, "{layout}");
+        }
+    }
+}
