@@ -194,17 +194,8 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let _ = writeln!(md);
     eprintln!("bench: demo (TTFF)");
     let demo = DemoArgs {
-        mix: MixArgs {
-            models: vec![
-                "wan2.1-t2v-1.3b-480p".into(),
-                "flux.1-dev-1024".into(),
-                "qwen-image-1328".into(),
-            ],
-            profiles: None,
-            gpus: 8,
-            split: None,
-            time_scale: 0.02,
-        },
+        mix: MixArgs { models: None, profiles: None, gpus: 8, split: None, time_scale: 0.02 },
+        scenario: "fits".into(),
         requests: 24,
         prompts: 6,
         processes: false,

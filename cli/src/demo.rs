@@ -33,13 +33,10 @@ use crate::report::Summary;
 /// The request mix and the worker pools, shared by `demo` and `soak`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct MixArgs {
-    /// Models in the request mix (names from the profiles), round robin.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "wan2.1-t2v-1.3b-480p,flux.1-dev-1024,qwen-image-1328"
-    )]
-    pub(crate) models: Vec<String>,
+    /// Models in the request mix (names from the profiles), round robin (default: the demo
+    /// scenario's; for soak wan2.1-t2v-1.3b-480p,flux.1-dev-1024,qwen-image-1328).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) models: Option<Vec<String>>,
     /// Profile file (default: the copy built into the binary).
     #[arg(long)]
     pub(crate) profiles: Option<PathBuf>,
@@ -55,19 +52,35 @@ pub(crate) struct MixArgs {
     pub(crate) time_scale: f64,
 }
 
+/// The mix when neither `--models` nor a scenario names one.
+pub(crate) const DEFAULT_MIX: [&str; 3] =
+    ["wan2.1-t2v-1.3b-480p", "flux.1-dev-1024", "qwen-image-1328"];
+
 impl MixArgs {
-    /// The models of the mix and the split of `gpus` workers into pools.
-    pub(crate) fn resolve(&self) -> Result<(Vec<Model>, Split), String> {
+    /// The models of the mix (`--models`, or `default`) and the split of `gpus` workers into
+    /// pools (`--split`, or proportional to the stage times).
+    pub(crate) fn resolve(&self, default: &[&str]) -> Result<(Vec<Model>, Split), String> {
         if self.time_scale.is_nan() || self.time_scale <= 0.0 || self.time_scale > 10.0 {
             return Err(format!("--time-scale {}: must be in (0, 10]", self.time_scale));
         }
         let all = profiles::load(self.profiles.as_deref())?;
-        let mix = profiles::pick(&all, &self.models)?;
-        let split = match &self.split {
-            Some(s) => parse_split(s, self.gpus)?,
-            None => auto_split(&mix, self.gpus)?,
-        };
-        Ok((mix.iter().map(|m| (*m).clone()).collect(), split))
+        let names = self.names(default);
+        let mix: Vec<Model> = profiles::pick(&all, &names)?.into_iter().cloned().collect();
+        let split = self.split(&mix)?;
+        Ok((mix, split))
+    }
+
+    /// The model names: `--models`, or `default`.
+    pub(crate) fn names(&self, default: &[&str]) -> Vec<String> {
+        self.models.clone().unwrap_or_else(|| default.iter().map(|s| s.to_string()).collect())
+    }
+
+    /// `--split`, or workers proportional to `mix`'s stage times.
+    pub(crate) fn split(&self, mix: &[Model]) -> Result<Split, String> {
+        match &self.split {
+            Some(s) => parse_split(s, self.gpus),
+            None => auto_split(&mix.iter().collect::<Vec<_>>(), self.gpus),
+        }
     }
 }
 
@@ -77,6 +90,10 @@ pub(crate) struct DemoArgs {
     /// The mix and the pools.
     #[command(flatten)]
     pub(crate) mix: MixArgs,
+    /// The cluster and workload: memory-bound (default), fits (colocated wins) or
+    /// heterogeneous; `--models` replaces its mix.
+    #[arg(long, default_value = "memory-bound")]
+    pub(crate) scenario: String,
     /// Requests.
     #[arg(long, default_value_t = 24)]
     pub(crate) requests: u64,
@@ -267,9 +284,13 @@ const CFG_BYTES: u64 = 256 << 10;
 
 /// Looks up the unconditional branch's features for `model`'s negative prompt (every request
 /// here has the same one, the empty prompt) and checks their bytes; on a miss, makes them and
-/// shares them. Only the lookup and the bytes are real: no time is modeled for the branch.
+/// shares them. Only the lookup and the bytes are real: no time is modeled for the branch. A
+/// model without CFG has no unconditional branch.
 async fn cfg_features(c: &Ctx, model: usize) -> Result<(), HandlerError> {
     let m = &c.models[model];
+    if !m.cfg {
+        return Ok(());
+    }
     let negative = embedding_key(&m.name, "1", "", true, &[]);
     let shape = Shape { width: 0, height: 0, frames: 0 };
     let key = cfg_key(&m.name, &negative, 0, shape, Sampler { name: "euler", state: &[] });
@@ -486,6 +507,9 @@ async fn disaggregated(
         cache_hits: ctx.cache.stats().hits,
         cfg_hits: Some(ctx.cfg.stats().hits),
         store_left: left.objects,
+        usd_per_hour: 0.0,
+        time_scale: 1.0,
+        differences: Vec::new(),
         layout: format!(
             "{}:{}:{} (encode:denoise:decode)",
             split.encode, split.denoise, split.decode
@@ -568,6 +592,9 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
         cache_hits: hits.load(Ordering::Relaxed),
         cfg_hits: None,
         store_left: 0,
+        usd_per_hour: 0.0,
+        time_scale: 1.0,
+        differences: Vec::new(),
         layout: format!("{gpus} GPUs, each runs encode+denoise+decode"),
     }
 }
@@ -576,6 +603,7 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
 pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
     let (d, c) = compare(&a).await?;
     crate::report::print(&d, &c);
+    crate::report::print_decided(&d, &c);
     if d.store_left != 0 {
         return Err(format!("the store still holds {} objects after the run", d.store_left));
     }
@@ -598,7 +626,10 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
     if a.requests == 0 || a.requests > 10_000 {
         return Err(format!("--requests {}: must be in 1..=10000", a.requests));
     }
-    let (models, split) = a.mix.resolve()?;
+    let sc = crate::scenario::pick(&a.scenario)?;
+    let (models, _) = a.mix.resolve(sc.models)?;
+    let timed = crate::scenario::time(&sc, &models)?;
+    let split = a.mix.split(&timed.disaggregated)?;
     let reqs = |n: u64| -> Vec<Req> {
         (0..n)
             .map(|i| Req { model: (i as usize) % models.len(), prompt: i % a.prompts.max(1) })
@@ -607,21 +638,44 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
     println!(
         "tensorwire demo: {} requests over {} on {} simulated GPUs; service times x{} (profiles: {})",
         a.requests,
-        a.mix.models.join(", "),
+        a.mix.names(sc.models).join(", "),
         a.mix.gpus,
         a.mix.time_scale,
         a.mix.profiles.as_ref().map_or("built-in".to_string(), |p| p.display().to_string())
     );
-    if a.processes {
+    println!("scenario {}: {}", sc.name, sc.about);
+    let on = |s: &str, c: &str| format!("{s} on {c}");
+    let (dm, cm) = (&timed.disaggregated, &timed.colocated);
+    let (mut d, mut c) = if a.processes {
         // No prompt reuse: the worker processes keep no embedding cache, nor does colocated here.
         let unique: Vec<Req> = (0..a.requests)
             .map(|i| Req { model: (i as usize) % models.len(), prompt: i })
             .collect();
-        let d = crate::procs::disaggregated(a, &models, split).await?;
-        let c = colocated(&models, &unique, a.mix.gpus, a.mix.time_scale).await;
-        return Ok((d, c));
-    }
-    let d = disaggregated(&models, reqs(a.requests), split, a.mix.time_scale).await?;
-    let c = colocated(&models, &reqs(a.requests), a.mix.gpus, a.mix.time_scale).await;
+        // The worker processes read the pools' stage times from a profile file.
+        let dir = std::env::temp_dir().join(format!("tensorwire-demo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(err)?;
+        let file = dir.join("models.toml");
+        std::fs::write(&file, profiles::to_toml(dm)?).map_err(err)?;
+        let d = crate::procs::disaggregated(a, dm, split, Some(file)).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        (d?, colocated(cm, &unique, a.mix.gpus, a.mix.time_scale).await)
+    } else {
+        let d = disaggregated(dm, reqs(a.requests), split, a.mix.time_scale).await?;
+        (d, colocated(cm, &reqs(a.requests), a.mix.gpus, a.mix.time_scale).await)
+    };
+    let pools = if sc.pools.iter().all(|p| *p == sc.pools[0]) {
+        sc.pools[0].to_string()
+    } else {
+        format!("{} / {} / {}", sc.pools[0], sc.pools[1], sc.pools[2])
+    };
+    d.layout = on(&d.layout, &pools);
+    c.layout = on(&c.layout, sc.colocated);
+    let usd = |n: u32, p: f64| f64::from(n) * p;
+    d.usd_per_hour = usd(split.encode, timed.usd.1[0])
+        + usd(split.denoise, timed.usd.1[1])
+        + usd(split.decode, timed.usd.1[2]);
+    c.usd_per_hour = usd(a.mix.gpus, timed.usd.0);
+    (d.time_scale, c.time_scale) = (a.mix.time_scale, a.mix.time_scale);
+    d.differences = timed.differences;
     Ok((d, c))
 }

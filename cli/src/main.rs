@@ -22,6 +22,7 @@ mod plot;
 mod procs;
 mod profiles;
 mod report;
+mod scenario;
 mod secret;
 mod serve;
 mod simulate;

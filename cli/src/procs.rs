@@ -763,10 +763,11 @@ pub(crate) async fn disaggregated(
     a: &DemoArgs,
     models: &[Model],
     split: Split,
+    profiles: Option<std::path::PathBuf>,
 ) -> Result<Summary, String> {
     let ca = ClusterArgs {
         time_scale: a.mix.time_scale,
-        profiles: a.mix.profiles.clone(),
+        profiles: profiles.or_else(|| a.mix.profiles.clone()),
         chaos: a.chaos,
         seed: a.seed,
         checkpoint_every: a.checkpoint_every,
@@ -836,6 +837,9 @@ pub(crate) async fn disaggregated(
         cache_hits: 0,
         cfg_hits: None,
         store_left: left.objects,
+        usd_per_hour: 0.0,
+        time_scale: 1.0,
+        differences: Vec::new(),
         layout: format!("{}:{}:{} worker processes", split.encode, split.denoise, split.decode),
     })
 }

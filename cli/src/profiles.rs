@@ -3,13 +3,13 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The profiles shipped with the binary (a copy of shared/workloads/models.toml).
 pub(crate) const SHIPPED: &str = include_str!("../profiles/models.toml");
 
 /// One model's profile (bytes and milliseconds).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub(crate) struct Model {
     /// Name.
     pub(crate) name: String,
@@ -42,7 +42,7 @@ pub(crate) struct Model {
 }
 
 /// A figure per stage.
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize)]
 pub(crate) struct PerStage {
     /// Condition encode.
     pub(crate) encode: f64,
@@ -60,7 +60,7 @@ impl PerStage {
 }
 
 /// Times measured on one GPU class.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub(crate) struct Measured {
     /// The class (a name from gpus.toml).
     pub(crate) class: String,
@@ -73,7 +73,7 @@ pub(crate) struct Measured {
 }
 
 /// Measured times (ms); a missing one is derived.
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize)]
 pub(crate) struct Times {
     /// Encode per request.
     pub(crate) encode_ms: Option<f64>,
@@ -157,6 +157,15 @@ pub(crate) fn load(path: Option<&Path>) -> Result<Vec<Model>, String> {
     }
 }
 
+/// `models` as a profile file ([`parse`] reads it back).
+pub(crate) fn to_toml(models: &[Model]) -> Result<String, String> {
+    #[derive(Serialize)]
+    struct Out<'a> {
+        model: &'a [Model],
+    }
+    toml::to_string(&Out { model: models }).map_err(|e| format!("writing profiles: {e}"))
+}
+
 /// Looks up models by name; the error lists the known names.
 pub(crate) fn pick<'a>(all: &'a [Model], names: &[String]) -> Result<Vec<&'a Model>, String> {
     names
@@ -182,5 +191,8 @@ mod tests {
         assert_eq!(wan.chunks(), Some((1, 7)));
         assert!(pick(&all, &["nope".into()]).unwrap_err().contains("known:"));
         assert!(parse("model = 3", "x").unwrap_err().starts_with("x: not a valid profile file"));
+        let back = parse(&to_toml(&all).unwrap(), "written").unwrap();
+        assert_eq!(back.len(), all.len());
+        assert_eq!(back[6].measured[0].alone.step_ms, Some(1880.0));
     }
 }

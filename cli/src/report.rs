@@ -29,6 +29,12 @@ pub(crate) struct Summary {
     pub(crate) store_left: u64,
     /// The layout.
     pub(crate) layout: String,
+    /// US$ per hour of its GPUs (0: not priced).
+    pub(crate) usd_per_hour: f64,
+    /// The run's service times over the profiled ones (`--time-scale`).
+    pub(crate) time_scale: f64,
+    /// Stages that run at another speed in this layout than in the other, one line each.
+    pub(crate) differences: Vec<String>,
 }
 
 /// The `p`-th percentile (0..=100), nearest rank; zero for no samples.
@@ -131,6 +137,15 @@ pub(crate) fn print(d: &Summary, c: &Summary) {
             String::new(),
         ),
         ("store objects left".into(), d.store_left.to_string(), "-".into(), String::new()),
+        (
+            "$ per 1k requests".into(),
+            per_1k(d).map_or("-".into(), |x| format!("{x:.2} (${:.2}/h)", d.usd_per_hour)),
+            per_1k(c).map_or("-".into(), |x| format!("{x:.2} (${:.2}/h)", c.usd_per_hour)),
+            match (per_1k(d), per_1k(c)) {
+                (Some(a), Some(b)) => ratio(a, b),
+                _ => String::new(),
+            },
+        ),
     ];
     let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
     let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max("disaggregated".len());
@@ -141,6 +156,50 @@ pub(crate) fn print(d: &Summary, c: &Summary) {
     for (a, b, c, r) in rows {
         println!("{a:<w0$}  {b:<w1$}  {c:<w2$}  {r}");
     }
+}
+
+/// US$ per 1,000 requests at the run's throughput in GPU time (its wall time over its time
+/// scale).
+fn per_1k(s: &Summary) -> Option<f64> {
+    (s.usd_per_hour > 0.0 && s.requests > 0).then(|| {
+        let thr = s.requests as f64 * s.time_scale / s.elapsed.as_secs_f64().max(1e-9);
+        s.usd_per_hour / (thr * 3.6)
+    })
+}
+
+/// What decided the comparison: the stages that ran at another speed (memory), the pools'
+/// balance and the handoff.
+pub(crate) fn print_decided(d: &Summary, c: &Summary) {
+    let thr = |s: &Summary| s.requests as f64 / s.elapsed.as_secs_f64().max(1e-9);
+    let r = thr(d) / thr(c).max(1e-12);
+    println!();
+    println!("what decided it:");
+    if d.differences.is_empty() {
+        println!("- stage times: every stage runs at the same speed colocated and in its own pool");
+    }
+    for line in &d.differences {
+        println!("- stage time: {line}");
+    }
+    let idle = d.utilisation.map(|u| {
+        println!(
+            "- pool balance: the pools were busy {:.0}% / {:.0}% / {:.0}% (encode / denoise / decode) of their time",
+            u[0] * 100.0,
+            u[1] * 100.0,
+            u[2] * 100.0
+        );
+        u
+    });
+    println!("- handoff: {:.1} MiB between pools, none colocated", d.moved as f64 / 1048576.0);
+    let verdict = match (r >= 1.0, d.differences.is_empty()) {
+        (true, false) => "stage times: stages ran faster in their own pools (memory not shared with the other stages, or a class that suits them), more than the pools' idle time cost".to_string(),
+        (true, true) => "overlap: no stage ran faster, but the pipeline kept the busiest pool fed".to_string(),
+        (false, true) => format!(
+            "pool balance: no stage ran faster in its own pool, and the pools idled{}",
+            idle.map_or(String::new(), |u| format!(" (least busy {:.0}%)", u.iter().fold(1.0f64, |a, &b| a.min(b)) * 100.0))
+        ),
+        (false, false) => "pool balance: stages ran faster in their own pools, but the pools' idle time cost more".to_string(),
+    };
+    println!("disaggregated throughput {r:.2}x colocated, decided by {verdict}");
 }
 
 #[cfg(test)]

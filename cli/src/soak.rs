@@ -83,7 +83,7 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
     if a.batch == 0 || a.batch > 10_000 {
         return Err(format!("--batch {}: must be in 1..=10000", a.batch));
     }
-    let (models, split) = a.mix.resolve()?;
+    let (models, split) = a.mix.resolve(&crate::demo::DEFAULT_MIX)?;
     let ca = ClusterArgs {
         time_scale: a.mix.time_scale,
         profiles: a.mix.profiles.clone(),

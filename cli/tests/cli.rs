@@ -21,6 +21,14 @@ fn short_demo_prints_both_layouts() {
     for row in rows.into_iter().chain(["embedding cache hits", "CFG feature hits"]) {
         assert!(out.contains(row), "missing {row:?} in:\n{out}");
     }
+    // The default scenario: colocated RTX 4090s offload (LightX2V's measured stage times).
+    assert!(out.contains("scenario memory-bound"), "{out}");
+    assert!(out.contains("encode: 12890 ms colocated on rtx4090 (measured)"), "{out}");
+    assert!(out.contains("decided by"), "{out}");
+    let args = ["demo", "--scenario", "fits", "--requests", "6", "--time-scale", "0.005"];
+    let (ok, out, err) = tensorwire(&args);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("every stage runs at the same speed colocated and in its own pool"), "{out}");
 }
 
 #[test]
@@ -108,6 +116,7 @@ fn bad_input_is_one_clear_line() {
     std::fs::write(&bad, "[[model]]\nname = 3\n").unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec!["demo".into(), "--models".into(), "nope".into()], "unknown model \"nope\""),
+        (vec!["demo".into(), "--scenario".into(), "nope".into()], "unknown scenario"),
         (
             vec!["demo".into(), "--profiles".into(), bad.display().to_string()],
             "not a valid profile file",
