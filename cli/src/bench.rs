@@ -1,8 +1,10 @@
 //! `tensorwire bench`: the bench harness's measurements for every backend on this machine (tcp,
 //! shm, mem), the store (embedded and remote), the connector (handoff and overlap) and a short
 //! demo (TTFF colocated vs disaggregated), written to a report directory: `report.md` with the
-//! tables and PNG plots of GB/s against size per backend (with its baseline) and of the TTFF
-//! distributions.
+//! tables and SVG plots of GB/s against size per backend (with its baseline) and of the TTFF
+//! distributions, then the RFC's four benchmarks: (a) colocated vs disaggregated throughput and
+//! TTFF per layout and (c) the decode-pool sharing ratio from the capacity model, (b) overlap
+//! efficiency and (d) connector overhead from the measurements.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -110,6 +112,164 @@ fn gbps_chart(name: &str, lines: &[Line]) -> Chart {
     }
 }
 
+/// Workloads of benchmark (a): (name, `simulate` arguments).
+const LAYOUT_WORKLOADS: [(&str, &[&str]); 2] = [
+    (
+        "memory-bound: Qwen-Image-2512 (8 steps) on 8 RTX 4090",
+        &["--plan", "--gpus", "8", "--plan-classes", "rtx4090", "--model", "qwen-image-2512-8step"],
+    ),
+    (
+        "fits: Wan2.1-1.3B, FLUX.1-dev, Qwen-Image on 8 H200",
+        &[
+            "--plan",
+            "--gpus",
+            "8",
+            "--plan-classes",
+            "h200",
+            "--mix",
+            "wan2.1-t2v-1.3b-480p,flux.1-dev-1024,qwen-image-1328",
+        ],
+    ),
+];
+
+/// The RFC's four benchmarks: (a) and (c) from the capacity model (the orchestrator's
+/// scheduler in simulated time), (b) and (d) from the measurements above.
+fn rfc_benchmarks(
+    md: &mut String,
+    out: &std::path::Path,
+    plots: &mut Vec<String>,
+    conn: &[Line],
+    overlaps: &[tensorwire_benches::connector::Overlap],
+) -> Result<(), String> {
+    let _ = writeln!(md, "\n## The RFC's four benchmarks\n");
+    let _ = writeln!(
+        md,
+        "### (a) Throughput and p99 TTFF, colocated vs disaggregated\n\nFrom `tensorwire simulate --plan` (stage times from the capacity model: profiles, GPU classes, memory fit; every dispatch by the orchestrator's scheduler; capacity with 2,000 requests queued at once, TTFF under Poisson arrivals at 70% of the least capacity shown). The demo above measures the memory-bound case through the real engine.\n"
+    );
+    for (i, (name, args)) in LAYOUT_WORKLOADS.iter().enumerate() {
+        eprintln!("bench: simulate --plan ({name})");
+        let mut all = args.to_vec();
+        all.extend(["--requests", "2000"]);
+        let (rows, rate, _) = crate::simulate::plan_figures(&all)?;
+        let _ = writeln!(md, "**{name}** (`tensorwire simulate {}`)\n", args.join(" "));
+        let _ = writeln!(
+            md,
+            "| layout | GPUs | $/h | capacity req/s | p99 TTFF s | $/1k requests | what decided |\n|---|---|---|---|---|---|---|"
+        );
+        for r in &rows {
+            let _ = writeln!(
+                md,
+                "| `{}` | {} | {:.2} | {:.4} | {:.1} | {:.2} | {} |",
+                r.layout.replace('|', "\\|"),
+                r.gpus,
+                r.usd_per_hour,
+                r.capacity,
+                r.ttff_p99_s,
+                r.usd_per_hour / (r.capacity * 3.6).max(1e-12),
+                r.why
+            );
+        }
+        let colo = rows.iter().find(|r| r.colocated);
+        let best =
+            rows.iter().filter(|r| !r.colocated).max_by(|x, y| x.capacity.total_cmp(&y.capacity));
+        if let (Some(c), Some(d)) = (colo, best) {
+            let _ = writeln!(
+                md,
+                "\nBest disaggregated `{}` vs colocated `{}` at equal GPU count: throughput {:.2}x, p99 TTFF {:.1} s vs {:.1} s.\n",
+                d.layout,
+                c.layout,
+                d.capacity / c.capacity.max(1e-12),
+                d.ttff_p99_s,
+                c.ttff_p99_s
+            );
+        }
+        let file = format!("layouts-{}.svg", i + 1);
+        crate::simulate::plot_layouts(&out.join(&file), &rows, rate)?;
+        let _ = writeln!(md, "![layouts]({file})\n");
+        plots.push(file);
+    }
+    let _ = writeln!(md, "### (b) Overlap efficiency\n");
+    for o in overlaps {
+        let _ = writeln!(
+            md,
+            "- {}: the last chunk decoded {:.3} x the bound max(transfer, decode) + one chunk (Connector section).",
+            fmt_size(o.size),
+            o.ratio
+        );
+    }
+    let _ = writeln!(md, "\n### (c) Decode-pool sharing ratio N:M meeting a TTFF SLO\n");
+    let args = [
+        "--sweep",
+        "--model",
+        "wan2.1-t2v-1.3b-480p",
+        "--denoise",
+        "40",
+        "--target-ttff-ms",
+        "120000",
+        "--requests",
+        "5000",
+    ];
+    eprintln!("bench: simulate --sweep");
+    let crate::simulate::SweepFigures { points: pts, chosen, target_s: target, rate } =
+        crate::simulate::sweep_figures(&args)?;
+    let _ = writeln!(
+        md,
+        "`tensorwire simulate {}`: 40 denoise workers at {rate:.4} req/s (90% of what they sustain).\n\n| decode workers | p99 TTFF s |\n|---|---|",
+        args.join(" ")
+    );
+    for (m, p99) in &pts {
+        let _ = writeln!(md, "| {m} | {p99:.1} |");
+    }
+    let _ = writeln!(
+        md,
+        "\n{}\n",
+        chosen.map_or(format!("No decode pool meets p99 TTFF <= {target:.0} s."), |(n, m)| {
+            format!(
+                "Chosen N:M = {n}:{m}: the smallest decode pool with p99 TTFF <= {target:.0} s."
+            )
+        })
+    );
+    let chart = Chart {
+        title: format!("p99 TTFF by decode pool size (SLO {target:.0} s, dashed)"),
+        x_label: "decode workers".into(),
+        y_label: "p99 TTFF, s".into(),
+        log_x: false,
+        x_fmt: |x| format!("{x:.0}"),
+        series: vec![
+            Series {
+                name: "p99 TTFF".into(),
+                color: PALETTE[0],
+                points: pts.iter().map(|&(m, p)| (f64::from(m), p)).collect(),
+                dashed: false,
+            },
+            Series {
+                name: "SLO".into(),
+                color: PALETTE[3],
+                points: pts.iter().map(|&(m, _)| (f64::from(m), target)).collect(),
+                dashed: true,
+            },
+        ],
+        y_max: None,
+    };
+    chart.save(&out.join("sweep.svg"))?;
+    let _ = writeln!(md, "![sweep](sweep.svg)\n");
+    plots.push("sweep.svg".into());
+    let _ = writeln!(md, "### (d) Connector overhead vs a raw transfer\n");
+    for l in conn {
+        let _ = writeln!(
+            md,
+            "- {} {}: {:.3} GB/s vs {} {:.3} GB/s, ratio {:.3} (Connector section).",
+            l.op,
+            fmt_size(l.size),
+            l.gbps,
+            l.baseline,
+            l.baseline_gbps,
+            l.ratio
+        );
+    }
+    Ok(())
+}
+
 /// Runs the benches and writes the report.
 pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let mut sizes = Vec::new();
@@ -146,7 +306,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
             .map_err(err)?;
         let _ = writeln!(md, "## Backend `{backend}`\n");
         table(&mut md, &lines);
-        let file = format!("backend-{backend}.png");
+        let file = format!("backend-{backend}.svg");
         gbps_chart(backend, &lines).save(&a.out.join(&file))?;
         let _ = writeln!(
             md,
@@ -195,7 +355,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     eprintln!("bench: demo (TTFF)");
     let demo = DemoArgs {
         mix: MixArgs { models: None, profiles: None, gpus: 8, split: None, time_scale: 0.02 },
-        scenario: "fits".into(),
+        scenario: "memory-bound".into(),
         requests: 24,
         prompts: 6,
         processes: false,
@@ -232,8 +392,8 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         ],
         y_max: Some(1.0),
     };
-    chart.save(&a.out.join("ttff.png"))?;
-    plots.push("ttff.png".into());
+    chart.save(&a.out.join("ttff.svg"))?;
+    plots.push("ttff.svg".into());
     let p = |v: &[Duration], q: f64| crate::report::percentile(v, q).as_secs_f64() * 1e3;
     let _ = writeln!(
         md,
@@ -255,8 +415,9 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     }
     let _ = writeln!(
         md,
-        "\n![TTFF](ttff.png)\n\nCumulative share of requests whose first frame was decoded by a given time."
+        "\n![TTFF](ttff.svg)\n\nCumulative share of requests whose first frame was decoded by a given time."
     );
+    rfc_benchmarks(&mut md, &a.out, &mut plots, &conn, &overlaps)?;
     let path = a.out.join("report.md");
     std::fs::write(&path, md).map_err(|e| format!("{}: {e}", path.display()))?;
     println!("wrote {} and {} plots ({})", path.display(), plots.len(), plots.join(", "));

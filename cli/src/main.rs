@@ -5,7 +5,7 @@
 //! - `tensorwire simulate`: a discrete-event simulation of a cluster with the orchestrator's own
 //!   scheduler (no bytes moved, no sleeping), with `--sweep` for sizing the decode pool.
 //! - `tensorwire bench`: the bench harness for every backend, the store and the connector, and a
-//!   report directory with tables and PNG plots.
+//!   report directory with tables and SVG plots.
 //! - `tensorwire serve` / `tensorwire worker`: an engine with a store node and the orchestrator
 //!   service, and stage workers in other processes or hosts.
 //! - `tensorwire secret new FILE`: a cluster secret for `--secret-file`.
@@ -47,7 +47,7 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Simulate a cluster (capacity planning); no bytes move, nothing sleeps.
     Simulate(simulate::SimArgs),
-    /// Measure every backend, the store and the connector; write report.md and PNG plots.
+    /// Measure every backend, the store and the connector; write report.md and SVG plots.
     Bench(bench::BenchArgs),
     /// Run an engine with a store node (and optionally the orchestrator service).
     Serve(serve::ServeArgs),

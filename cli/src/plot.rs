@@ -1,7 +1,9 @@
-//! Line charts as PNG files, drawn with a small rasteriser and a built-in 5x7 bitmap font (no
-//! system fonts or font libraries, so `tensorwire bench` works on a bare machine).
+//! Charts as SVG files, drawn with `plotters` (its SVG backend writes text as SVG text, so no
+//! font files are needed and the files embed cleanly in report.md).
 
 use std::path::Path;
+
+use plotters::prelude::*;
 
 /// An RGB colour.
 pub(crate) type Rgb = [u8; 3];
@@ -10,154 +12,8 @@ pub(crate) type Rgb = [u8; 3];
 pub(crate) const PALETTE: [Rgb; 6] =
     [[31, 119, 180], [255, 127, 14], [44, 160, 44], [214, 39, 40], [148, 103, 189], [140, 86, 75]];
 
-fn glyph(c: char) -> [u8; 7] {
-    match c.to_ascii_uppercase() {
-        '0' => [0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E],
-        '1' => [0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E],
-        '2' => [0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F],
-        '3' => [0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E],
-        '4' => [0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02],
-        '5' => [0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E],
-        '6' => [0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E],
-        '7' => [0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08],
-        '8' => [0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E],
-        '9' => [0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C],
-        'A' => [0x0E, 0x11, 0x11, 0x11, 0x1F, 0x11, 0x11],
-        'B' => [0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E],
-        'C' => [0x0E, 0x11, 0x10, 0x10, 0x10, 0x11, 0x0E],
-        'D' => [0x1C, 0x12, 0x11, 0x11, 0x11, 0x12, 0x1C],
-        'E' => [0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x1F],
-        'F' => [0x1F, 0x10, 0x10, 0x1E, 0x10, 0x10, 0x10],
-        'G' => [0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F],
-        'H' => [0x11, 0x11, 0x11, 0x1F, 0x11, 0x11, 0x11],
-        'I' => [0x0E, 0x04, 0x04, 0x04, 0x04, 0x04, 0x0E],
-        'J' => [0x07, 0x02, 0x02, 0x02, 0x02, 0x12, 0x0C],
-        'K' => [0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11],
-        'L' => [0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x1F],
-        'M' => [0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11],
-        'N' => [0x11, 0x11, 0x19, 0x15, 0x13, 0x11, 0x11],
-        'O' => [0x0E, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E],
-        'P' => [0x1E, 0x11, 0x11, 0x1E, 0x10, 0x10, 0x10],
-        'Q' => [0x0E, 0x11, 0x11, 0x11, 0x15, 0x12, 0x0D],
-        'R' => [0x1E, 0x11, 0x11, 0x1E, 0x14, 0x12, 0x11],
-        'S' => [0x0F, 0x10, 0x10, 0x0E, 0x01, 0x01, 0x1E],
-        'T' => [0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04],
-        'U' => [0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x0E],
-        'V' => [0x11, 0x11, 0x11, 0x11, 0x11, 0x0A, 0x04],
-        'W' => [0x11, 0x11, 0x11, 0x15, 0x15, 0x15, 0x0A],
-        'X' => [0x11, 0x11, 0x0A, 0x04, 0x0A, 0x11, 0x11],
-        'Y' => [0x11, 0x11, 0x11, 0x0A, 0x04, 0x04, 0x04],
-        'Z' => [0x1F, 0x01, 0x02, 0x04, 0x08, 0x10, 0x1F],
-        '.' => [0, 0, 0, 0, 0, 0x0C, 0x0C],
-        ',' => [0, 0, 0, 0, 0x0C, 0x04, 0x08],
-        '-' => [0, 0, 0, 0x1F, 0, 0, 0],
-        '+' => [0, 0x04, 0x04, 0x1F, 0x04, 0x04, 0],
-        '=' => [0, 0, 0x1F, 0, 0x1F, 0, 0],
-        '/' => [0, 0x01, 0x02, 0x04, 0x08, 0x10, 0],
-        ':' => [0, 0x0C, 0x0C, 0, 0x0C, 0x0C, 0],
-        '%' => [0x18, 0x19, 0x02, 0x04, 0x08, 0x13, 0x03],
-        '(' => [0x02, 0x04, 0x08, 0x08, 0x08, 0x04, 0x02],
-        ')' => [0x08, 0x04, 0x02, 0x02, 0x02, 0x04, 0x08],
-        '_' => [0, 0, 0, 0, 0, 0, 0x1F],
-        _ => [0; 7],
-    }
-}
-
-struct Canvas {
-    w: usize,
-    h: usize,
-    px: Vec<u8>,
-}
-
-impl Canvas {
-    fn new(w: usize, h: usize) -> Canvas {
-        Canvas { w, h, px: vec![255; w * h * 3] }
-    }
-
-    fn set(&mut self, x: i64, y: i64, c: Rgb) {
-        if x >= 0 && y >= 0 && (x as usize) < self.w && (y as usize) < self.h {
-            let i = (y as usize * self.w + x as usize) * 3;
-            self.px[i..i + 3].copy_from_slice(&c);
-        }
-    }
-
-    fn line(&mut self, from: (i64, i64), to: (i64, i64), c: Rgb, thick: i64) {
-        self.stroke(from, to, c, thick, false);
-    }
-
-    /// A line; `dashed` leaves every other run of 8 pixels out.
-    fn stroke(
-        &mut self,
-        (x0, y0): (i64, i64),
-        (x1, y1): (i64, i64),
-        c: Rgb,
-        thick: i64,
-        dashed: bool,
-    ) {
-        let (dx, dy) = ((x1 - x0).abs(), -(y1 - y0).abs());
-        let (sx, sy) = (if x0 < x1 { 1 } else { -1 }, if y0 < y1 { 1 } else { -1 });
-        let (mut x, mut y, mut err) = (x0, y0, dx + dy);
-        let mut n = 0u32;
-        loop {
-            n += 1;
-            if !dashed || (n / 8) % 2 == 0 {
-                for ox in 0..thick {
-                    for oy in 0..thick {
-                        self.set(x + ox, y + oy, c);
-                    }
-                }
-            }
-            if x == x1 && y == y1 {
-                break;
-            }
-            let e2 = 2 * err;
-            if e2 >= dy {
-                err += dy;
-                x += sx;
-            }
-            if e2 <= dx {
-                err += dx;
-                y += sy;
-            }
-        }
-    }
-
-    fn rect(&mut self, x: i64, y: i64, w: i64, h: i64, c: Rgb) {
-        for yy in y..y + h {
-            for xx in x..x + w {
-                self.set(xx, yy, c);
-            }
-        }
-    }
-
-    /// Text at scale 2 (10x14 pixel glyphs, 12 pixels apart).
-    fn text(&mut self, x: i64, y: i64, s: &str, c: Rgb) {
-        for (i, ch) in s.chars().enumerate() {
-            let g = glyph(ch);
-            for (row, bits) in g.iter().enumerate() {
-                for col in 0..5 {
-                    if bits & (0x10 >> col) != 0 {
-                        self.rect(x + i as i64 * 12 + col * 2, y + row as i64 * 2, 2, 2, c);
-                    }
-                }
-            }
-        }
-    }
-
-    fn save(&self, path: &Path) -> Result<(), String> {
-        let f = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut enc = png::Encoder::new(std::io::BufWriter::new(f), self.w as u32, self.h as u32);
-        enc.set_color(png::ColorType::Rgb);
-        enc.set_depth(png::BitDepth::Eight);
-        let mut w = enc.write_header().map_err(|e| format!("{}: {e}", path.display()))?;
-        w.write_image_data(&self.px).map_err(|e| format!("{}: {e}", path.display()))
-    }
-}
-
-/// Text width in pixels at the canvas's text scale.
-fn width(s: &str) -> i64 {
-    s.chars().count() as i64 * 12
-}
+/// Size of every chart, pixels.
+const SIZE: (u32, u32) = (960, 560);
 
 /// One line of a chart.
 #[derive(Debug, Clone)]
@@ -166,9 +22,9 @@ pub(crate) struct Series {
     pub(crate) name: String,
     /// Colour.
     pub(crate) color: Rgb,
-    /// Points (x, y), drawn in order.
+    /// (x, y) points, in x order.
     pub(crate) points: Vec<(f64, f64)>,
-    /// Dashed (for baselines).
+    /// Dashed (e.g. the raw medium next to the backend).
     pub(crate) dashed: bool,
 }
 
@@ -181,111 +37,227 @@ pub(crate) struct Chart {
     pub(crate) x_label: String,
     /// Y axis label.
     pub(crate) y_label: String,
-    /// Log2 x axis (sizes).
+    /// Log-scaled x axis (base 2: ticks at powers of two, as op sizes are).
     pub(crate) log_x: bool,
-    /// Formats an x tick.
+    /// X tick label of a data value; ticks fall on whole numbers (whole powers of two with
+    /// `log_x`).
     pub(crate) x_fmt: fn(f64) -> String,
     /// The lines.
     pub(crate) series: Vec<Series>,
-    /// Fixed top of the y axis (default: from the data).
+    /// Y axis top (default: fitted to the data).
     pub(crate) y_max: Option<f64>,
 }
 
-fn nice_max(v: f64) -> f64 {
-    if v <= 0.0 {
-        return 1.0;
-    }
-    let p = 10f64.powf(v.log10().floor());
-    for m in [1.0, 2.0, 2.5, 5.0, 10.0] {
-        if m * p >= v {
-            return m * p;
-        }
-    }
-    10.0 * p
+fn color(c: Rgb) -> RGBColor {
+    RGBColor(c[0], c[1], c[2])
 }
 
-fn fmt_y(v: f64) -> String {
-    if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
+fn fail(path: &Path) -> impl Fn(String) -> String + '_ {
+    move |e| format!("{}: drawing the chart: {e}", path.display())
+}
+
+/// The data's x range and y top, never empty.
+fn ranges(points: impl Iterator<Item = (f64, f64)>, y_max: Option<f64>) -> ((f64, f64), f64) {
+    let (mut x0, mut x1, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, 0f64);
+    for (x, y) in points {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y1 = y1.max(y);
     }
+    if !x0.is_finite() {
+        (x0, x1) = (0.0, 1.0);
+    }
+    if x1 <= x0 {
+        x1 = x0 + 1.0;
+    }
+    let y1 = y_max.unwrap_or(if y1 > 0.0 { y1 * 1.1 } else { 1.0 });
+    ((x0, x1), y1)
 }
 
 impl Chart {
-    /// Renders to a PNG of 960x560 pixels.
+    /// The points as drawn: x in log2 units with `log_x`.
+    fn drawn(&self, s: &Series) -> Vec<(f64, f64)> {
+        let x = |v: f64| if self.log_x { v.max(f64::MIN_POSITIVE).log2() } else { v };
+        s.points.iter().map(|&(a, b)| (x(a), b)).collect()
+    }
+
+    /// Writes the chart as an SVG file.
     pub(crate) fn save(&self, path: &Path) -> Result<(), String> {
-        let (w, h) = (960i64, 560i64);
-        let mut c = Canvas::new(w as usize, h as usize);
-        // The legend sits between the title and the plot, never over the data.
-        let (l, r, t, b) = (100i64, 30i64, 80 + 22 * self.series.len() as i64, 80i64);
-        let (pw, ph) = (w - l - r, h - t - b);
-        let pts = self.series.iter().flat_map(|s| s.points.iter().copied());
-        let tx = |x: f64| if self.log_x { x.max(1e-12).log2() } else { x };
-        let (mut x0, mut x1, mut ymax) = (f64::INFINITY, f64::NEG_INFINITY, 0f64);
-        for (x, y) in pts {
-            x0 = x0.min(tx(x));
-            x1 = x1.max(tx(x));
-            ymax = ymax.max(y);
-        }
-        if !x0.is_finite() {
-            (x0, x1) = (0.0, 1.0);
-        }
-        if x1 <= x0 {
-            x1 = x0 + 1.0;
-        }
-        let ymax = self.y_max.unwrap_or_else(|| nice_max(ymax * 1.05));
-        let px = |x: f64| l + ((tx(x) - x0) / (x1 - x0) * pw as f64).round() as i64;
-        let py = |y: f64| t + ph - (y / ymax * ph as f64).round() as i64;
-        let ink = [40, 40, 40];
-        let grid = [225, 225, 225];
-        c.text((w - width(&self.title)) / 2, 20, &self.title, ink);
-        for k in 0..=5 {
-            let y = ymax * f64::from(k) / 5.0;
-            c.line((l, py(y)), (l + pw, py(y)), grid, 1);
-            let s = fmt_y(y);
-            c.text(l - 10 - width(&s), py(y) - 7, &s, ink);
-        }
-        let mut xs: Vec<f64> =
-            self.series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).collect();
-        xs.sort_by(f64::total_cmp);
-        xs.dedup();
-        let step = (xs.len() / 8).max(1);
-        let mut last_end = i64::MIN;
-        for x in xs.iter().step_by(step) {
-            let s = (self.x_fmt)(*x);
-            let at = px(*x) - width(&s) / 2;
-            c.line((px(*x), t + ph), (px(*x), t + ph + 6), ink, 1);
-            if at > last_end + 8 {
-                c.text(at, t + ph + 12, &s, ink);
-                last_end = at + width(&s);
+        let root = SVGBackend::new(path, SIZE).into_drawing_area();
+        let e = fail(path);
+        root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+        let series: Vec<Vec<(f64, f64)>> = self.series.iter().map(|s| self.drawn(s)).collect();
+        let ((x0, x1), y1) = ranges(series.iter().flatten().copied(), self.y_max);
+        // A tick on each whole number when they are few, so labels never repeat.
+        let span = (x1 - x0).ceil();
+        let x_ticks = if span <= 24.0 { span as usize + 1 } else { 12 };
+        let x_fmt = |x: &f64| {
+            if (x - x.round()).abs() > 1e-6 {
+                String::new()
+            } else if self.log_x {
+                (self.x_fmt)(x.round().exp2())
+            } else {
+                (self.x_fmt)(x.round())
             }
+        };
+        let y_fmt = |y: &f64| fmt_y(*y);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(&self.title, ("sans-serif", 22))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(72)
+            .build_cartesian_2d(x0..x1, 0.0..y1)
+            .map_err(|x| e(x.to_string()))?;
+        chart
+            .configure_mesh()
+            .x_desc(&self.x_label)
+            .y_desc(&self.y_label)
+            .x_labels(x_ticks)
+            .x_label_formatter(&x_fmt)
+            .y_label_formatter(&y_fmt)
+            .light_line_style(RGBColor(235, 235, 235))
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        for (s, pts) in self.series.iter().zip(series) {
+            let c = color(s.color);
+            let style = c.stroke_width(3);
+            let drawn = if s.dashed {
+                chart.draw_series(DashedLineSeries::new(pts.iter().copied(), 10, 6, style))
+            } else {
+                chart.draw_series(LineSeries::new(pts.iter().copied(), style))
+            };
+            drawn
+                .map_err(|x| e(x.to_string()))?
+                .label(s.name.as_str())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 18, y + 5)], c.filled()));
+            chart
+                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                .map_err(|x| e(x.to_string()))?;
         }
-        c.line((l, t), (l, t + ph), ink, 2);
-        c.line((l, t + ph), (l + pw, t + ph), ink, 2);
-        c.text(l + (pw - width(&self.x_label)) / 2, h - 34, &self.x_label, ink);
-        c.text(10, t - 26, &self.y_label, ink);
-        for s in &self.series {
-            for win in s.points.windows(2) {
-                c.stroke(
-                    (px(win[0].0), py(win[0].1)),
-                    (px(win[1].0), py(win[1].1)),
-                    s.color,
-                    3,
-                    s.dashed,
-                );
-            }
-            for &(x, y) in &s.points {
-                c.rect(px(x) - 3, py(y) - 3, 7, 7, s.color);
-            }
-        }
-        for (i, s) in self.series.iter().enumerate() {
-            let y = 50 + i as i64 * 22;
-            c.rect(l + 16, y + 2, 18, 10, s.color);
-            c.text(l + 42, y, &s.name, ink);
-        }
-        c.save(path)
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(200, 200, 200))
+            .draw()
+            .map_err(|x| e(x.to_string()))?;
+        root.present().map_err(|x| e(x.to_string()))
+    }
+}
+
+/// A labelled point of a [`scatter`] chart.
+#[derive(Debug, Clone)]
+pub(crate) struct Labelled {
+    /// Label drawn next to the point.
+    pub(crate) label: String,
+    /// X.
+    pub(crate) x: f64,
+    /// Y.
+    pub(crate) y: f64,
+    /// Colour.
+    pub(crate) color: Rgb,
+}
+
+/// Writes a scatter chart of labelled points as an SVG file (e.g. layouts by throughput and
+/// p99 TTFF).
+pub(crate) fn scatter(
+    path: &Path,
+    title: &str,
+    axes: (&str, &str),
+    points: &[Labelled],
+) -> Result<(), String> {
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    let e = fail(path);
+    root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
+    let ((x0, x1), y1) = ranges(points.iter().map(|p| (p.x, p.y)), None);
+    let pad = (x1 - x0) * 0.1;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(72)
+        .build_cartesian_2d((x0 - pad).max(0.0)..x1 + pad * 3.0, 0.0..y1)
+        .map_err(|x| e(x.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc(axes.0)
+        .y_desc(axes.1)
+        .y_label_formatter(&|y| fmt_y(*y))
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()
+        .map_err(|x| e(x.to_string()))?;
+    // Points are numbered on the chart and named in the legend, so that close points stay
+    // readable.
+    for (i, p) in points.iter().enumerate() {
+        let c = color(p.color);
+        chart
+            .draw_series([Circle::new((p.x, p.y), 6, c.filled())])
+            .map_err(|x| e(x.to_string()))?
+            .label(format!("{}: {}", i + 1, p.label))
+            .legend(move |(x, y)| Circle::new((x + 8, y), 5, c.filled()));
+        let number = Text::new(format!("{}", i + 1), (8, -20), ("sans-serif", 15).into_font());
+        chart.draw_series([EmptyElement::at((p.x, p.y)) + number]).map_err(|x| e(x.to_string()))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(200, 200, 200))
+        .draw()
+        .map_err(|x| e(x.to_string()))?;
+    root.present().map_err(|x| e(x.to_string()))
+}
+
+fn fmt_y(v: f64) -> String {
+    if v == 0.0 {
+        "0".into()
+    } else if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn charts_are_svg_with_their_text() {
+        let dir = std::env::temp_dir().join(format!("tw-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let chart = Chart {
+            title: "tcp write".into(),
+            x_label: "op size".into(),
+            y_label: "GB/s".into(),
+            log_x: true,
+            x_fmt: |x| format!("{x:.0}"),
+            series: vec![
+                Series {
+                    name: "tcp".into(),
+                    color: PALETTE[0],
+                    points: vec![(1.0, 2.0), (4.0, 3.0)],
+                    dashed: false,
+                },
+                Series {
+                    name: "raw".into(),
+                    color: PALETTE[1],
+                    points: vec![(1.0, 2.5), (4.0, 3.5)],
+                    dashed: true,
+                },
+            ],
+            y_max: None,
+        };
+        let p = dir.join("c.svg");
+        chart.save(&p).unwrap();
+        let svg = std::fs::read_to_string(&p).unwrap();
+        assert!(svg.starts_with("<svg") && svg.contains("tcp write") && svg.contains("raw"));
+        let q = dir.join("s.svg");
+        let pts = [Labelled { label: "E|DV".into(), x: 0.3, y: 20.0, color: PALETTE[2] }];
+        scatter(&q, "layouts", ("req/s", "p99 TTFF s"), &pts).unwrap();
+        assert!(std::fs::read_to_string(&q).unwrap().contains("E|DV"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -180,14 +180,13 @@ pub(crate) fn print_decided(d: &Summary, c: &Summary) {
     for line in &d.differences {
         println!("- stage time: {line}");
     }
-    let idle = d.utilisation.map(|u| {
+    let idle = d.utilisation.inspect(|u| {
         println!(
             "- pool balance: the pools were busy {:.0}% / {:.0}% / {:.0}% (encode / denoise / decode) of their time",
             u[0] * 100.0,
             u[1] * 100.0,
             u[2] * 100.0
         );
-        u
     });
     println!("- handoff: {:.1} MiB between pools, none colocated", d.moved as f64 / 1048576.0);
     let verdict = match (r >= 1.0, d.differences.is_empty()) {

@@ -7,7 +7,7 @@
 //! - `--plan`: searches layouts within a budget of GPUs or dollars and prints the best few;
 //! - `--calibrate`: the simulator against published results.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::capacity::calibrate;
@@ -17,6 +17,7 @@ use crate::capacity::layout::Layout;
 use crate::capacity::plan::{self, Budget};
 use crate::capacity::workload::Mix;
 use crate::demo::parse_split;
+use crate::plot::{Labelled, PALETTE, scatter};
 use crate::profiles;
 use crate::report::percentile;
 
@@ -50,6 +51,9 @@ pub(crate) struct SimArgs {
     /// Search layouts within the budget (--gpus and/or --budget-usd) and print the best.
     #[arg(long)]
     pub(crate) plan: bool,
+    /// With --plan: write DIR/layouts.svg (capacity and p99 TTFF per layout).
+    #[arg(long)]
+    pub(crate) out: Option<PathBuf>,
     /// Budget for --plan in US$ per hour.
     #[arg(long)]
     pub(crate) budget_usd: Option<f64>,
@@ -147,6 +151,21 @@ impl Ctx {
 
 /// Runs the simulation.
 pub(crate) fn run(a: SimArgs) -> Result<(), String> {
+    let (cx, all) = context(a)?;
+    if cx.a.calibrate {
+        return run_calibrate(&cx, &all);
+    }
+    if cx.a.plan {
+        return run_plan(&cx);
+    }
+    if !cx.a.layout.is_empty() {
+        return run_layouts(&cx);
+    }
+    run_splits(&cx)
+}
+
+/// Checks the arguments and loads what they name.
+fn context(a: SimArgs) -> Result<(Ctx, Vec<profiles::Model>), String> {
     if a.requests == 0 || a.requests > 10_000_000 {
         return Err(format!("--requests {}: must be in 1..=10000000", a.requests));
     }
@@ -183,17 +202,7 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
         seed: a.seed,
     };
     let target = a.target_ttff_ms.map(|x| Duration::from_secs_f64(x / 1e3));
-    let cx = Ctx { a, mix, classes, knobs, target };
-    if cx.a.calibrate {
-        return run_calibrate(&cx, &all);
-    }
-    if cx.a.plan {
-        return run_plan(&cx);
-    }
-    if !cx.a.layout.is_empty() {
-        return run_layouts(&cx);
-    }
-    run_splits(&cx)
+    Ok((Ctx { a, mix, classes, knobs, target }, all))
 }
 
 /// The rate a run offers: --rate, or `share` of what `p` sustains by the analytic bound.
@@ -214,12 +223,7 @@ fn run_splits(cx: &Ctx) -> Result<(), String> {
     let sweep_n = a.denoise.unwrap_or(gpus.saturating_sub(2).max(1));
     // Default load: 90% of what colocated serving sustains; for --sweep, 90% of what the
     // denoise pool sustains (the decode pool is what is being sized).
-    let rate = if a.sweep {
-        let den = cx.prepare(&Layout::parse(&format!("E:1|D:{sweep_n}|V:1"), &a.gpu)?)?;
-        offered(cx, &den, 0.9)?
-    } else {
-        offered(cx, &colo, 0.9)?
-    };
+    let rate = if a.sweep { sweep_rate(cx, sweep_n)? } else { offered(cx, &colo, 0.9)? };
     println!(
         "tensorwire simulate: {} on {gpus} {}, {} requests at {rate:.4} req/s (Poisson), {} GB/s + {} ms per hop, policy {}",
         cx.mix.describe(),
@@ -293,39 +297,112 @@ fn run_splits(cx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
-/// --sweep: the smallest decode pool with p99 TTFF within the target (benchmark (c)).
-fn sweep(cx: &Ctx, n: u32, rate: f64) -> Result<(), String> {
-    let target = cx.target.ok_or("--sweep needs --target-ttff-ms")?;
+/// How a --sweep ended.
+enum SweepEnd {
+    /// This decode pool is the smallest that meets the target.
+    Met(u32),
+    /// More decoders stopped helping: the wait is in denoise (the p99 it stays at).
+    Flat(Duration),
+    /// None up to 64 decoders.
+    None,
+}
+
+/// One step of a --sweep: the decode pool size, its fitted layout and its run.
+type SweepRow = (u32, Prepared, Outcome);
+
+/// Decode pools of 1, 2, ... for `n` denoise workers until p99 TTFF meets the target.
+fn sweep_rows(
+    cx: &Ctx,
+    n: u32,
+    rate: f64,
+    target: Duration,
+) -> Result<(Vec<SweepRow>, SweepEnd), String> {
+    let mut rows = Vec::new();
     let mut last = f64::INFINITY;
     let mut flat = 0;
     for mm in 1..=64 {
         let p = cx.prepare(&Layout::parse(&format!("E:1|D:{n}|V:{mm}"), &cx.a.gpu)?)?;
         let r = cx.poisson(&p, rate, true)?;
-        show(&format!("1:{n}:{mm}"), &p, &r, Some(target));
         let p99 = percentile(&r.ttff, 99.0);
+        rows.push((mm, p, r));
         if p99 <= target {
-            println!(
-                "chosen N:M = {n}:{mm} (smallest decode pool with p99 TTFF <= {:.1} s); {}",
-                target.as_secs_f64(),
-                cost_line(&p, r.throughput)
-            );
-            return Ok(());
+            return Ok((rows, SweepEnd::Met(mm)));
         }
         // Stop once more decoders no longer help: the wait is elsewhere (denoise).
         flat = if p99.as_secs_f64() >= last * 0.99 { flat + 1 } else { 0 };
         last = p99.as_secs_f64();
         if flat >= 3 {
-            return Err(format!(
-                "p99 TTFF stays at {:.1} s however many decoders: {n} denoise workers cannot meet {:.1} s at {rate:.4} req/s (add denoise workers, or lower --rate)",
-                p99.as_secs_f64(),
-                target.as_secs_f64()
-            ));
+            return Ok((rows, SweepEnd::Flat(p99)));
         }
     }
-    Err(format!(
-        "no decode pool up to 64 workers meets p99 TTFF <= {:.1} s with {n} denoise workers",
-        target.as_secs_f64()
-    ))
+    Ok((rows, SweepEnd::None))
+}
+
+/// The load of a --sweep: --rate, or 90% of what `n` denoise workers sustain (the decode pool
+/// is what is being sized).
+fn sweep_rate(cx: &Ctx, n: u32) -> Result<f64, String> {
+    let den = cx.prepare(&Layout::parse(&format!("E:1|D:{n}|V:1"), &cx.a.gpu)?)?;
+    let rate =
+        cx.a.rate
+            .unwrap_or_else(|| 0.9 * plan::pool_bounds(&den, &cx.mix, cx.a.embedding_hit_rate)[1]);
+    if rate.is_nan() || rate <= 0.0 || rate.is_infinite() {
+        return Err(format!("--rate {rate}: must be > 0"));
+    }
+    Ok(rate)
+}
+
+/// --sweep: the smallest decode pool with p99 TTFF within the target (benchmark (c)).
+fn sweep(cx: &Ctx, n: u32, rate: f64) -> Result<(), String> {
+    let target = cx.target.ok_or("--sweep needs --target-ttff-ms")?;
+    let (rows, end) = sweep_rows(cx, n, rate, target)?;
+    for (mm, p, r) in &rows {
+        show(&format!("1:{n}:{mm}"), p, r, Some(target));
+    }
+    let t = target.as_secs_f64();
+    match end {
+        SweepEnd::Met(mm) => {
+            let (_, p, r) = &rows[rows.len() - 1];
+            println!(
+                "chosen N:M = {n}:{mm} (smallest decode pool with p99 TTFF <= {t:.1} s); {}",
+                cost_line(p, r.throughput)
+            );
+            Ok(())
+        }
+        SweepEnd::Flat(p99) => Err(format!(
+            "p99 TTFF stays at {:.1} s however many decoders: {n} denoise workers cannot meet {t:.1} s at {rate:.4} req/s (add denoise workers, or lower --rate)",
+            p99.as_secs_f64()
+        )),
+        SweepEnd::None => Err(format!(
+            "no decode pool up to 64 workers meets p99 TTFF <= {t:.1} s with {n} denoise workers"
+        )),
+    }
+}
+
+/// What `simulate --sweep` found, for a report.
+pub(crate) struct SweepFigures {
+    /// (decode workers, p99 TTFF in seconds) per step.
+    pub(crate) points: Vec<(u32, f64)>,
+    /// The chosen N:M (denoise, decode), if a pool met the target.
+    pub(crate) chosen: Option<(u32, u32)>,
+    /// The p99 TTFF target, seconds.
+    pub(crate) target_s: f64,
+    /// The offered rate, requests per second.
+    pub(crate) rate: f64,
+}
+
+/// `simulate --sweep ARGS` for a report.
+pub(crate) fn sweep_figures(args: &[&str]) -> Result<SweepFigures, String> {
+    let (cx, _) = context(parse_args(args)?)?;
+    let target = cx.target.ok_or("--sweep needs --target-ttff-ms")?;
+    let n = cx.a.denoise.unwrap_or(cx.gpus().saturating_sub(2).max(1));
+    let rate = sweep_rate(&cx, n)?;
+    let (rows, end) = sweep_rows(&cx, n, rate, target)?;
+    let pts = rows.iter().map(|(m, _, r)| (*m, percentile(&r.ttff, 99.0).as_secs_f64())).collect();
+    let chosen = match end {
+        SweepEnd::Met(m) => Some((n, m)),
+        _ => None,
+    };
+    Ok(SweepFigures { points: pts, chosen, target_s: target.as_secs_f64(), rate })
 }
 
 /// One layout measured: capacity (saturated) and the run under the offered load.
@@ -370,8 +447,18 @@ fn run_layouts(cx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
-/// --plan: the layout search.
-fn run_plan(cx: &Ctx) -> Result<(), String> {
+/// What --plan found: the layouts simulated, best first, and how the search went.
+struct Planned {
+    rows: Vec<Measured>,
+    rate: f64,
+    searched: usize,
+    budget: Budget,
+    infeasible: Vec<String>,
+    wall: Duration,
+}
+
+/// The layout search and the simulation of its best candidates.
+fn plan_rows(cx: &Ctx) -> Result<Planned, String> {
     let a = &cx.a;
     let budget = Budget {
         gpus: a.gpus.or(if a.budget_usd.is_some() { None } else { Some(DEFAULT_GPUS) }),
@@ -400,18 +487,12 @@ fn run_plan(cx: &Ctx) -> Result<(), String> {
         a.embedding_hit_rate,
         &mut infeasible,
     );
-    let searched = found.len();
     // The best few distinct groupings-and-classes, and the best colocated layout.
+    let shape = |x: &plan::Candidate| {
+        x.prepared.layout.pools.iter().map(|p| (p.letters(), p.class.clone())).collect::<Vec<_>>()
+    };
     let mut picked: Vec<plan::Candidate> = Vec::new();
     for c in &found {
-        let shape = |x: &plan::Candidate| {
-            x.prepared
-                .layout
-                .pools
-                .iter()
-                .map(|p| (p.letters(), p.class.clone()))
-                .collect::<Vec<_>>()
-        };
         if picked.len() < PLAN_SHOWN && !picked.iter().any(|p| shape(p) == shape(c)) {
             picked.push(c.clone());
         }
@@ -428,16 +509,6 @@ fn run_plan(cx: &Ctx) -> Result<(), String> {
     // Offered load: 70% of the least capacity shown, so that every row carries it.
     let least = picked.iter().map(|c| c.bound).fold(f64::INFINITY, f64::min);
     let rate = a.rate.unwrap_or(0.7 * least);
-    println!(
-        "plan: {} layouts within {} searched in {:.2} s ({} pool/class pairs never fit{}); simulating the best {}",
-        searched,
-        budget_text(budget),
-        wall.elapsed().as_secs_f64(),
-        infeasible.len(),
-        infeasible.first().map_or(String::new(), |e| format!(", e.g. {e}")),
-        picked.len()
-    );
-    header(cx, rate);
     let mut rows = Vec::new();
     for c in picked {
         rows.push(measure(cx, c.prepared, rate)?);
@@ -449,9 +520,99 @@ fn run_plan(cx: &Ctx) -> Result<(), String> {
         };
         k(y).total_cmp(&k(x))
     });
-    table(cx, &rows);
-    compare(&rows);
+    Ok(Planned { rows, rate, searched: found.len(), budget, infeasible, wall: wall.elapsed() })
+}
+
+/// --plan: the layout search, printed (and plotted with --out).
+fn run_plan(cx: &Ctx) -> Result<(), String> {
+    let p = plan_rows(cx)?;
+    println!(
+        "plan: {} layouts within {} searched and simulated in {:.2} s ({} pool/class pairs never fit{}); the best {}",
+        p.searched,
+        budget_text(p.budget),
+        p.wall.as_secs_f64(),
+        p.infeasible.len(),
+        p.infeasible.first().map_or(String::new(), |e| format!(", e.g. {e}")),
+        p.rows.len()
+    );
+    header(cx, p.rate);
+    table(cx, &p.rows);
+    compare(&p.rows);
+    if let Some(dir) = &cx.a.out {
+        let file = dir.join("layouts.svg");
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        plot_layouts(&file, &figures_of(cx, &p), p.rate)?;
+        println!("wrote {}", file.display());
+    }
     Ok(())
+}
+
+/// One layout's figures, for reports and plots.
+#[derive(Debug, Clone)]
+pub(crate) struct LayoutFigures {
+    /// The layout.
+    pub(crate) layout: String,
+    /// All stages on one pool.
+    pub(crate) colocated: bool,
+    /// GPUs.
+    pub(crate) gpus: u32,
+    /// US$ per hour.
+    pub(crate) usd_per_hour: f64,
+    /// Requests per second, saturated.
+    pub(crate) capacity: f64,
+    /// p99 TTFF under the offered load, seconds.
+    pub(crate) ttff_p99_s: f64,
+    /// What decided its figures.
+    pub(crate) why: String,
+}
+
+fn figures_of(cx: &Ctx, p: &Planned) -> Vec<LayoutFigures> {
+    p.rows
+        .iter()
+        .map(|m| LayoutFigures {
+            layout: m.p.layout.to_string(),
+            colocated: m.p.layout.colocated(),
+            gpus: m.p.layout.gpus(),
+            usd_per_hour: m.p.usd_per_hour,
+            capacity: m.capacity,
+            ttff_p99_s: percentile(&m.run.ttff, 99.0).as_secs_f64(),
+            why: mechanisms(cx, m).join("; "),
+        })
+        .collect()
+}
+
+/// A scatter plot of the layouts: capacity against p99 TTFF under the offered load.
+pub(crate) fn plot_layouts(file: &Path, rows: &[LayoutFigures], rate: f64) -> Result<(), String> {
+    let points: Vec<Labelled> = rows
+        .iter()
+        .map(|r| Labelled {
+            label: r.layout.clone(),
+            x: r.capacity,
+            y: r.ttff_p99_s,
+            color: if r.colocated { PALETTE[1] } else { PALETTE[0] },
+        })
+        .collect();
+    let title = format!("layouts: capacity and p99 TTFF at {rate:.3} req/s (orange: colocated)");
+    scatter(file, &title, ("capacity, requests per second", "p99 TTFF, s"), &points)
+}
+
+/// Arguments as `tensorwire simulate` takes them.
+#[derive(Debug, clap::Parser)]
+struct Cmdline {
+    #[command(flatten)]
+    a: SimArgs,
+}
+
+fn parse_args(args: &[&str]) -> Result<SimArgs, String> {
+    let all = std::iter::once("simulate").chain(args.iter().copied());
+    Ok(<Cmdline as clap::Parser>::try_parse_from(all).map_err(|e| e.to_string())?.a)
+}
+
+/// `simulate --plan ARGS` for a report: its layouts and the offered load.
+pub(crate) fn plan_figures(args: &[&str]) -> Result<(Vec<LayoutFigures>, f64, String), String> {
+    let (cx, _) = context(parse_args(args)?)?;
+    let p = plan_rows(&cx)?;
+    Ok((figures_of(&cx, &p), p.rate, cx.mix.describe()))
 }
 
 /// Layouts --plan simulates and prints.

@@ -28,7 +28,10 @@ fn short_demo_prints_both_layouts() {
     let args = ["demo", "--scenario", "fits", "--requests", "6", "--time-scale", "0.005"];
     let (ok, out, err) = tensorwire(&args);
     assert!(ok, "{out}\n{err}");
-    assert!(out.contains("every stage runs at the same speed colocated and in its own pool"), "{out}");
+    assert!(
+        out.contains("every stage runs at the same speed colocated and in its own pool"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -163,15 +166,20 @@ fn bench_writes_a_report_with_plots() {
     for section in ["Backend `tcp`", "Backend `shm`", "## Store", "## Connector", "TTFF"] {
         assert!(md.contains(section), "report.md lacks {section:?}");
     }
-    let pngs: Vec<_> = std::fs::read_dir(&dir)
+    for section in ["(a) Throughput", "(b) Overlap", "(c) Decode-pool", "(d) Connector overhead"] {
+        assert!(md.contains(section), "report.md lacks {section:?}");
+    }
+    let svgs: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.path().extension().is_some_and(|x| x == "png"))
+        .filter(|e| e.path().extension().is_some_and(|x| x == "svg"))
         .collect();
-    assert!(pngs.len() >= 2, "{} plots", pngs.len());
-    for p in pngs {
-        let b = std::fs::read(p.path()).unwrap();
-        assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "{:?} is a PNG", p.path());
+    assert!(svgs.len() >= 6, "{} plots", svgs.len());
+    for p in svgs {
+        let s = std::fs::read_to_string(p.path()).unwrap();
+        assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"), "{:?}", p.path());
+        let name = p.file_name().into_string().unwrap();
+        assert!(md.contains(&format!("({name})")), "report.md does not show {name}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -53,13 +53,20 @@ fn work_s(pool: &Pool, fit: &fit::PoolFit, mix: &Mix, hit_rate: f64) -> f64 {
     total
 }
 
-/// The analytic capacity of a fitted layout and its bottleneck pool.
-pub(crate) fn bound(p: &Prepared, mix: &Mix, hit_rate: f64) -> (f64, usize) {
+/// The analytic capacity of each pool of a fitted layout (requests per second).
+pub(crate) fn pool_bounds(p: &Prepared, mix: &Mix, hit_rate: f64) -> Vec<f64> {
     p.layout
         .pools
         .iter()
         .zip(&p.fits)
         .map(|(pool, f)| f64::from(pool.count) / work_s(pool, f, mix, hit_rate).max(1e-12))
+        .collect()
+}
+
+/// The analytic capacity of a fitted layout and its bottleneck pool.
+pub(crate) fn bound(p: &Prepared, mix: &Mix, hit_rate: f64) -> (f64, usize) {
+    pool_bounds(p, mix, hit_rate)
+        .into_iter()
         .enumerate()
         .map(|(i, c)| (c, i))
         .fold((f64::INFINITY, 0), |a, b| if b.0 < a.0 { b } else { a })
