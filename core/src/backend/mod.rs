@@ -129,6 +129,8 @@ pub struct Op {
     pub(crate) local: MemSlice,
     pub(crate) remote: RemoteSlice,
     pub(crate) ticket: FenceTicket,
+    /// How the engine runs the op on another backend ([`Op::fall_back`]).
+    pub(crate) fallback: Option<crate::engine::Fallback>,
 }
 
 impl Op {
@@ -155,6 +157,22 @@ impl Op {
         let Op { local, ticket, .. } = self;
         drop(ticket);
         local
+    }
+
+    /// Hands the op back to the engine, to run on its next backend (in the engine's preference
+    /// order, after this one) that the peer shares and that can move it: for a backend that lost
+    /// every path to the peer (all its rails failed) while another medium still works. The op
+    /// keeps its place in notification order until the other backend ended it, and the same
+    /// rules hold for the returned completion (dropping it cancels the op). Call it only once no
+    /// byte of the op is still being moved by this backend. Resolves to `why` when no other
+    /// backend can carry the op. Moving the op again is safe: a READ or WRITE of the same bytes
+    /// is idempotent.
+    pub fn fall_back(self, why: Error) -> Completion {
+        let Op { dir, local, remote, ticket, fallback } = self;
+        match fallback {
+            Some(f) => f.run(dir, local, remote, ticket, why),
+            None => crate::completion::ready(Err(why)),
+        }
     }
 }
 
@@ -210,6 +228,10 @@ pub trait BackendHost: Send + Sync + Debug + 'static {
     fn resolve(&self, range: RemoteRange, access: Access) -> Result<MemSlice>;
     /// Delivers an inbound notification; an error (queue full) goes back to the sender.
     fn deliver(&self, msg: Bytes) -> Result<()>;
+    /// The engine's cluster secret, for a backend that serves connections of its own (a setup or
+    /// control channel) and authenticates them with [`crate::handshake`] like the engine's
+    /// control endpoint; `None` when the engine runs without one. Never log it.
+    fn cluster_secret(&self) -> Option<crate::auth::ClusterSecret>;
 }
 
 /// A transport plugin. Object-safe; the engine holds it as `Arc<dyn Backend>`.
@@ -234,6 +256,11 @@ pub trait Backend: Send + Sync + Debug + 'static {
     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>>;
     /// Stops serving: pending and later ops on either side fail with `PeerClosed`.
     async fn shutdown(&self);
+    /// Counters of the backend's own (per NIC, per rail, ...), as (name, value) pairs, for
+    /// [`crate::Engine::backend_stats`]. The default: none.
+    fn stats(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
 
 /// A connection to one peer's backend.

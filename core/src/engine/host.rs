@@ -31,6 +31,10 @@ impl HostAdapter {
 }
 
 impl BackendHost for HostAdapter {
+    fn cluster_secret(&self) -> Option<crate::auth::ClusterSecret> {
+        self.engine.upgrade().and_then(|e| e.config.cluster_secret.clone())
+    }
+
     fn resolve(&self, range: RemoteRange, access: Access) -> Result<MemSlice> {
         self.engine()?.regions.resolve(range, access)
     }

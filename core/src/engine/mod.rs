@@ -18,6 +18,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 pub use chunked::{ChunkSender, ChunkStream};
+pub(crate) use session::Fallback;
 pub use session::Session;
 pub use transfer::{TransferHandle, TransferOp, TransferReport};
 
@@ -397,6 +398,12 @@ impl Engine {
             ops_ok: c.ops_ok.load(Ordering::Relaxed),
             ops_failed: c.ops_failed.load(Ordering::Relaxed),
         }
+    }
+
+    /// Each backend's own counters ([`Backend::stats`]: per NIC or rail, for instance), by
+    /// backend name, in order of preference.
+    pub fn backend_stats(&self) -> Vec<(&'static str, Vec<(String, u64)>)> {
+        self.shared.backends.iter().map(|b| (b.name(), b.stats())).collect()
     }
 
     /// Allocates and registers `len` bytes of zeroed, page-aligned host memory (memfd-backed, so a

@@ -42,17 +42,85 @@ struct Conn {
     fence: OpFence,
 }
 
-/// One backend-sized piece of an op, before the engine hands it to a connection.
-struct Piece {
-    local: MemSlice,
-    remote: RemoteSlice,
-}
-
-/// An op checked and cut into backend-sized pieces.
-struct Prepared {
+/// An op checked, with the backend chosen for it, before the engine cuts it into that
+/// backend's ops.
+struct Prepared<'a> {
     backend: usize,
     dir: Direction,
-    pieces: Vec<Piece>,
+    local: MemSlice,
+    region: &'a RemoteRegion,
+    /// The region, shared, when the caller has it so (a fallback).
+    shared: Option<Arc<RemoteRegion>>,
+    offset: u64,
+}
+
+/// What an op needs to run on a later backend of the engine than the one it was given to (see
+/// [`Op::fall_back`]): its session, its remote region (every backend's blob for it) and the
+/// backend that gave it back.
+#[derive(Debug, Clone)]
+pub(crate) struct Fallback(Arc<FallbackInner>);
+
+#[derive(Debug)]
+struct FallbackInner {
+    session: Weak<SessionInner>,
+    region: Arc<RemoteRegion>,
+    after: usize,
+}
+
+impl Fallback {
+    /// Runs the op `dir` of `local` <-> `remote` on the next backend that can; `ticket` (the
+    /// op's place in notification order) is held until it ends there.
+    pub(crate) fn run(
+        self,
+        dir: Direction,
+        local: MemSlice,
+        remote: RemoteSlice,
+        ticket: crate::fence::FenceTicket,
+        why: Error,
+    ) -> Completion {
+        Box::pin(async move {
+            let _ticket = ticket;
+            let f = self.0;
+            let Some(inner) = f.session.upgrade() else { return Err(why) };
+            let session = Session { inner };
+            let engine = session.engine()?;
+            let peer = session.descriptor();
+            let kinds = Some((local.kind(), f.region.kind, dir));
+            let Ok(b) = Self::next(&engine, &peer, kinds, &f) else { return Err(why) };
+            let backend = engine.backends[b].clone();
+            tracing::warn!(
+                from = engine.backends[f.after].name(),
+                to = backend.name(),
+                peer = %peer.engine,
+                bytes = local.len(),
+                reason = %why,
+                "engine: an op falls back to another backend"
+            );
+            let c = session.connection(&engine, &backend).await?;
+            let p = Prepared {
+                backend: b,
+                dir,
+                local,
+                region: &f.region,
+                shared: Some(f.region.clone()),
+                offset: remote.offset,
+            };
+            let ops = session.pieces(&engine, p, &c.fence)?;
+            for done in c.conn.submit(ops) {
+                done.await?;
+            }
+            Ok(())
+        })
+    }
+
+    fn next(
+        engine: &EngineShared,
+        peer: &EngineDescriptor,
+        kinds: Option<(MemoryKind, MemoryKind, Direction)>,
+        f: &FallbackInner,
+    ) -> Result<usize> {
+        Session::select_from(engine, peer, kinds, Some(&f.region), f.after + 1)
+    }
 }
 
 impl Session {
@@ -137,11 +205,24 @@ impl Session {
         kinds: Option<(MemoryKind, MemoryKind, Direction)>,
         remote: Option<&RemoteRegion>,
     ) -> Result<usize> {
+        Self::select_from(engine, peer, kinds, remote, 0)
+    }
+
+    /// [`Session::select`] among the backends from index `first` on.
+    fn select_from(
+        engine: &EngineShared,
+        peer: &EngineDescriptor,
+        kinds: Option<(MemoryKind, MemoryKind, Direction)>,
+        remote: Option<&RemoteRegion>,
+        first: usize,
+    ) -> Result<usize> {
         let same_host = peer.host == engine.host;
         engine
             .backends
             .iter()
-            .position(|b| {
+            .enumerate()
+            .skip(first)
+            .find(|(_, b)| {
                 let c = b.capabilities();
                 let shared = peer.backends.iter().any(|(n, _)| n == b.name());
                 let host_ok = same_host || !c.same_host_only;
@@ -159,6 +240,7 @@ impl Session {
                 let reaches = remote.is_none_or(|r| r.blob(b.name()).is_some());
                 shared && host_ok && op_ok && reaches
             })
+            .map(|(i, _)| i)
             .ok_or_else(|| Error::Unsupported {
                 backend: "engine",
                 what: match kinds {
@@ -170,6 +252,46 @@ impl Session {
                     None => format!("no backend shared with {} carries notifications", peer.engine),
                 },
             })
+    }
+
+    /// Cuts a prepared op into ops of at most its backend's request size, each with a ticket of
+    /// `fence` and, when a later backend could take it over, a [`Fallback`].
+    fn pieces(&self, engine: &EngineShared, p: Prepared<'_>, fence: &OpFence) -> Result<Vec<Op>> {
+        let Prepared { backend, dir, local, region, shared, offset } = p;
+        let b = &engine.backends[backend];
+        let blob = region.blob(b.name()).cloned().unwrap_or_default();
+        let max = b.capabilities().max_request_bytes.max(1);
+        let fallback = (backend + 1 < engine.backends.len()).then(|| {
+            Fallback(Arc::new(FallbackInner {
+                session: Arc::downgrade(&self.inner),
+                region: shared.unwrap_or_else(|| Arc::new(region.clone())),
+                after: backend,
+            }))
+        });
+        let op = |off: u64, local: MemSlice| Op {
+            dir,
+            local,
+            remote: RemoteSlice {
+                region: region.id,
+                key: region.key,
+                offset: offset + off,
+                blob: blob.clone(),
+            },
+            ticket: fence.ticket(),
+            fallback: fallback.clone(),
+        };
+        let len = local.len();
+        if len <= max {
+            return Ok(vec![op(0, local)]);
+        }
+        let mut ops = Vec::with_capacity(len.div_ceil(max) as usize);
+        let mut off = 0;
+        while off < len {
+            let n = max.min(len - off);
+            ops.push(op(off, local.sub(off, n)?));
+            off += n;
+        }
+        Ok(ops)
     }
 
     async fn connection(&self, engine: &EngineShared, backend: &Arc<dyn Backend>) -> Result<Conn> {
@@ -202,12 +324,12 @@ impl Session {
         Ok(c)
     }
 
-    fn prepare(
+    fn prepare<'a>(
         &self,
         engine: &EngineShared,
         peer: &EngineDescriptor,
-        op: &TransferOp,
-    ) -> Result<Prepared> {
+        op: &'a TransferOp,
+    ) -> Result<Prepared<'a>> {
         if op.local.engine_id != engine.id {
             return Err(Error::InvalidArgument(format!(
                 "local region {} belongs to {}, not this engine {}",
@@ -235,30 +357,14 @@ impl Session {
             Some((op.local.kind, op.remote.kind, op.dir)),
             Some(&op.remote),
         )?;
-        let b = &engine.backends[backend];
-        let blob = op.remote.blob(b.name()).cloned().unwrap_or_default();
-        let max = b.capabilities().max_request_bytes.max(1);
-        let mut pieces = Vec::with_capacity(op.len.div_ceil(max).max(1) as usize);
-        let cut = |off: u64, local: MemSlice| Piece {
+        Ok(Prepared {
+            backend,
+            dir: op.dir,
             local,
-            remote: RemoteSlice {
-                region: op.remote.id,
-                key: op.remote.key,
-                offset: op.remote_offset + off,
-                blob: blob.clone(),
-            },
-        };
-        if op.len <= max {
-            pieces.push(cut(0, local));
-        } else {
-            let mut off = 0;
-            while off < op.len {
-                let n = max.min(op.len - off);
-                pieces.push(cut(off, local.sub(off, n)?));
-                off += n;
-            }
-        }
-        Ok(Prepared { backend, dir: op.dir, pieces })
+            region: &op.remote,
+            shared: None,
+            offset: op.remote_offset,
+        })
     }
 
     /// Submits a batch. Every op gets its own handle that resolves on its own (an op rejected up front
@@ -293,21 +399,17 @@ impl Session {
                     continue;
                 }
             };
-            let counts: Vec<(usize, usize)> =
-                members.iter().map(|(i, p)| (*i, p.pieces.len())).collect();
-            let all: Vec<Op> = members
-                .into_iter()
-                .flat_map(|(_, p)| {
-                    let dir = p.dir;
-                    let fence = &c.fence;
-                    p.pieces.into_iter().map(move |x| Op {
-                        dir,
-                        local: x.local,
-                        remote: x.remote,
-                        ticket: fence.ticket(),
-                    })
-                })
-                .collect();
+            let mut counts: Vec<(usize, usize)> = Vec::with_capacity(members.len());
+            let mut all: Vec<Op> = Vec::with_capacity(members.len());
+            for (i, p) in members {
+                match self.pieces(&engine, p, &c.fence) {
+                    Ok(ops) => {
+                        counts.push((i, ops.len()));
+                        all.extend(ops);
+                    }
+                    Err(e) => handles[i] = Some(TransferHandle::failed(e)),
+                }
+            }
             let mut done: std::vec::IntoIter<Completion> = c.conn.submit(all).into_iter();
             for (i, n) in counts {
                 let pieces: Vec<Completion> = done.by_ref().take(n).collect();

@@ -1,0 +1,310 @@
+//! The `Backend` the engine sees: NICs opened at construction, the control listener, local
+//! registrations, and the connections both ways.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tensorwire_core::backend::kit::{Serving, WeakList};
+use tensorwire_core::backend::{
+    Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
+};
+use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
+
+use crate::blob::{Endpoint, PeerNic};
+use crate::conn::ConnShared;
+use crate::region::LocalRegion;
+use crate::serve::InConn;
+use crate::soft::{SoftFabric, SoftNicSpec, SoftProvider};
+use crate::verbs::{Cq, Nic, NicInfo, Provider};
+use crate::{NAME, RdmaConfig};
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Per-NIC counters (what `Engine::backend_stats` shows).
+#[derive(Debug, Default)]
+pub(crate) struct NicCounters {
+    pub(crate) bytes: AtomicU64,
+    pub(crate) ops: AtomicU64,
+    pub(crate) errors: AtomicU64,
+    pub(crate) inflight: AtomicI64,
+}
+
+/// The backend's state, shared by its connections and serving tasks.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) cfg: RdmaConfig,
+    pub(crate) provider: &'static str,
+    pub(crate) nics: Vec<Arc<dyn Nic>>,
+    pub(crate) infos: Vec<NicInfo>,
+    pub(crate) counters: Vec<NicCounters>,
+    /// A CQ per NIC for the target's QPs (they take no requests of their own).
+    pub(crate) passive_cqs: Vec<Arc<dyn Cq>>,
+    pub(crate) regions: Mutex<HashMap<RegionId, Arc<LocalRegion>>>,
+    pub(crate) serving: Serving<std::net::TcpListener>,
+    pub(crate) endpoint: Bytes,
+    pub(crate) outbound: WeakList<ConnShared>,
+    pub(crate) inbound: WeakList<InConn>,
+    /// Signalled when a peer gives a lease back.
+    pub(crate) released: tokio::sync::Notify,
+}
+
+impl Shared {
+    pub(crate) fn region(&self, id: RegionId) -> Option<Arc<LocalRegion>> {
+        lock(&self.regions).get(&id).cloned()
+    }
+
+    pub(crate) fn host(&self) -> Result<Arc<dyn BackendHost>> {
+        self.serving.ensure_open()?;
+        self.serving.host().ok_or_else(|| Error::PeerClosed("rdma: backend not started".into()))
+    }
+
+    fn close(&self) {
+        self.serving.close();
+        for c in self.outbound.take() {
+            c.close(self.serving.closed_error());
+        }
+        for c in self.inbound.take() {
+            c.close();
+        }
+    }
+}
+
+/// The RDMA backend (one per engine).
+#[derive(Debug)]
+pub struct RdmaBackend {
+    shared: Arc<Shared>,
+}
+
+impl RdmaBackend {
+    /// A backend on `provider`'s NICs (those `cfg.nics` names, or all), with its control
+    /// listener bound. `Unsupported` when there is no NIC.
+    pub fn new(cfg: RdmaConfig, provider: Arc<dyn Provider>) -> Result<Arc<RdmaBackend>> {
+        if cfg.slice_bytes == 0 || cfg.slice_bytes > u64::from(u32::MAX) {
+            return Err(Error::InvalidArgument(format!(
+                "rdma slice_bytes {} must be in 1..=4294967295",
+                cfg.slice_bytes
+            )));
+        }
+        if cfg.qps_per_nic == 0 || cfg.window == 0 {
+            return Err(Error::InvalidArgument(
+                "rdma qps_per_nic and window must be at least 1".into(),
+            ));
+        }
+        let verbs =
+            |e: crate::verbs::VerbsError| Error::Backend { backend: NAME, source: Arc::new(e) };
+        let mut nics = provider.open_all().map_err(verbs)?;
+        if let Some(names) = &cfg.nics {
+            nics.retain(|n| names.iter().any(|x| *x == n.info().name));
+        }
+        nics.truncate(crate::blob::MAX_NICS);
+        if nics.is_empty() {
+            return Err(Error::Unsupported {
+                backend: NAME,
+                what: format!(
+                    "no RDMA NIC{} ({} provider)",
+                    cfg.nics.as_ref().map_or(String::new(), |n| format!(" named {n:?}")),
+                    provider.name()
+                ),
+            });
+        }
+        let infos: Vec<NicInfo> = nics.iter().map(|n| n.info().clone()).collect();
+        let passive_cqs = nics.iter().map(|n| n.create_cq(16)).collect::<Result<Vec<_>, _>>();
+        let passive_cqs = passive_cqs.map_err(verbs)?;
+        let listener = std::net::TcpListener::bind(cfg.listen).map_err(|e| {
+            Error::InvalidArgument(format!("rdma: cannot listen on {}: {e}", cfg.listen))
+        })?;
+        listener.set_nonblocking(true)?;
+        let bound = listener.local_addr()?;
+        let control = cfg.advertise.unwrap_or(bound);
+        let endpoint =
+            Endpoint { control, nics: infos.iter().map(PeerNic::of).collect() }.encode().into();
+        let counters = infos.iter().map(|_| NicCounters::default()).collect();
+        Ok(Arc::new(RdmaBackend {
+            shared: Arc::new(Shared {
+                cfg,
+                provider: provider.name(),
+                nics,
+                infos,
+                counters,
+                passive_cqs,
+                regions: Mutex::new(HashMap::new()),
+                serving: Serving::new(NAME, listener),
+                endpoint,
+                outbound: WeakList::default(),
+                inbound: WeakList::default(),
+                released: tokio::sync::Notify::new(),
+            }),
+        }))
+    }
+
+    /// A backend on `count` new software NICs of `fabric` (see [`crate::soft`]); the provider is
+    /// returned too, for fault injection.
+    pub fn soft(
+        cfg: RdmaConfig,
+        fabric: &SoftFabric,
+        count: usize,
+    ) -> Result<(Arc<RdmaBackend>, Arc<SoftProvider>)> {
+        let p = SoftProvider::new(fabric, count, SoftNicSpec::default());
+        Ok((RdmaBackend::new(cfg, p.clone())?, p))
+    }
+
+    /// The control listener's address as peers see it.
+    pub fn control_addr(&self) -> SocketAddr {
+        Endpoint::decode(&self.shared.endpoint).map_or(self.shared.cfg.listen, |e| e.control)
+    }
+
+    /// The NICs in use.
+    pub fn nics(&self) -> Vec<NicInfo> {
+        self.shared.infos.clone()
+    }
+
+    /// The provider's name ("softnic", "ibverbs").
+    pub fn provider(&self) -> &'static str {
+        self.shared.provider
+    }
+}
+
+impl Drop for RdmaBackend {
+    fn drop(&mut self) {
+        self.shared.close();
+    }
+}
+
+async fn accept_loop(listener: tokio::net::TcpListener, shared: Weak<Shared>) {
+    loop {
+        let (sock, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "rdma: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(s) = shared.upgrade() else { return };
+        if s.serving.is_closed() {
+            return;
+        }
+        let _ = sock.set_nodelay(true);
+        s.serving.spawn(crate::serve::serve(Arc::downgrade(&s), sock, peer));
+    }
+}
+
+#[async_trait]
+impl Backend for RdmaBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let device = self.shared.cfg.device_memory.is_some();
+        let kinds = MemoryKinds { host: true, host_pinned: true, device };
+        Capabilities {
+            local: kinds,
+            remote: kinds,
+            read: true,
+            write: true,
+            notify: true,
+            same_host_only: false,
+            max_request_bytes: 1 << 40,
+        }
+    }
+
+    async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
+        let s = &self.shared;
+        let secret = host.cluster_secret();
+        let listener = s.serving.start(host, tokio::net::TcpListener::from_std)?;
+        let bound = listener.local_addr()?;
+        tensorwire_core::auth::check_listener(
+            "rdma control channel",
+            bound,
+            secret.as_ref(),
+            s.cfg.insecure,
+        )?;
+        s.serving.spawn(accept_loop(listener, Arc::downgrade(s)));
+        tracing::debug!(
+            provider = s.provider,
+            nics = ?s.infos.iter().map(|n| &n.name).collect::<Vec<_>>(),
+            %bound,
+            "rdma: started"
+        );
+        Ok(())
+    }
+
+    fn endpoint(&self) -> Bytes {
+        self.shared.endpoint.clone()
+    }
+
+    async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
+        let s = &self.shared;
+        let Some(r) =
+            crate::region::register(&s.nics, &s.infos, region, s.cfg.device_memory.as_ref())?
+        else {
+            return Ok(None);
+        };
+        let blob = Bytes::from(r.keys().encode());
+        lock(&s.regions).insert(region.id, Arc::new(r));
+        Ok(Some(blob))
+    }
+
+    async fn deregister(&self, id: RegionId) -> Result<()> {
+        let s = &self.shared;
+        // Peers that lease the region give it back first (bounded), then its MRs go (once no
+        // op of ours still uses them), then any lease a peer did not give back is revoked.
+        let holders: Vec<Arc<InConn>> =
+            s.inbound.live().into_iter().filter(|c| c.holds(id)).collect();
+        for c in &holders {
+            c.forget(id);
+        }
+        let deadline = tokio::time::Instant::now() + s.cfg.answer_timeout;
+        loop {
+            let released = s.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if !holders.iter().any(|c| c.holds(id)) {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, released).await.is_err() {
+                tracing::warn!(
+                    region = id.0,
+                    "rdma: a peer did not give a lease back in time; revoking it"
+                );
+                break;
+            }
+        }
+        lock(&s.regions).remove(&id);
+        for c in &holders {
+            c.revoke(id);
+        }
+        Ok(())
+    }
+
+    async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
+        self.shared.serving.ensure_open()?;
+        let c = crate::conn::connect(&self.shared, peer).await?;
+        self.shared.outbound.push(&c);
+        Ok(Arc::new(crate::conn::RdmaConnection::new(c)))
+    }
+
+    async fn shutdown(&self) {
+        self.shared.close();
+    }
+
+    fn stats(&self) -> Vec<(String, u64)> {
+        let mut v = Vec::with_capacity(self.shared.infos.len() * 4);
+        for (info, c) in self.shared.infos.iter().zip(&self.shared.counters) {
+            let n = &info.name;
+            v.push((format!("{n}.bytes"), c.bytes.load(Ordering::Relaxed)));
+            v.push((format!("{n}.ops"), c.ops.load(Ordering::Relaxed)));
+            v.push((format!("{n}.errors"), c.errors.load(Ordering::Relaxed)));
+            v.push((format!("{n}.inflight"), c.inflight.load(Ordering::Relaxed).max(0) as u64));
+        }
+        v
+    }
+}
