@@ -129,7 +129,7 @@ mod tests {
         let gpu = "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.1";
         assert_eq!(preferred(&nics, &Placement::Device(Some(gpu.into()))), 0b010);
         assert_eq!(pci_distance(gpu, nics[1].pci_path.as_ref().unwrap()), 2);
-        assert_eq!(pci_distance(gpu, nics[0].pci_path.as_ref().unwrap()), 8);
+        assert_eq!(pci_distance(gpu, nics[0].pci_path.as_ref().unwrap()), 6);
     }
 
     #[test]

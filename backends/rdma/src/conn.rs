@@ -38,12 +38,14 @@ fn verbs(e: VerbsError) -> Error {
 /// A lease: (region, write access, access key).
 type LeaseKey = (RegionId, bool, u128);
 
-/// What a granted lease says of the remote region.
+/// What a granted lease says of the remote region, with the NIC keys of the blob it was asked
+/// with (an op with another blob gets its own keys).
 #[derive(Debug)]
 struct LeaseData {
     len: u64,
     bases: Vec<(u8, u64)>,
     keys: RegionKeys,
+    blob: Bytes,
 }
 
 impl LeaseData {
@@ -225,6 +227,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
     let cfg = DispatchCfg {
         slice_bytes: s.cfg.slice_bytes,
         window,
+        op_window: s.cfg.op_window,
         max_retries: s.cfg.max_retries,
         backoff: s.cfg.backoff,
         strict_affinity: s.cfg.strict_affinity,
@@ -281,6 +284,24 @@ impl State {
             after.done.push((ctx, Err(e)));
             return;
         }
+        let lease = if ctx.op.remote().blob == lease.blob {
+            lease.clone()
+        } else {
+            // Another blob for the same region and key: its own NIC keys, the lease's addresses.
+            match RegionKeys::decode(&ctx.op.remote().blob) {
+                Ok(keys) => Arc::new(LeaseData {
+                    len: lease.len,
+                    bases: lease.bases.clone(),
+                    keys,
+                    blob: ctx.op.remote().blob.clone(),
+                }),
+                Err(e) => {
+                    self.places.remove(&ctx.id);
+                    after.done.push((ctx, Err(e)));
+                    return;
+                }
+            }
+        };
         let local_nics = ctx.local.on();
         let (mut allowed, mut preferred) = (0u64, 0u64);
         for (i, r) in self.rails.iter().enumerate() {
@@ -785,7 +806,7 @@ async fn ask_lease(conn: Weak<ConnShared>, key: LeaseKey, blob: Bytes) {
     .await;
     let granted = match asked {
         Ok(Msg::Granted { len, bases, .. }) => {
-            RegionKeys::decode(&blob).map(|keys| LeaseData { len, bases, keys })
+            RegionKeys::decode(&blob).map(|keys| LeaseData { len, bases, keys, blob })
         }
         Ok(Msg::Refused { error, .. }) => Err(error),
         Ok(other) => {

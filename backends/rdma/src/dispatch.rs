@@ -34,6 +34,9 @@ pub struct DispatchCfg {
     pub slice_bytes: u64,
     /// Requests in flight per rail.
     pub window: u32,
+    /// Requests in flight per op (so that a large op leaves room for its batchmates: ops take
+    /// turns, one slice each).
+    pub op_window: u32,
     /// Path failures one op may see before it gives up on this backend.
     pub max_retries: u32,
     /// Rail backoff.
@@ -122,6 +125,21 @@ struct OpEntry<T> {
     cancelled: bool,
     stranded: Option<Error>,
     retries: u32,
+    /// Offset of the first byte not yet cut into a slice.
+    next: u64,
+    /// Slices to send again (a path failure), before new ones.
+    again: VecDeque<(u64, u64)>,
+    /// In the ready queue.
+    queued: bool,
+}
+
+impl<T> OpEntry<T> {
+    fn live(&self) -> bool {
+        !self.cancelled && self.error.is_none() && self.stranded.is_none()
+    }
+    fn pending(&self) -> bool {
+        self.live() && (!self.again.is_empty() || self.next < self.len)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -204,7 +222,8 @@ pub struct Dispatch<T> {
     rails: Vec<Rail>,
     ops: Slab<OpEntry<T>>,
     wrs: Slab<WrEntry>,
-    queue: VecDeque<Slice>,
+    /// Ops with slices to post, taking turns.
+    ready: VecDeque<OpKey>,
 }
 
 impl<T> Dispatch<T> {
@@ -218,7 +237,7 @@ impl<T> Dispatch<T> {
                 counters: RailCounters::default(),
             })
             .collect();
-        Dispatch { cfg, rails, ops: Slab::new(), wrs: Slab::new(), queue: VecDeque::new() }
+        Dispatch { cfg, rails, ops: Slab::new(), wrs: Slab::new(), ready: VecDeque::new() }
     }
 
     /// Rails.
@@ -284,6 +303,9 @@ impl<T> Dispatch<T> {
             cancelled: false,
             stranded: None,
             retries: 0,
+            next: 0,
+            again: VecDeque::new(),
+            queued: false,
         });
         if len == 0 {
             self.settle(k, out);
@@ -297,13 +319,7 @@ impl<T> Dispatch<T> {
             self.settle(k, out);
             return k;
         }
-        let step = self.cfg.slice_bytes.max(1);
-        let mut offset = 0;
-        while offset < len {
-            let n = step.min(len - offset);
-            self.queue.push_back(Slice { op: k, offset, len: n });
-            offset += n;
-        }
+        self.enqueue(k);
         self.pump(now, out);
         k
     }
@@ -362,7 +378,7 @@ impl<T> Dispatch<T> {
                             op.retries, w.rail
                         )));
                     } else {
-                        self.queue.push_front(w.slice);
+                        op.again.push_back((w.slice.offset, w.slice.len));
                     }
                 }
             }
@@ -384,14 +400,26 @@ impl<T> Dispatch<T> {
             }
         }
         self.settle(k, out);
+        self.enqueue(k);
         self.pump(now, out);
         done
+    }
+
+    /// Puts op `k` in the ready queue if it has slices to post and room for them.
+    fn enqueue(&mut self, k: OpKey) {
+        let cap = self.cfg.op_window.max(1);
+        if let Some(op) = self.ops.get_mut(k) {
+            if !op.queued && op.pending() && op.inflight < cap {
+                op.queued = true;
+                self.ready.push_back(k);
+            }
+        }
     }
 
     /// Fails every op with `e` (the connection is over): nothing more is posted, and each op
     /// ends once none of its requests is in flight.
     pub fn fail_all(&mut self, e: &Error, out: &mut Vec<Action<T>>) {
-        self.queue.clear();
+        self.ready.clear();
         let keys: Vec<OpKey> = self
             .ops
             .slots
@@ -477,50 +505,57 @@ impl<T> Dispatch<T> {
         }
     }
 
-    /// Posts queued slices while rails have room.
+    /// Posts slices while rails have room: ops take turns, one slice each, each up to its own
+    /// window; an op with no room on its rails waits for a completion.
     fn pump(&mut self, _now: Instant, out: &mut Vec<Action<T>>) {
-        while let Some(&s) = self.queue.front() {
-            let Some(op) = self.ops.get(s.op) else {
-                self.queue.pop_front();
-                continue;
-            };
-            if op.cancelled || op.error.is_some() || op.stranded.is_some() {
-                self.queue.pop_front();
+        let cap = self.cfg.op_window.max(1);
+        let step = self.cfg.slice_bytes.max(1);
+        let mut idle = 0;
+        while idle < self.ready.len() {
+            let Some(k) = self.ready.pop_front() else { return };
+            let Some(op) = self.ops.get_mut(k) else { continue };
+            op.queued = false;
+            if !op.pending() || op.inflight >= cap {
                 continue;
             }
             let (allowed, preferred) = (op.allowed, op.preferred);
-            match self.pick(allowed, preferred) {
-                Some(rail) => {
-                    self.queue.pop_front();
-                    let r = &mut self.rails[rail];
-                    r.counters.inflight += 1;
-                    r.inflight_bytes += s.len;
-                    let epoch = r.epoch;
-                    let key = self.wrs.insert(WrEntry { slice: s, rail: rail as u16, epoch });
-                    if let Some(op) = self.ops.get_mut(s.op) {
-                        op.inflight += 1;
+            let Some(rail) = self.pick(allowed, preferred) else {
+                if self.alive(allowed) {
+                    // Its rails are full or being rebuilt: its turn comes again.
+                    if let Some(op) = self.ops.get_mut(k) {
+                        op.queued = true;
                     }
-                    out.push(Action::Post {
-                        wr_id: wr_id(key),
-                        rail,
-                        op: s.op,
-                        offset: s.offset,
-                        len: s.len,
-                    });
-                }
-                None if !self.alive(allowed) => {
+                    self.ready.push_back(k);
+                    idle += 1;
+                } else {
                     // Every rail this op may use is paused: it leaves this backend.
-                    self.queue.pop_front();
-                    if let Some(op) = self.ops.get_mut(s.op) {
+                    if let Some(op) = self.ops.get_mut(k) {
                         op.stranded.get_or_insert_with(|| {
                             Error::PeerClosed("rdma: every rail to the peer failed".into())
                         });
                     }
-                    self.settle(s.op, out);
+                    self.settle(k, out);
                 }
-                // Rails are full or being rebuilt: wait for a completion or a rebuild.
-                None => return,
-            }
+                continue;
+            };
+            idle = 0;
+            let Some(op) = self.ops.get_mut(k) else { continue };
+            let (offset, len) = match op.again.pop_front() {
+                Some(s) => s,
+                None => {
+                    let n = step.min(op.len - op.next);
+                    op.next += n;
+                    (op.next - n, n)
+                }
+            };
+            op.inflight += 1;
+            let r = &mut self.rails[rail];
+            r.counters.inflight += 1;
+            r.inflight_bytes += len;
+            let slice = Slice { op: k, offset, len };
+            let key = self.wrs.insert(WrEntry { slice, rail: rail as u16, epoch: r.epoch });
+            out.push(Action::Post { wr_id: wr_id(key), rail, op: k, offset, len });
+            self.enqueue(k);
         }
     }
 

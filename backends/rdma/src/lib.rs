@@ -87,6 +87,9 @@ pub struct RdmaConfig {
     pub slice_bytes: u64,
     /// Work requests in flight per rail.
     pub window: u32,
+    /// Work requests in flight per op: a large op takes turns with its batchmates, one slice
+    /// each, so it never gates them.
+    pub op_window: u32,
     /// Path failures an op may see before it leaves this backend.
     pub max_retries: u32,
     /// Pause of a failed rail (doubling per failure in a row, up to a bound).
@@ -116,6 +119,7 @@ impl Default for RdmaConfig {
             qps_per_nic: 2,
             slice_bytes: 1 << 20,
             window: 32,
+            op_window: 16,
             max_retries: 16,
             backoff: Backoff::default(),
             strict_affinity: false,

@@ -22,6 +22,7 @@ fn cfg(window: u32) -> DispatchCfg {
     DispatchCfg {
         slice_bytes: 1000,
         window,
+        op_window: 3,
         max_retries: 6,
         backoff: Backoff { first: Duration::from_millis(5), max: Duration::from_millis(40) },
         strict_affinity: false,
@@ -180,7 +181,7 @@ proptest! {
 
 #[test]
 fn large_ops_are_sprayed_over_every_rail_least_loaded_first() {
-    let mut d: Dispatch<u32> = Dispatch::new(cfg(64), 2);
+    let mut d: Dispatch<u32> = Dispatch::new(DispatchCfg { op_window: 64, ..cfg(64) }, 2);
     let mut out = Vec::new();
     d.submit(0, 8000, 0b11, 0b11, Instant::now(), &mut out);
     let rails: Vec<usize> = out
@@ -196,7 +197,7 @@ fn large_ops_are_sprayed_over_every_rail_least_loaded_first() {
 
 #[test]
 fn preferred_rails_first_others_only_when_they_are_full() {
-    let mut d: Dispatch<u32> = Dispatch::new(cfg(2), 2);
+    let mut d: Dispatch<u32> = Dispatch::new(DispatchCfg { op_window: 64, ..cfg(2) }, 2);
     let mut out = Vec::new();
     d.submit(0, 3000, 0b11, 0b01, Instant::now(), &mut out);
     let rails: Vec<usize> = out
@@ -284,4 +285,26 @@ fn a_cancelled_op_ends_only_after_its_requests() {
     d.completed(wr_id, WcStatus::Success, t0, &mut out);
     assert!(matches!(&out[..], [Action::Finish { payload: 9, result: Err(_) }]), "{out:?}");
     assert_eq!(d.inflight(), 0, "nothing more was posted for it");
+}
+
+#[test]
+fn a_large_op_takes_turns_with_later_ops_up_to_its_own_window() {
+    let t0 = Instant::now();
+    let mut d: Dispatch<u32> = Dispatch::new(DispatchCfg { op_window: 2, ..cfg(64) }, 1);
+    let mut out = Vec::new();
+    d.submit(0, 10_000, 1, 1, t0, &mut out);
+    d.submit(1, 500, 1, 1, t0, &mut out);
+    let ops: Vec<u32> = out
+        .iter()
+        .map(|a| match a {
+            Action::Post { op, .. } => *d.payload(*op).unwrap(),
+            _ => panic!("{a:?}"),
+        })
+        .collect();
+    assert_eq!(ops, [0, 0, 1], "two slices of the large op (its window), then the small op");
+    // Each completion of the large op lets one more of its slices go.
+    let Action::Post { wr_id, .. } = out[0] else { unreachable!() };
+    out.clear();
+    d.completed(wr_id, WcStatus::Success, t0, &mut out);
+    assert!(matches!(out[..], [Action::Post { offset: 2000, .. }]), "{out:?}");
 }

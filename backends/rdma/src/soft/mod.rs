@@ -519,17 +519,17 @@ pub struct SoftProvider {
 }
 
 impl SoftProvider {
-    /// `count` NICs on `fabric`, made from `spec` (NUMA nodes 0, 1, ... in turn unless `spec`
-    /// names one).
+    /// `count` NICs on `fabric`, each made from `spec`.
     pub fn new(fabric: &SoftFabric, count: usize, spec: SoftNicSpec) -> Arc<SoftProvider> {
-        let nics = (0..count)
-            .map(|i| {
-                let mut s = spec.clone();
-                s.numa_node = s.numa_node.or(Some(i as u32));
-                fabric.nic(s)
-            })
-            .collect();
-        Arc::new(SoftProvider { nics })
+        Self::with(fabric, (0..count).map(|_| spec.clone()))
+    }
+
+    /// One NIC on `fabric` per spec (e.g. NICs on different NUMA nodes).
+    pub fn with(
+        fabric: &SoftFabric,
+        specs: impl IntoIterator<Item = SoftNicSpec>,
+    ) -> Arc<SoftProvider> {
+        Arc::new(SoftProvider { nics: specs.into_iter().map(|s| fabric.nic(s)).collect() })
     }
 
     /// Its NICs (to inject faults and read counters).
