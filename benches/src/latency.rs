@@ -108,11 +108,13 @@ pub async fn run(
     let (mut raw, what) = match backend {
         "tcp" => (Raw::Tcp(RawTcp::new(streams, max).await?), "tokio socket round trip"),
         "shm" => (Raw::CopyAndWake(Memcpy::new(max), Waker::new()), "memcpy + wake round trip"),
-        "mem" => (Raw::Copy(Memcpy::new(max)), "memcpy"),
+        "mem" | "rdma" => (Raw::Copy(Memcpy::new(max)), "memcpy"),
         other => {
             return Err(Error::Unsupported {
                 backend: "xfer",
-                what: format!("--latency for {other} (tcp, shm and mem have a raw round trip)"),
+                what: format!(
+                    "--latency for {other} (tcp, shm, mem and rdma have a raw round trip)"
+                ),
             }
             .into());
         }

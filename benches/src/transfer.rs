@@ -11,7 +11,7 @@ use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 /// Backends the harness can build.
-pub const BACKENDS: &[&str] = &["tcp", "shm", "mem", "ucx"];
+pub const BACKENDS: &[&str] = &["tcp", "shm", "mem", "ucx", "rdma"];
 
 /// Makes one backend instance of `name`.
 pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
@@ -21,11 +21,30 @@ pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
         "mem" => Ok(MemBackend::new()),
         // Transports from UCX's environment (UCX_TLS, ...), which the baseline inherits too.
         "ucx" => Ok(tensorwire_ucx::new_backend(tensorwire_ucx::UcxConfig::default())?),
+        // Real NICs when this build has `verbs` and the host has a device, else two software
+        // NICs per engine on the process's fabric (the backend's own cost: bookkeeping, and the
+        // software NIC's one copy per request).
+        "rdma" => rdma(),
         other => Err(Error::InvalidArgument(format!(
             "unknown backend {other:?}; this harness knows {BACKENDS:?}"
         ))
         .into()),
     }
+}
+
+fn rdma() -> Result<Arc<dyn Backend>> {
+    use tensorwire_rdma::{RdmaBackend, RdmaConfig};
+    if tensorwire_rdma::host_has_rdma_device() {
+        if let Ok(p) = tensorwire_rdma::ibverbs_provider() {
+            return Ok(RdmaBackend::new(RdmaConfig::default(), p)?);
+        }
+    }
+    use tensorwire_rdma::soft::{SoftFabric, SoftNicSpec, SoftProvider};
+    // Idle DMA threads spin 50 us before sleeping, as a NIC polls its queues: the figures are
+    // the backend's cost, not the software NIC's thread wake-ups.
+    let spec = SoftNicSpec { spin: std::time::Duration::from_micros(50), ..SoftNicSpec::default() };
+    let nics = SoftProvider::new(&SoftFabric::global(), 2, spec);
+    Ok(RdmaBackend::new(RdmaConfig::default(), nics)?)
 }
 
 /// Two connected engines with `max`-byte regions on each side.

@@ -98,18 +98,20 @@ pub fn preferred(nics: &[NicInfo], place: &Placement) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verbs::LinkLayer;
+    use crate::verbs::{LinkLayer, NicAddress};
 
     fn nic(numa: Option<u32>, pci: Option<&str>) -> NicInfo {
         NicInfo {
-            name: "x".into(),
-            port: 1,
-            lid: 0,
-            gid: [0; 16],
-            gid_index: 0,
-            link: LinkLayer::Ethernet,
-            mtu: 5,
-            fabric: 0,
+            address: NicAddress {
+                name: "x".into(),
+                port: 1,
+                lid: 0,
+                gid: [0; 16],
+                gid_index: 0,
+                link: LinkLayer::Ethernet,
+                mtu: 5,
+                fabric: 0,
+            },
             numa_node: numa,
             pci_path: pci.map(str::to_string),
             active: true,

@@ -15,7 +15,7 @@ use tensorwire_core::backend::{
 };
 use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
 
-use crate::blob::{Endpoint, PeerNic};
+use crate::blob::Endpoint;
 use crate::conn::ConnShared;
 use crate::region::LocalRegion;
 use crate::serve::InConn;
@@ -86,22 +86,23 @@ impl RdmaBackend {
     /// A backend on `provider`'s NICs (those `cfg.nics` names, or all), with its control
     /// listener bound. `Unsupported` when there is no NIC.
     pub fn new(cfg: RdmaConfig, provider: Arc<dyn Provider>) -> Result<Arc<RdmaBackend>> {
-        if cfg.slice_bytes == 0 || cfg.slice_bytes > u64::from(u32::MAX) {
+        let dp = &cfg.data_path;
+        if dp.slice_bytes == 0 || dp.slice_bytes > u64::from(u32::MAX) {
             return Err(Error::InvalidArgument(format!(
                 "rdma slice_bytes {} must be in 1..=4294967295",
-                cfg.slice_bytes
+                dp.slice_bytes
             )));
         }
-        if cfg.qps_per_nic == 0 || cfg.window == 0 {
+        if cfg.qps_per_nic == 0 || dp.window == 0 || dp.op_window == 0 {
             return Err(Error::InvalidArgument(
-                "rdma qps_per_nic and window must be at least 1".into(),
+                "rdma qps_per_nic, window and op_window must be at least 1".into(),
             ));
         }
         let verbs =
             |e: crate::verbs::VerbsError| Error::Backend { backend: NAME, source: Arc::new(e) };
         let mut nics = provider.open_all().map_err(verbs)?;
         if let Some(names) = &cfg.nics {
-            nics.retain(|n| names.iter().any(|x| *x == n.info().name));
+            nics.retain(|n| names.iter().any(|x| *x == n.info().address.name));
         }
         nics.truncate(crate::blob::MAX_NICS);
         if nics.is_empty() {
@@ -124,7 +125,9 @@ impl RdmaBackend {
         let bound = listener.local_addr()?;
         let control = cfg.advertise.unwrap_or(bound);
         let endpoint =
-            Endpoint { control, nics: infos.iter().map(PeerNic::of).collect() }.encode().into();
+            Endpoint { control, nics: infos.iter().map(|i| i.address.clone()).collect() }
+                .encode()
+                .into();
         let counters = infos.iter().map(|_| NicCounters::default()).collect();
         Ok(Arc::new(RdmaBackend {
             shared: Arc::new(Shared {
@@ -230,7 +233,7 @@ impl Backend for RdmaBackend {
         s.serving.spawn(accept_loop(listener, Arc::downgrade(s)));
         tracing::debug!(
             provider = s.provider,
-            nics = ?s.infos.iter().map(|n| &n.name).collect::<Vec<_>>(),
+            nics = ?s.infos.iter().map(|n| &n.address.name).collect::<Vec<_>>(),
             %bound,
             "rdma: started"
         );
@@ -299,7 +302,7 @@ impl Backend for RdmaBackend {
     fn stats(&self) -> Vec<(String, u64)> {
         let mut v = Vec::with_capacity(self.shared.infos.len() * 4);
         for (info, c) in self.shared.infos.iter().zip(&self.shared.counters) {
-            let n = &info.name;
+            let n = &info.address.name;
             v.push((format!("{n}.bytes"), c.bytes.load(Ordering::Relaxed)));
             v.push((format!("{n}.ops"), c.ops.load(Ordering::Relaxed)));
             v.push((format!("{n}.errors"), c.errors.load(Ordering::Relaxed)));

@@ -11,7 +11,8 @@ use std::net::SocketAddr;
 use tensorwire_core::backend::kit::{Reader, Writer};
 use tensorwire_core::{Error, Result};
 
-use crate::verbs::{LinkLayer, NicInfo};
+use crate::verbs::LinkLayer;
+pub use crate::verbs::NicAddress;
 
 /// Version of both blobs.
 pub const VERSION: u8 = 1;
@@ -20,55 +21,13 @@ pub const MAX_NICS: usize = 32;
 const MAX_NAME: usize = 64;
 const MAX_ADDR: usize = 128;
 
-/// A peer NIC as its endpoint describes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerNic {
-    /// Device name (for logs and counters).
-    pub name: String,
-    /// Port.
-    pub port: u8,
-    /// LID.
-    pub lid: u16,
-    /// GID.
-    pub gid: [u8; 16],
-    /// GID index.
-    pub gid_index: u8,
-    /// Link layer.
-    pub link: LinkLayer,
-    /// MTU code.
-    pub mtu: u8,
-    /// Fabric (NICs pair only within one).
-    pub fabric: u64,
-}
-
-impl PeerNic {
-    /// What a peer learns of one of our NICs.
-    pub fn of(info: &NicInfo) -> PeerNic {
-        PeerNic {
-            name: info.name.clone(),
-            port: info.port,
-            lid: info.lid,
-            gid: info.gid,
-            gid_index: info.gid_index,
-            link: info.link,
-            mtu: info.mtu,
-            fabric: info.fabric,
-        }
-    }
-
-    /// Whether a local NIC can reach this one.
-    pub fn reachable_from(&self, local: &NicInfo) -> bool {
-        local.active && local.fabric == self.fabric && local.link == self.link
-    }
-}
-
 /// The backend's endpoint blob.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
     /// The control channel's address.
     pub control: SocketAddr,
     /// The NICs, in index order (a region blob and the control messages name them by index).
-    pub nics: Vec<PeerNic>,
+    pub nics: Vec<NicAddress>,
 }
 
 fn link_tag(l: LinkLayer) -> u8 {
@@ -112,7 +71,7 @@ impl Endpoint {
                 t => return Err(Error::protocol(format!("rdma endpoint: link layer {t}"))),
             };
             let (mtu, fabric) = (r.u8()?, r.u64()?);
-            nics.push(PeerNic { name, port, lid, gid, gid_index, link, mtu, fabric });
+            nics.push(NicAddress { name, port, lid, gid, gid_index, link, mtu, fabric });
         }
         r.finish()?;
         Ok(Endpoint { control, nics })
@@ -167,8 +126,8 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn nic(i: u8) -> PeerNic {
-        PeerNic {
+    fn nic(i: u8) -> NicAddress {
+        NicAddress {
             name: format!("mlx5_{i}"),
             port: 1,
             lid: u16::from(i) + 7,

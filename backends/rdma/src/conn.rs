@@ -26,9 +26,9 @@ use crate::NAME;
 use crate::backend::{Shared, lock};
 use crate::blob::{Endpoint, RegionKeys};
 use crate::control::{self, Requests, Sender};
-use crate::dispatch::{Action, Dispatch, DispatchCfg, OpKey};
+use crate::dispatch::{Action, Dispatch, OpKey};
 use crate::region::{LocalRegion, unregistered};
-use crate::verbs::{Cq, Qp, QpAddress, QpCaps, Sge, VerbsError, Wc, WcStatus, Wr, WrOp};
+use crate::verbs::{Cq, Qp, QpCaps, Sge, VerbsError, Wc, WcStatus, Wr, WrOp};
 use crate::wire::{Msg, RailOffer};
 
 fn verbs(e: VerbsError) -> Error {
@@ -160,7 +160,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
             what: format!(
                 "no NIC here reaches a NIC of {} (fabrics here {:x?}, there {:x?})",
                 peer.engine,
-                s.infos.iter().map(|n| n.fabric).collect::<Vec<_>>(),
+                s.infos.iter().map(|n| n.address.fabric).collect::<Vec<_>>(),
                 ep.nics.iter().map(|n| n.fabric).collect::<Vec<_>>()
             ),
         });
@@ -169,7 +169,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
     let limit = s.cfg.answer_timeout;
     let sock = control::dial(ep.control, host.cluster_secret().as_ref(), limit).await?;
     let per_nic = s.cfg.qps_per_nic.clamp(1, crate::dispatch::MAX_CONN_RAILS / pairs.len().max(1));
-    let window = s.cfg.window;
+    let window = s.cfg.data_path.window;
     let caps = QpCaps { max_send_wr: window + 4, max_sge: 1 };
     let mut cqs: Vec<(usize, Arc<dyn Cq>)> = Vec::new();
     for &(l, _) in &pairs {
@@ -183,9 +183,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
             let qp = s.nics[l].create_qp(cq, caps).map_err(verbs)?;
             qp.init().map_err(verbs)?;
             let psn = rand::random::<u32>() & 0x00ff_ffff;
-            let info = s.nics[l].info();
-            let addr =
-                QpAddress { qpn: qp.qpn(), psn, lid: info.lid, gid: info.gid, mtu: info.mtu };
+            let addr = s.nics[l].info().address.qp(qp.qpn(), psn);
             offers.push(RailOffer { local_nic: l as u8, remote_nic: r, qp: addr });
             rails.push((l, r, qp, psn));
         }
@@ -214,7 +212,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
         match connected {
             Ok(()) => up.push(RailIo { local_nic: l, remote_nic: r, qp }),
             Err(e) => {
-                tracing::warn!(nic = %s.infos[l].name, error = %e, "rdma: a rail could not be set up")
+                tracing::warn!(nic = %s.infos[l].address.name, error = %e, "rdma: a rail could not be set up")
             }
         }
     }
@@ -224,14 +222,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
             what: format!("no rail to {} could be set up", peer.engine),
         });
     }
-    let cfg = DispatchCfg {
-        slice_bytes: s.cfg.slice_bytes,
-        window,
-        op_window: s.cfg.op_window,
-        max_retries: s.cfg.max_retries,
-        backoff: s.cfg.backoff,
-        strict_affinity: s.cfg.strict_affinity,
-    };
+    let cfg = s.cfg.data_path;
     let (stop, stop_rx) = watch::channel(());
     let conn = Arc::new(ConnShared {
         backend: s.clone(),
@@ -431,7 +422,7 @@ impl ConnShared {
                 .collect();
             let counters = &self.backend.counters[nic];
             if let Err((n, e)) = io.qp.post(&list) {
-                tracing::warn!(nic = %self.backend.infos[nic].name, error = %e, "rdma: post failed");
+                tracing::warn!(nic = %self.backend.infos[nic].address.name, error = %e, "rdma: post failed");
                 counters.inflight.fetch_add(n as i64, Ordering::Relaxed);
                 bad.extend(wrs[n..].iter().map(|w| w.0));
                 st.dispatch.rail_failed(rail, now);
@@ -866,8 +857,7 @@ async fn rebuild(conn: Weak<ConnShared>, rail: usize) {
         let qp = n.create_qp(&cq, c.caps).map_err(verbs)?;
         qp.init().map_err(verbs)?;
         let psn = rand::random::<u32>() & 0x00ff_ffff;
-        let info = n.info();
-        let addr = QpAddress { qpn: qp.qpn(), psn, lid: info.lid, gid: info.gid, mtu: info.mtu };
+        let addr = n.info().address.qp(qp.qpn(), psn);
         let offer = RailOffer { local_nic: nic as u8, remote_nic, qp: addr };
         let limit = c.backend.cfg.answer_timeout;
         let m = control::ask(&c.sender, &c.requests, limit, "rail answer", |req| Msg::Rail {

@@ -27,9 +27,9 @@ use crate::verbs::WcStatus;
 /// Most rails a connection has (rail sets are bit masks).
 pub const MAX_CONN_RAILS: usize = 64;
 
-/// Settings of the data path.
-#[derive(Debug, Clone, Copy)]
-pub struct DispatchCfg {
+/// Settings of the data path (part of [`crate::RdmaConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataPath {
     /// Bytes per slice (one work request).
     pub slice_bytes: u64,
     /// Requests in flight per rail.
@@ -44,6 +44,19 @@ pub struct DispatchCfg {
     /// Only an op's preferred rails carry it while one of them is usable (else other rails take
     /// slices when the preferred ones are full).
     pub strict_affinity: bool,
+}
+
+impl Default for DataPath {
+    fn default() -> Self {
+        DataPath {
+            slice_bytes: 1 << 20,
+            window: 32,
+            op_window: 16,
+            max_retries: 16,
+            backoff: Backoff::default(),
+            strict_affinity: false,
+        }
+    }
 }
 
 /// Names an op in the dispatcher (stale keys are ignored).
@@ -218,7 +231,7 @@ fn wr_key(id: u64) -> OpKey {
 /// The data path of one connection (see the module docs).
 #[derive(Debug)]
 pub struct Dispatch<T> {
-    cfg: DispatchCfg,
+    cfg: DataPath,
     rails: Vec<Rail>,
     ops: Slab<OpEntry<T>>,
     wrs: Slab<WrEntry>,
@@ -228,7 +241,7 @@ pub struct Dispatch<T> {
 
 impl<T> Dispatch<T> {
     /// A dispatcher over `rails` rails (at most [`MAX_CONN_RAILS`]), all up.
-    pub fn new(cfg: DispatchCfg, rails: usize) -> Dispatch<T> {
+    pub fn new(cfg: DataPath, rails: usize) -> Dispatch<T> {
         let rails = (0..rails.min(MAX_CONN_RAILS))
             .map(|_| Rail {
                 health: RailHealth::new(cfg.backoff),
@@ -560,7 +573,7 @@ impl<T> Dispatch<T> {
     }
 
     /// The usable rail with room and the least bytes in flight: of `preferred` if one qualifies,
-    /// else of `allowed` (see [`DispatchCfg::strict_affinity`]).
+    /// else of `allowed` (see [`DataPath::strict_affinity`]).
     fn pick(&self, allowed: u64, preferred: u64) -> Option<usize> {
         let best = |mask: u64| {
             self.rails

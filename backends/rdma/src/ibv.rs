@@ -26,8 +26,8 @@ use sideway::ibverbs::queue_pair::{
 
 use crate::affinity;
 use crate::verbs::{
-    Cq, Keep, LinkLayer, Mr, MrAccess, Nic, NicInfo, Provider, Qp, QpAddress, QpCaps, QpState,
-    QpTiming, VResult, VerbsError, Wc, WcStatus, Wr, WrOp,
+    Cq, Keep, LinkLayer, Mr, MrAccess, Nic, NicAddress, NicInfo, Provider, Qp, QpAddress, QpCaps,
+    QpState, QpTiming, VResult, VerbsError, Wc, WcStatus, Wr, WrOp,
 };
 
 fn err(call: &'static str, e: impl std::fmt::Display) -> VerbsError {
@@ -152,14 +152,16 @@ impl IbvNic {
             LinkLayer::Ethernet => 0,
         };
         let info = NicInfo {
-            name: if port == 1 { name.to_string() } else { format!("{name}:{port}") },
-            port,
-            lid: attr.lid(),
-            gid: gid.raw,
-            gid_index: gid_index as u8,
-            link,
-            mtu: mtu_code(attr.active_mtu()),
-            fabric,
+            address: NicAddress {
+                name: if port == 1 { name.to_string() } else { format!("{name}:{port}") },
+                port,
+                lid: attr.lid(),
+                gid: gid.raw,
+                gid_index: gid_index as u8,
+                link,
+                mtu: mtu_code(attr.active_mtu()),
+                fabric,
+            },
             numa_node,
             pci_path,
             active: attr.port_state() == PortState::Active,
@@ -245,9 +247,9 @@ impl Nic for IbvNic {
         Ok(Arc::new(IbvQp {
             qpn: qp.qp_number(),
             qp: Mutex::new(qp),
-            port: self.info.port,
-            gid_index: self.info.gid_index,
-            link: self.info.link,
+            port: self.info.address.port,
+            gid_index: self.info.address.gid_index,
+            link: self.info.address.link,
             _cq: ours,
         }))
     }
@@ -445,5 +447,23 @@ impl Qp for IbvQp {
             guard.post().map_err(|e| (i, err("ibv_post_send", e)))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_without_devices_has_no_nics_and_the_backend_says_so() {
+        let p = Ibverbs::new(PathBuf::from("/sys"));
+        let nics = p.open_all().expect("no device is an empty list, not an error");
+        if crate::host_has_rdma_device() {
+            eprintln!("this host has {} RDMA NIC port(s)", nics.len());
+            return;
+        }
+        assert!(nics.is_empty());
+        let e = crate::RdmaBackend::new(crate::RdmaConfig::default(), Arc::new(p)).unwrap_err();
+        assert!(e.to_string().contains("no RDMA NIC (ibverbs provider)"), "{e}");
     }
 }

@@ -19,7 +19,7 @@
 //!   Deregistration sends Forget; the initiator answers Released once its requests on the
 //!   region completed. MRs grant remote access only as the region's permissions say, so the
 //!   NIC enforces them too.
-//! - **Data path.** Ops are cut into [`RdmaConfig::slice_bytes`] slices; each goes to the usable
+//! - **Data path.** Ops are cut into [`DataPath::slice_bytes`] slices; each goes to the usable
 //!   rail with room and the least bytes in flight, among the rails whose local NIC suits the
 //!   region's memory (NUMA node of host memory, PCIe distance of the GPU; [`affinity`]) first.
 //!   Every request is signalled; completions come through each CQ's completion channel,
@@ -61,9 +61,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use backend::RdmaBackend;
+pub use dispatch::DataPath;
 pub use region::DeviceMemory;
 
-use rails::Backoff;
 use verbs::{Provider, QpTiming};
 
 /// The backend's name.
@@ -83,20 +83,9 @@ pub struct RdmaConfig {
     pub nics: Option<Vec<String>>,
     /// QPs (rails) per NIC pair.
     pub qps_per_nic: usize,
-    /// Bytes per work request: large ops are cut into slices of this size and sprayed.
-    pub slice_bytes: u64,
-    /// Work requests in flight per rail.
-    pub window: u32,
-    /// Work requests in flight per op: a large op takes turns with its batchmates, one slice
-    /// each, so it never gates them.
-    pub op_window: u32,
-    /// Path failures an op may see before it leaves this backend.
-    pub max_retries: u32,
-    /// Pause of a failed rail (doubling per failure in a row, up to a bound).
-    pub backoff: Backoff,
-    /// Only NICs that suit a region's memory carry its ops while one of them is usable (else
-    /// other NICs take slices when those are full).
-    pub strict_affinity: bool,
+    /// How ops become work requests: slice size, windows per rail and per op, retries, rail
+    /// backoff, strict affinity.
+    pub data_path: DataPath,
     /// Bound on a control-channel answer (lease, notification, rail, setup).
     pub answer_timeout: Duration,
     /// How long a dropped READ waits for its requests before their QPs are moved to ERROR.
@@ -117,12 +106,7 @@ impl Default for RdmaConfig {
             insecure: false,
             nics: None,
             qps_per_nic: 2,
-            slice_bytes: 1 << 20,
-            window: 32,
-            op_window: 16,
-            max_retries: 16,
-            backoff: Backoff::default(),
-            strict_affinity: false,
+            data_path: DataPath::default(),
             answer_timeout: Duration::from_secs(10),
             cancel_timeout: Duration::from_secs(2),
             timing: QpTiming::default(),

@@ -98,7 +98,7 @@ pub(crate) fn register(
                     match unsafe { nic.reg_mr(addr, len, acc, keep) } {
                         Ok(mr) => Some(mr),
                         Err(e) => {
-                            tracing::warn!(nic = %nic.info().name, error = %e, "rdma: cannot register a region");
+                            tracing::warn!(nic = %nic.info().address.name, error = %e, "rdma: cannot register a region");
                             None
                         }
                     }
@@ -117,7 +117,7 @@ pub(crate) fn register(
                     match unsafe { nic.reg_dmabuf_mr(fd.as_raw_fd(), offset, len, acc) } {
                         Ok(mr) => Some(mr),
                         Err(e) => {
-                            tracing::warn!(nic = %nic.info().name, error = %e, "rdma: cannot register device memory");
+                            tracing::warn!(nic = %nic.info().address.name, error = %e, "rdma: cannot register device memory");
                             None
                         }
                     }

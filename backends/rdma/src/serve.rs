@@ -166,8 +166,7 @@ fn passive_qp(s: &Shared, offer: &RailOffer) -> Result<(Arc<dyn Qp>, QpAddress)>
     qp.init().map_err(verbs)?;
     let psn = rand::random::<u32>() & 0x00ff_ffff;
     qp.connect(psn, &offer.qp, &s.cfg.timing).map_err(verbs)?;
-    let info = nic.info();
-    let addr = QpAddress { qpn: qp.qpn(), psn, lid: info.lid, gid: info.gid, mtu: info.mtu };
+    let addr = nic.info().address.qp(qp.qpn(), psn);
     Ok((qp, addr))
 }
 

@@ -57,9 +57,9 @@ pub enum LinkLayer {
     Ethernet,
 }
 
-/// What the backend knows of one NIC (a device's port), and what a peer needs to reach it.
+/// How peers reach a NIC port: what the backend's endpoint blob carries for each of its NICs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NicInfo {
+pub struct NicAddress {
     /// Device name ("mlx5_0", "softnic0").
     pub name: String,
     /// Port number (1-based, as in ibverbs).
@@ -77,6 +77,26 @@ pub struct NicInfo {
     /// Which NICs can reach each other: the IB subnet prefix, a RoCE network, or a software
     /// fabric's id. NICs of two engines are paired only when these are equal.
     pub fabric: u64,
+}
+
+impl NicAddress {
+    /// Whether a local NIC can reach this one.
+    pub fn reachable_from(&self, local: &NicInfo) -> bool {
+        let l = &local.address;
+        local.active && l.fabric == self.fabric && l.link == self.link
+    }
+
+    /// The address of QP `qpn` (first PSN `psn`) on this NIC.
+    pub fn qp(&self, qpn: u32, psn: u32) -> QpAddress {
+        QpAddress { qpn, psn, lid: self.lid, gid: self.gid, mtu: self.mtu }
+    }
+}
+
+/// What the backend knows of one NIC (a device's port).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NicInfo {
+    /// How peers reach it.
+    pub address: NicAddress,
     /// NUMA node the NIC is attached to (from sysfs), if known.
     pub numa_node: Option<u32>,
     /// The NIC's PCI device path in sysfs (`/sys/devices/pci0000:00/...`), for PCIe distances.

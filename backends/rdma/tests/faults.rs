@@ -12,7 +12,7 @@ use tensorwire_core::{
 };
 use tensorwire_rdma::soft::{SoftFabric, SoftNic, SoftNicSpec, SoftProvider};
 use tensorwire_rdma::verbs::WcStatus;
-use tensorwire_rdma::{RdmaBackend, RdmaConfig};
+use tensorwire_rdma::{DataPath, RdmaBackend, RdmaConfig};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 struct Side {
@@ -88,7 +88,8 @@ async fn large_ops_are_striped_over_every_nic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_affinity_keeps_host_memory_on_its_numa_node() {
-    let cfg = RdmaConfig { strict_affinity: true, ..RdmaConfig::default() };
+    let data_path = DataPath { strict_affinity: true, ..DataPath::default() };
+    let cfg = RdmaConfig { data_path, ..RdmaConfig::default() };
     let fabric = SoftFabric::new();
     let node = tensorwire_rdma::affinity::numa_node_of(vec![0u8; 4096].as_ptr() as usize);
     let Some(node) = node else {
@@ -107,11 +108,12 @@ async fn strict_affinity_keeps_host_memory_on_its_numa_node() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_rail_hands_its_slices_to_the_others_and_comes_back() {
+    let backoff = tensorwire_rdma::rails::Backoff {
+        first: Duration::from_millis(20),
+        max: Duration::from_millis(200),
+    };
     let cfg = RdmaConfig {
-        backoff: tensorwire_rdma::rails::Backoff {
-            first: Duration::from_millis(20),
-            max: Duration::from_millis(200),
-        },
+        data_path: DataPath { backoff, ..DataPath::default() },
         ..RdmaConfig::default()
     };
     let (a, b) = pair(cfg, false).await;

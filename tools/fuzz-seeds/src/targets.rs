@@ -30,6 +30,8 @@ pub const TARGETS: &[&str] = &[
     "orchestrator_msg",
     "payload_ref",
     "queue_message",
+    "rdma_blob",
+    "rdma_control",
     "roundtrip",
     "shm_header",
     "store_rpc",
@@ -67,6 +69,13 @@ pub fn valid(target: &str, input: &[u8]) -> bool {
         "orchestrator_msg" => input.split_first().is_some_and(|(&k, b)| Msg::decode(k, b).is_ok()),
         "payload_ref" => PayloadRef::from_bytes(input).is_ok(),
         "queue_message" => QueueMessage::decode(input).is_ok(),
+        "rdma_blob" => input.split_first().is_some_and(|(&t, b)| match t {
+            0 => tensorwire_rdma::blob::Endpoint::decode(b).is_ok(),
+            _ => tensorwire_rdma::blob::RegionKeys::decode(b).is_ok(),
+        }),
+        "rdma_control" => input
+            .split_first()
+            .is_some_and(|(&k, b)| tensorwire_rdma::wire::Msg::decode(k, b).is_ok()),
         "roundtrip" => !input.is_empty(),
         "shm_header" => tensorwire_shm::wire::Header::decode(input).is_ok(),
         "store_rpc" => store_frame(input),
@@ -107,6 +116,7 @@ pub fn dictionary(target: &str) -> Vec<Vec<u8>> {
         "shm_header" => vec![prefix(&tensorwire_shm::wire::FRAMING)],
         "tcp_data_header" => vec![prefix(&tensorwire_tcp::wire::FRAMING)],
         "ucx_msg" => vec![prefix(&tensorwire_ucx::wire::FRAMING)],
+        "rdma_control" => vec![prefix(&tensorwire_rdma::wire::FRAMING)],
         _ => Vec::new(),
     }
 }

@@ -29,6 +29,7 @@ pub fn add_all(c: &mut Corpus, refs: &[PayloadRef]) {
     envelopes(c);
     shm_headers(c);
     ucx_msgs(c);
+    rdma(c);
     control(c);
     store_rpc(c);
     orchestrator(c);
@@ -180,6 +181,56 @@ fn ucx_msgs(c: &mut Corpus) {
             c.add("ucx_msg", m.encode());
         }
     }
+}
+
+fn rdma(c: &mut Corpus) {
+    use tensorwire_rdma::blob::{Endpoint, NicAddress, RegionKeys};
+    use tensorwire_rdma::verbs::{LinkLayer, QpAddress};
+    use tensorwire_rdma::wire::{Msg as R, RailOffer};
+    let qp = |n: u32| QpAddress { qpn: n, psn: 7 * n, lid: 3, gid: [n as u8; 16], mtu: 5 };
+    let offer = RailOffer { local_nic: 0, remote_nic: 1, qp: qp(0x11) };
+    let refusal = Error::AccessDenied("region 3 does not grant remote write".into());
+    let msgs = [
+        R::Hello { rails: vec![offer, RailOffer { local_nic: 1, remote_nic: 0, qp: qp(0x12) }] },
+        R::HelloAck { rails: vec![Ok(qp(0x21)), Err(refusal.clone())] },
+        R::Lease { req: 1, region: RegionId(3), key: AccessKey::from_bits(0xabcd), write: true },
+        R::Granted { req: 1, len: 4096, bases: vec![(0, 0x7f00_0000_0000), (1, 0x7f00_0000_0000)] },
+        R::Refused { req: 2, error: refusal.clone() },
+        R::Forget { region: RegionId(3) },
+        R::Released { region: RegionId(3), write: false },
+        R::Notify { req: 3, msg: bytes::Bytes::from_static(b"notification") },
+        R::NotifyAck { req: 3, error: None },
+        R::NotifyAck { req: 4, error: Some(refusal.clone()) },
+        R::Rail { req: 5, rail: 1, offer },
+        R::RailAck { req: 5, answer: Ok(qp(0x31)) },
+        R::RailAck { req: 6, answer: Err(refusal) },
+        R::Bye,
+    ];
+    for m in msgs {
+        let mut v = vec![m.kind()];
+        v.extend(m.encode());
+        c.add("rdma_control", v);
+    }
+    let nic = |i: u8, link| NicAddress {
+        name: format!("mlx5_{i}"),
+        port: 1,
+        lid: u16::from(i) + 1,
+        gid: [i; 16],
+        gid_index: 3,
+        link,
+        mtu: 5,
+        fabric: 0xfe80_0000_0000_0000,
+    };
+    let ep = Endpoint {
+        control: "10.0.0.7:7003".parse().expect("an address"),
+        nics: vec![nic(0, LinkLayer::Ethernet), nic(1, LinkLayer::Infiniband)],
+    };
+    let mut v = vec![0];
+    v.extend(ep.encode());
+    c.add("rdma_blob", v);
+    let mut v = vec![1];
+    v.extend(RegionKeys(vec![(0, 0x1234), (1, 0x5678)]).encode());
+    c.add("rdma_blob", v);
 }
 
 fn control(c: &mut Corpus) {

@@ -18,8 +18,8 @@ const STATUSES: [WcStatus; 6] = [
     WcStatus::RemoteAccess,
 ];
 
-fn cfg(window: u32) -> DispatchCfg {
-    DispatchCfg {
+fn cfg(window: u32) -> DataPath {
+    DataPath {
         slice_bytes: 1000,
         window,
         op_window: 3,
@@ -181,7 +181,7 @@ proptest! {
 
 #[test]
 fn large_ops_are_sprayed_over_every_rail_least_loaded_first() {
-    let mut d: Dispatch<u32> = Dispatch::new(DispatchCfg { op_window: 64, ..cfg(64) }, 2);
+    let mut d: Dispatch<u32> = Dispatch::new(DataPath { op_window: 64, ..cfg(64) }, 2);
     let mut out = Vec::new();
     d.submit(0, 8000, 0b11, 0b11, Instant::now(), &mut out);
     let rails: Vec<usize> = out
@@ -197,7 +197,7 @@ fn large_ops_are_sprayed_over_every_rail_least_loaded_first() {
 
 #[test]
 fn preferred_rails_first_others_only_when_they_are_full() {
-    let mut d: Dispatch<u32> = Dispatch::new(DispatchCfg { op_window: 64, ..cfg(2) }, 2);
+    let mut d: Dispatch<u32> = Dispatch::new(DataPath { op_window: 64, ..cfg(2) }, 2);
     let mut out = Vec::new();
     d.submit(0, 3000, 0b11, 0b01, Instant::now(), &mut out);
     let rails: Vec<usize> = out
@@ -290,7 +290,7 @@ fn a_cancelled_op_ends_only_after_its_requests() {
 #[test]
 fn a_large_op_takes_turns_with_later_ops_up_to_its_own_window() {
     let t0 = Instant::now();
-    let mut d: Dispatch<u32> = Dispatch::new(DispatchCfg { op_window: 2, ..cfg(64) }, 1);
+    let mut d: Dispatch<u32> = Dispatch::new(DataPath { op_window: 2, ..cfg(64) }, 1);
     let mut out = Vec::new();
     d.submit(0, 10_000, 1, 1, t0, &mut out);
     d.submit(1, 500, 1, 1, t0, &mut out);

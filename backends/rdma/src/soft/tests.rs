@@ -50,8 +50,7 @@ impl Mr for NoMr {
 }
 
 fn addr(s: &Side) -> QpAddress {
-    let i = s.nic.info();
-    QpAddress { qpn: s.qp.qpn(), psn: 0, lid: i.lid, gid: i.gid, mtu: i.mtu }
+    s.nic.info().address.qp(s.qp.qpn(), 0)
 }
 
 fn pair(len: usize, remote: MrAccess) -> (Side, Side) {
