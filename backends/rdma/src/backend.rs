@@ -206,11 +206,13 @@ impl Backend for RdmaBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        let device = self.shared.cfg.device_memory.is_some();
-        let kinds = MemoryKinds { host: true, host_pinned: true, device };
+        // Local device memory needs a way to register it here; the peer's device memory is
+        // reachable whenever the peer registered it (its blob says so), whatever this side has.
+        let device = self.shared.cfg.device_memory.is_some()
+            || self.shared.nics.iter().any(|n| n.peer_memory());
         Capabilities {
-            local: kinds,
-            remote: kinds,
+            local: MemoryKinds { host: true, host_pinned: true, device },
+            remote: MemoryKinds::ALL,
             read: true,
             write: true,
             notify: true,

@@ -116,6 +116,13 @@ fn mtu_of(code: u8) -> Mtu {
     }
 }
 
+/// Whether a GPU peer-memory client is loaded (`nvidia-peermem`, or the older `nv_peer_mem`).
+fn peer_memory_loaded() -> bool {
+    ["/sys/module/nvidia_peermem", "/sys/module/nv_peer_mem", "/sys/kernel/mm/memory_peers/nv_mem"]
+        .iter()
+        .any(|p| std::path::Path::new(p).exists())
+}
+
 /// RoCE v2 in the kernel's GID types.
 const GID_TYPE_ROCE_V2: u32 = 2;
 
@@ -218,6 +225,22 @@ impl Nic for IbvNic {
         let mr = unsafe { self.pd.reg_dmabuf_mr(offset, len, offset, fd, access(acc)) }
             .map_err(|e| err("ibv_reg_dmabuf_mr", e))?;
         Ok(Box::new(IbvMr { mr, _keep: None }))
+    }
+
+    unsafe fn reg_device_mr(&self, addr: u64, len: u64, acc: MrAccess) -> VResult<Box<dyn Mr>> {
+        if !self.peer_memory() {
+            return Err(VerbsError::new("ibv_reg_mr", "no peer-memory client (nvidia-peermem)"));
+        }
+        let len = usize::try_from(len).map_err(|_| VerbsError::new("ibv_reg_mr", "too large"))?;
+        // SAFETY: forwarded contract (device memory that stays allocated while the MR lives);
+        // the peer-memory client pins the GPU pages, and nothing here dereferences them.
+        let mr = unsafe { self.pd.reg_mr(addr as usize, len, access(acc)) }
+            .map_err(|e| err("ibv_reg_mr(device)", e))?;
+        Ok(Box::new(IbvMr { mr, _keep: None }))
+    }
+
+    fn peer_memory(&self) -> bool {
+        peer_memory_loaded()
     }
 
     fn create_cq(&self, depth: u32) -> VResult<Arc<dyn Cq>> {

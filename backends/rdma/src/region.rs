@@ -107,7 +107,26 @@ pub(crate) fn register(
             (mrs, Placement::Host(affinity::numa_node_of(addr)))
         }
         MemoryKind::Device { ordinal } => {
-            let Some(dev) = device else { return Ok(None) };
+            let Some(dev) = device else {
+                // The peer-memory path: NICs whose kernel has a GPU peer-memory client take
+                // the device address itself.
+                let mrs: Vec<_> = nics
+                    .iter()
+                    .map(|nic| {
+                        if !nic.peer_memory() {
+                            return None;
+                        }
+                        let addr = region.base() as u64;
+                        // SAFETY: device memory the engine keeps allocated until `deregister`
+                        // for it returns; the MR goes by then. Nothing here dereferences it.
+                        unsafe { nic.reg_device_mr(addr, len, acc) }
+                            .map_err(|e| tracing::warn!(nic = %nic.info().address.name, error = %e, "rdma: cannot register device memory"))
+                            .ok()
+                    })
+                    .collect();
+                let r = LocalRegion { mrs, preferred: crate::dispatch::mask_of(nics.len()), len };
+                return Ok((r.on() != 0).then_some(r));
+            };
             let (fd, offset) = dev.dmabuf(region.base() as u64, len, ordinal)?;
             let mrs = nics
                 .iter()

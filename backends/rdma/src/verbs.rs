@@ -335,6 +335,15 @@ pub trait Nic: Send + Sync + Debug {
         len: u64,
         access: MrAccess,
     ) -> VResult<Box<dyn Mr>>;
+    /// Registers device memory by its device address, through the kernel's peer-memory client
+    /// (`nvidia-peermem`): the NIC resolves the GPU's pages itself. An error where no such client
+    /// is loaded, and always on the software NIC (which never dereferences device memory).
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be device memory that stays allocated until the MR is dropped.
+    unsafe fn reg_device_mr(&self, addr: u64, len: u64, access: MrAccess) -> VResult<Box<dyn Mr>>;
+    /// Whether [`Nic::reg_device_mr`] can work on this NIC (a peer-memory client is loaded).
+    fn peer_memory(&self) -> bool;
     /// A completion queue of at least `depth` entries, with its own completion channel.
     fn create_cq(&self, depth: u32) -> VResult<Arc<dyn Cq>>;
     /// A reliable-connected QP (in RESET) whose send and receive completions go to `cq`.

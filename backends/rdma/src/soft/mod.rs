@@ -390,6 +390,17 @@ impl Nic for SoftNic {
         Ok(self.insert_mr(base + offset as usize, len, access, None, Some((base, total))))
     }
 
+    unsafe fn reg_device_mr(&self, _addr: u64, _len: u64, _a: MrAccess) -> VResult<Box<dyn Mr>> {
+        Err(VerbsError::new(
+            "ibv_reg_mr",
+            "the software NIC reaches device memory only through a dma-buf (EOPNOTSUPP)",
+        ))
+    }
+
+    fn peer_memory(&self) -> bool {
+        false
+    }
+
     fn create_cq(&self, depth: u32) -> VResult<Arc<dyn Cq>> {
         self.shared.ensure_present("ibv_create_cq")?;
         Ok(Arc::new(SoftCq::new(depth)?))
