@@ -18,6 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tensorwire_core::{Backend, Capabilities, Engine, EngineConfig, Session};
 
+pub mod fake_gpu;
 pub mod faults;
 pub mod harness;
 pub mod intruder;

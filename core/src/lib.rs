@@ -100,7 +100,7 @@ pub use engine::{
     Session, TransferHandle, TransferOp, TransferReport,
 };
 #[cfg(not(loom))]
-pub use memory::DeviceCopier;
+pub use memory::{DeviceCopier, Gpu};
 #[cfg(not(loom))]
 pub use reference::MemBackend;
 #[cfg(not(loom))]

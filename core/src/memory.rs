@@ -186,6 +186,31 @@ pub trait DeviceCopier: Send + Sync + Debug + 'static {
     fn copy(&self, dst: &crate::MemSlice, src: &crate::MemSlice) -> Result<()>;
 }
 
+/// A GPU driver as the engine uses it: device memory for [`crate::Engine::alloc_device`], page
+/// locking for [`crate::Engine::alloc_pinned`], pointer checks for
+/// [`crate::Engine::register_device`], and (as a [`DeviceCopier`]) every copy that involves device
+/// memory. A GPU crate implements it (`tensorwire-cuda`) and gives it to the engine with
+/// [`crate::EngineBuilder::gpu`]; without one those calls are [`Error::Unsupported`].
+#[cfg(not(loom))]
+pub trait Gpu: DeviceCopier {
+    /// Allocates `len` bytes of device memory on GPU `ordinal`: (device address, owner). The
+    /// memory stays allocated until the owner is dropped.
+    fn alloc_device(
+        &self,
+        ordinal: u32,
+        len: u64,
+    ) -> Result<(u64, Box<dyn std::any::Any + Send + Sync>)>;
+    /// Page-locks `[addr, addr + len)` of host memory for the driver's DMA; it is unlocked when the
+    /// returned owner drops.
+    ///
+    /// # Safety
+    /// The range must be mapped host memory that outlives the returned owner.
+    unsafe fn pin(&self, addr: usize, len: u64) -> Result<Box<dyn std::any::Any + Send + Sync>>;
+    /// Checks that `[addr, addr + len)` is device memory of GPU `ordinal` (a framework's tensor);
+    /// an error says what it is instead.
+    fn check_device(&self, addr: u64, len: u64, ordinal: u32) -> Result<()>;
+}
+
 impl Drop for HostMapping {
     fn drop(&mut self) {
         if self.len > 0 {

@@ -56,6 +56,11 @@ pub enum Access {
 #[derive(Debug)]
 pub(crate) enum Storage {
     Owned(Arc<HostMapping>),
+    /// Engine memory page-locked by the GPU driver: unlocked (`pin` drops) before it is unmapped.
+    Pinned {
+        _pin: Owner,
+        mapping: Arc<HostMapping>,
+    },
     /// Caller memory at this address (see `Engine::register_raw`'s contract).
     Raw(usize),
     /// Caller memory at this address, kept valid by `owner` (see `Engine::register_owned`): the
@@ -105,7 +110,7 @@ pub(crate) struct RegionInner {
 impl RegionInner {
     pub(crate) fn base(&self) -> *mut u8 {
         match &self.storage {
-            Storage::Owned(m) => m.ptr(),
+            Storage::Owned(m) | Storage::Pinned { mapping: m, .. } => m.ptr(),
             Storage::Raw(addr) | Storage::Kept { addr, .. } => *addr as *mut u8,
         }
     }
@@ -301,7 +306,7 @@ impl MemSlice {
     /// engine's `deregister_timeout`).
     pub fn detach(self) -> std::result::Result<DetachedMemory, MemSlice> {
         match self.region.storage {
-            Storage::Owned(_) | Storage::Kept { .. } => {
+            Storage::Owned(_) | Storage::Pinned { .. } | Storage::Kept { .. } => {
                 Ok(DetachedMemory { _region: self.region.clone() })
             }
             Storage::Raw(_) => Err(self),

@@ -213,7 +213,11 @@ impl Backend for TcpBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::host(false, 1 << 40)
+        // The peer's device memory is staged by the peer (through its engine's bounces); local
+        // device memory is staged by this engine before the backend sees it.
+        let mut c = Capabilities::host(false, 1 << 40);
+        c.remote = tensorwire_core::MemoryKinds::ALL;
+        c
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
@@ -227,9 +231,10 @@ impl Backend for TcpBackend {
         encode_endpoint(self.cfg.advertise.unwrap_or(self.local))
     }
 
-    async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
-        // Any host memory, served through BackendHost::resolve: nothing to publish.
-        Ok(region.kind.is_host().then(Bytes::new))
+    async fn register(&self, _region: &RegionInfo) -> Result<Option<Bytes>> {
+        // Any memory, served through BackendHost::resolve (device memory staged through the
+        // engine's bounces): nothing to publish.
+        Ok(Some(Bytes::new()))
     }
 
     async fn deregister(&self, _id: RegionId) -> Result<()> {

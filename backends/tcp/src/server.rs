@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_core::backend::kit::encode_error;
+use tensorwire_core::backend::kit::{copy_blocking, encode_error};
 use tensorwire_core::{Access, BackendHost, Error, MemSlice, Result};
 use tokio::net::TcpStream;
 
@@ -113,6 +113,7 @@ async fn serve_write(
     dog: &mut Watchdog,
 ) -> Result<()> {
     let result = match host.resolve(h.range(), Access::Write) {
+        Ok(slice) if !slice.kind().is_host() => write_device(sock, host, &slice, h, dog).await?,
         Ok(slice) => {
             // SAFETY: `slice` is a resolved, bounds-checked window of `h.len` bytes of registered
             // memory, held (and so kept mapped and registered) until this block ends.
@@ -135,6 +136,7 @@ async fn serve_read(
     dog: &mut Watchdog,
 ) -> Result<()> {
     let slice = match host.resolve(h.range(), Access::Read) {
+        Ok(s) if !s.kind().is_host() => return read_device(sock, host, &s, h, dog).await,
         Ok(s) => s,
         Err(e) => return respond(sock, Kind::ReadResp, h.id, Err(e), dog).await,
     };
@@ -154,6 +156,127 @@ async fn serve_read(
         )
     }
     .await
+}
+
+/// A WRITE into device memory: the payload lands in a bounce (pinned host memory), half by
+/// half, and each half is copied to the device while the next one is received. Returns the
+/// op's outcome (the stream is fine either way) or a stream error.
+async fn write_device(
+    sock: &TcpStream,
+    host: &dyn BackendHost,
+    slice: &MemSlice,
+    h: &DataHeader,
+    dog: &mut Watchdog,
+) -> Result<Result<()>> {
+    let bounce = match host.bounce().await {
+        Ok(b) => b,
+        Err(e) => {
+            io::drain(sock, h.len, dog, "refused WRITE payload").await?;
+            return Ok(Err(e));
+        }
+    };
+    let half = bounce.len() / 2;
+    let mut crc = 0u32;
+    let mut copying: Option<tokio::task::JoinHandle<Result<bool>>> = None;
+    let mut failed: Option<Error> = None;
+    let (mut at, mut k) = (0u64, 0u64);
+    while at < h.len {
+        let n = half.min(h.len - at);
+        let part = bounce.sub((k % 2) * half, n)?;
+        // SAFETY: `part` is `n` bytes of the bounce's pinned host memory, which this function
+        // owns; the copy that last read this half has been awaited (one half in flight at most).
+        unsafe { io::recv_into(sock, part.ptr() as usize, n, None, dog, "WRITE payload") }.await?;
+        if h.crc().is_some() {
+            crc = part.with_host_bytes(|b| crc32c::crc32c_append(crc, b))?;
+        }
+        if let Some(c) = copying.take() {
+            if let Err(e) = join(c).await {
+                failed.get_or_insert(e);
+            }
+        }
+        if failed.is_none() {
+            let dst = slice.sub(at, n)?;
+            copying = Some(tokio::spawn(copy_blocking(dst, part, None)));
+        }
+        at += n;
+        k += 1;
+    }
+    if let Some(c) = copying {
+        if let Err(e) = join(c).await {
+            failed.get_or_insert(e);
+        }
+    }
+    if let Some(e) = failed {
+        return Ok(Err(e));
+    }
+    match h.crc() {
+        Some(expected) if expected != crc => {
+            Ok(Err(Error::Checksum { what: what(h, "WRITE"), expected, actual: crc }))
+        }
+        _ => Ok(Ok(())),
+    }
+}
+
+async fn join(c: tokio::task::JoinHandle<Result<bool>>) -> Result<()> {
+    c.await.map_err(|e| Error::Internal(format!("tcp: a staging copy failed: {e}")))?.map(drop)
+}
+
+/// A READ of device memory: each half of a bounce is filled from the device while the other is
+/// sent. A checksum would have to precede the bytes, so a checksummed READ of device memory is
+/// refused.
+async fn read_device(
+    sock: &TcpStream,
+    host: &dyn BackendHost,
+    slice: &MemSlice,
+    h: &DataHeader,
+    dog: &mut Watchdog,
+) -> Result<()> {
+    if h.crc().is_some() {
+        let e = Error::Unsupported {
+            backend: crate::NAME,
+            what: "a checksummed READ of device memory (the checksum precedes the bytes)".into(),
+        };
+        return respond(sock, Kind::ReadResp, h.id, Err(e), dog).await;
+    }
+    let bounce = match host.bounce().await {
+        Ok(b) => b,
+        Err(e) => return respond(sock, Kind::ReadResp, h.id, Err(e), dog).await,
+    };
+    let half = bounce.len() / 2;
+    let piece = |k: u64| (k * half, half.min(h.len - k * half));
+    let first = if h.len == 0 {
+        Ok(true)
+    } else {
+        let (at, n) = piece(0);
+        copy_blocking(bounce.sub(0, n)?, slice.sub(at, n)?, None).await
+    };
+    if let Err(e) = first {
+        return respond(sock, Kind::ReadResp, h.id, Err(e), dog).await;
+    }
+    let hb = DataHeader::response(Kind::ReadResp, h.id, true, h.len).encode();
+    // SAFETY: `hb` is a local that outlives the send.
+    unsafe { io::send_parts(sock, [(hb.as_ptr() as usize, hb.len())], dog, "READ header") }.await?;
+    let pieces = h.len.div_ceil(half.max(1));
+    for k in 0..pieces {
+        let (_, n) = piece(k);
+        let part = bounce.sub((k % 2) * half, n)?;
+        // The next half is filled while this one is sent.
+        let next = (k + 1 < pieces).then(|| {
+            let (at, m) = piece(k + 1);
+            let dst = bounce.sub(((k + 1) % 2) * half, m);
+            let src = slice.sub(at, m);
+            tokio::spawn(async move { copy_blocking(dst?, src?, None).await })
+        });
+        // SAFETY: `part` is `n` bytes of the bounce's pinned host memory, filled above and not
+        // written again until this send is over (the next copy fills the other half).
+        unsafe { io::send_parts(sock, [(part.ptr() as usize, n as usize)], dog, "READ payload") }
+            .await?;
+        if let Some(c) = next {
+            // The header promised the bytes: a copy that fails now ends the stream.
+            join(c).await?;
+        }
+    }
+    Ok(())
 }
 
 async fn serve_notify(

@@ -18,6 +18,7 @@ pub use super::serving::{Serving, WeakList};
 pub use crate::cancel::CancelGate;
 pub use crate::completion::{CompletionSender, gated, ready, spawn_cancellable};
 pub use crate::copy::{Copied, SEGMENT, gated_copy};
+pub use crate::engine::staging::{BOUNCE_BYTES, Bounce, copy_blocking};
 pub use crate::memory::ShareableMemory;
 pub use crate::region::{DetachedMemory, MAX_BLOB_BYTES};
 pub use crate::tasks::TaskSet;

@@ -228,6 +228,13 @@ pub trait BackendHost: Send + Sync + Debug + 'static {
     fn resolve(&self, range: RemoteRange, access: Access) -> Result<MemSlice>;
     /// Delivers an inbound notification; an error (queue full) goes back to the sender.
     fn deliver(&self, msg: Bytes) -> Result<()>;
+    /// A pinned host buffer of the engine's staging pool, for a backend that moves bytes into or
+    /// out of a device region the CPU cannot reach (it receives into the bounce and copies it
+    /// over with [`MemSlice::copy_from`], or the other way). Waits while every bounce is in
+    /// use; `Unsupported` when the engine has no GPU driver.
+    fn bounce(
+        &self,
+    ) -> Pin<Box<dyn Future<Output = Result<crate::engine::staging::Bounce>> + Send>>;
     /// The engine's cluster secret, for a backend that serves connections of its own (a setup or
     /// control channel) and authenticates them with [`crate::handshake`] like the engine's
     /// control endpoint; `None` when the engine runs without one. Never log it.

@@ -31,6 +31,23 @@ impl HostAdapter {
 }
 
 impl BackendHost for HostAdapter {
+    fn bounce(
+        &self,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<super::staging::Bounce>> + Send>>
+    {
+        let engine = self.engine();
+        Box::pin(async move {
+            let engine = engine?;
+            if engine.gpu.is_none() {
+                return Err(Error::Unsupported {
+                    backend: "engine",
+                    what: "staging device memory: this engine has no GPU driver".into(),
+                });
+            }
+            engine.staging().take().await
+        })
+    }
+
     fn cluster_secret(&self) -> Option<crate::auth::ClusterSecret> {
         self.engine.upgrade().and_then(|e| e.config.cluster_secret.clone())
     }

@@ -6,6 +6,7 @@ mod control;
 mod host;
 mod regions;
 mod session;
+pub(crate) mod staging;
 mod transfer;
 
 use std::collections::HashMap;
@@ -26,7 +27,7 @@ use crate::backend::{Backend, RegionInfo};
 use crate::chunk::ChunkPlan;
 use crate::error::{Error, Missing, Result};
 use crate::ids::{AccessKey, EngineId, RegionId};
-use crate::memory::{DeviceCopier, HostMapping, MemoryKind, ShareableMemory};
+use crate::memory::{DeviceCopier, Gpu, HostMapping, MemoryKind, ShareableMemory};
 use crate::region::{Permissions, Region, RegionInner, Storage};
 use crate::wire::descriptor::EngineDescriptor;
 use chunked::ChunkSignal;
@@ -114,6 +115,9 @@ pub(crate) struct EngineShared {
     pub(crate) config: EngineConfig,
     pub(crate) backends: Vec<Arc<dyn Backend>>,
     pub(crate) copier: Option<Arc<dyn DeviceCopier>>,
+    pub(crate) gpu: Option<Arc<dyn Gpu>>,
+    /// Bounce buffers for device staging, made on first use.
+    pub(crate) staging: std::sync::OnceLock<Arc<staging::StagingPool>>,
     pub(crate) regions: RegionTable,
     /// Descriptors of peers that completed a handshake with us (either direction).
     pub(crate) peers: Mutex<HashMap<EngineId, EngineDescriptor>>,
@@ -139,6 +143,13 @@ impl EngineShared {
         }
     }
 
+    /// The staging pool (device memory through pinned bounces).
+    pub(crate) fn staging(self: &Arc<Self>) -> Arc<staging::StagingPool> {
+        self.staging
+            .get_or_init(|| Arc::new(staging::StagingPool::new(Arc::downgrade(self))))
+            .clone()
+    }
+
     pub(crate) fn ensure_open(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::PeerClosed(format!("local engine {} is shut down", self.id)));
@@ -156,7 +167,9 @@ impl EngineShared {
         self.ensure_open()?;
         let id = self.regions.next_id();
         let (addr, shareable) = match &storage {
-            Storage::Owned(m) => (m.ptr() as usize, ShareableMemory::of(m)),
+            Storage::Owned(m) | Storage::Pinned { mapping: m, .. } => {
+                (m.ptr() as usize, ShareableMemory::of(m))
+            }
             Storage::Raw(a) | Storage::Kept { addr: a, .. } => (*a, None),
         };
         let info = RegionInfo { id, kind, addr, len, perms, shareable };
@@ -284,6 +297,7 @@ pub struct EngineBuilder {
     config: EngineConfig,
     backends: Vec<Arc<dyn Backend>>,
     copier: Option<Arc<dyn DeviceCopier>>,
+    gpu: Option<Arc<dyn Gpu>>,
 }
 
 impl EngineBuilder {
@@ -301,6 +315,14 @@ impl EngineBuilder {
     /// for every copy that involves a device region of this engine.
     pub fn device_copier(mut self, copier: Arc<dyn DeviceCopier>) -> Self {
         self.copier = Some(copier);
+        self
+    }
+    /// The GPU driver (from a GPU crate, e.g. `tensorwire_cuda::CudaGpu`): device and pinned
+    /// allocations, device pointer checks, and (as the device copier) every copy that involves
+    /// device memory.
+    pub fn gpu<G: Gpu>(mut self, gpu: Arc<G>) -> Self {
+        self.copier = Some(gpu.clone());
+        self.gpu = Some(gpu);
         self
     }
     /// Binds the control endpoint, starts the backends and starts serving handshakes. A backend
@@ -327,6 +349,8 @@ impl EngineBuilder {
             config: self.config,
             backends: self.backends,
             copier: self.copier,
+            gpu: self.gpu,
+            staging: std::sync::OnceLock::new(),
             regions: RegionTable::new(),
             peers: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
@@ -416,6 +440,71 @@ impl Engine {
         })?;
         let mapping = Arc::new(HostMapping::new(n)?);
         self.shared.register(Storage::Owned(mapping), len, MemoryKind::Host, perms).await
+    }
+
+    /// The GPU driver, or the error of a GPU call without one.
+    fn gpu(&self, what: &str) -> Result<&Arc<dyn Gpu>> {
+        self.shared.gpu.as_ref().ok_or_else(|| Error::Unsupported {
+            backend: "engine",
+            what: format!(
+                "{what}: this engine has no GPU driver (build it with EngineBuilder::gpu, e.g. \
+                 tensorwire_cuda::CudaGpu::new(), which needs libcuda)"
+            ),
+        })
+    }
+
+    /// Allocates and registers `len` bytes of device memory on GPU `ordinal` (through the
+    /// engine's GPU driver); freed when the region is deregistered and no transfer uses it.
+    pub async fn alloc_device(&self, ordinal: u32, len: u64, perms: Permissions) -> Result<Region> {
+        let gpu = self.gpu("allocating device memory")?.clone();
+        let (addr, owner) = gpu.alloc_device(ordinal, len)?;
+        let addr = usize::try_from(addr)
+            .map_err(|_| Error::Internal(format!("device address {addr:#x} exceeds usize")))?;
+        let storage = Storage::Kept { addr, _owner: crate::region::Owner::new(owner) };
+        self.shared.register(storage, len, MemoryKind::Device { ordinal }, perms).await
+    }
+
+    /// Allocates and registers `len` bytes of zeroed host memory page-locked by the engine's GPU
+    /// driver (`MemoryKind::HostPinned`): host memory the driver's DMA engines reach directly,
+    /// what device staging copies through. Like [`Engine::alloc`] it is memfd-backed, so a
+    /// same-host peer can map it.
+    pub async fn alloc_pinned(&self, len: u64, perms: Permissions) -> Result<Region> {
+        let gpu = self.gpu("allocating pinned host memory")?.clone();
+        let n = usize::try_from(len).map_err(|_| Error::Capacity {
+            what: "pinned host allocation".into(),
+            requested: len,
+            limit: usize::MAX as u64,
+        })?;
+        let mapping = Arc::new(HostMapping::new(n)?);
+        let pin = if n == 0 {
+            crate::region::Owner::new(())
+        } else {
+            // SAFETY: the mapping is `n` bytes of mapped host memory, and the region keeps it
+            // mapped until after the pin is released (`Storage::Pinned` drops `pin` first).
+            crate::region::Owner::new(unsafe { gpu.pin(mapping.ptr() as usize, len) }?)
+        };
+        let storage = Storage::Pinned { _pin: pin, mapping };
+        self.shared.register(storage, len, MemoryKind::HostPinned, perms).await
+    }
+
+    /// Registers a framework's device memory (what a torch tensor's DLPack capsule points at),
+    /// after the engine's GPU driver checked that it is device memory of GPU `ordinal`.
+    ///
+    /// # Safety
+    /// As [`Engine::register_raw`]: `[ptr, ptr + len)` must stay allocated until the region is
+    /// deregistered (and that call returned) or every transfer that used it ended.
+    pub async unsafe fn register_device(
+        &self,
+        ptr: u64,
+        len: u64,
+        ordinal: u32,
+        perms: Permissions,
+    ) -> Result<Region> {
+        self.gpu("registering device memory")?.check_device(ptr, len, ordinal)?;
+        let addr = usize::try_from(ptr).map_err(|_| {
+            Error::InvalidArgument(format!("device address {ptr:#x} exceeds usize"))
+        })?;
+        self.register_caller(Storage::Raw(addr), len, MemoryKind::Device { ordinal }, perms).await
     }
 
     /// Registers caller memory (a framework tensor, a DLPack capsule's data, a GPU buffer).

@@ -46,6 +46,8 @@ struct Conn {
 /// backend's ops.
 struct Prepared<'a> {
     backend: usize,
+    /// The local memory is on a GPU and the backend moves host memory: the engine stages it.
+    staged: bool,
     dir: Direction,
     local: MemSlice,
     region: &'a RemoteRegion,
@@ -99,6 +101,7 @@ impl Fallback {
             let c = session.connection(&engine, &backend).await?;
             let p = Prepared {
                 backend: b,
+                staged: false,
                 dir,
                 local,
                 region: &f.region,
@@ -257,7 +260,7 @@ impl Session {
     /// Cuts a prepared op into ops of at most its backend's request size, each with a ticket of
     /// `fence` and, when a later backend could take it over, a [`Fallback`].
     fn pieces(&self, engine: &EngineShared, p: Prepared<'_>, fence: &OpFence) -> Result<Vec<Op>> {
-        let Prepared { backend, dir, local, region, shared, offset } = p;
+        let Prepared { backend, dir, local, region, shared, offset, .. } = p;
         let b = &engine.backends[backend];
         let blob = region.blob(b.name()).cloned().unwrap_or_default();
         let max = b.capabilities().max_request_bytes.max(1);
@@ -351,14 +354,27 @@ impl Session {
             });
         }
         let local = op.local.slice(op.local_offset, op.len, "local")?;
-        let backend = Self::select(
+        let direct = Self::select(
             engine,
             peer,
             Some((op.local.kind, op.remote.kind, op.dir)),
             Some(&op.remote),
-        )?;
+        );
+        let (backend, staged) = match direct {
+            Ok(b) => (b, false),
+            // Local device memory over a backend that moves host memory: staged through pinned
+            // bounces, when this engine has a GPU to copy with.
+            Err(e) => match (op.local.kind, &engine.gpu) {
+                (MemoryKind::Device { .. }, Some(_)) => {
+                    let host = Some((MemoryKind::HostPinned, op.remote.kind, op.dir));
+                    (Self::select(engine, peer, host, Some(&op.remote)).map_err(|_| e)?, true)
+                }
+                _ => return Err(e),
+            },
+        };
         Ok(Prepared {
             backend,
+            staged,
             dir: op.dir,
             local,
             region: &op.remote,
@@ -402,6 +418,24 @@ impl Session {
             let mut counts: Vec<(usize, usize)> = Vec::with_capacity(members.len());
             let mut all: Vec<Op> = Vec::with_capacity(members.len());
             for (i, p) in members {
+                if p.staged {
+                    let blob = p.region.blob(backend.name()).cloned().unwrap_or_default();
+                    let staged = super::staging::Staged {
+                        pool: engine.staging(),
+                        conn: c.conn.clone(),
+                        fence: c.fence.clone(),
+                        dir: p.dir,
+                        local: p.local,
+                        region: p.shared.unwrap_or_else(|| Arc::new(p.region.clone())),
+                        blob,
+                        offset: p.offset,
+                        ticket: c.fence.ticket(),
+                    };
+                    let done = crate::completion::spawn_cancellable(move |gate| staged.run(gate));
+                    handles[i] =
+                        Some(TransferHandle::running(&engine, backend.name(), &ops[i], vec![done]));
+                    continue;
+                }
                 match self.pieces(&engine, p, &c.fence) {
                     Ok(ops) => {
                         counts.push((i, ops.len()));

@@ -1,0 +1,209 @@
+//! A fake GPU for tests that run without one: [`FakeGpu`] implements the engine's GPU seam
+//! ([`tensorwire_core::Gpu`]) with "device memory" the CPU cannot touch: host pages mapped
+//! `PROT_NONE`, made readable and writable only inside the fake's own copies. A backend or an
+//! engine path that dereferences device memory on the CPU (instead of going through the device
+//! copier) crashes the test instead of passing by accident.
+//!
+//! ```ignore
+//! let gpu = FakeGpu::new();
+//! let engine = Engine::builder().backend(b).gpu(gpu.clone()).start().await?;
+//! let dev = engine.alloc_device(0, 1 << 20, Permissions::READ_WRITE).await?;
+//! ```
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, MemoryKind, Result};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One fake device allocation: a private anonymous mapping, `PROT_NONE` outside copies.
+#[derive(Debug)]
+struct Allocation {
+    base: usize,
+    len: usize,
+    ordinal: u32,
+}
+
+/// Unmaps an allocation when its region's owner drops.
+struct Freed {
+    gpu: Arc<Inner>,
+    base: usize,
+}
+
+impl Drop for Freed {
+    fn drop(&mut self) {
+        let a = lock(&self.gpu.allocs).remove(&self.base);
+        if let Some(a) = a {
+            // SAFETY: exactly the mapping `alloc_device` made, unmapped once; the region that
+            // used it is gone (this owner drops with it).
+            unsafe { libc::munmap(a.base as *mut libc::c_void, a.len) };
+        }
+        self.gpu.freed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    allocs: Mutex<BTreeMap<usize, Allocation>>,
+    /// Serialises copies: pages are made accessible only while one runs.
+    copying: Mutex<()>,
+    copies: AtomicUsize,
+    pins: AtomicUsize,
+    unpins: AtomicUsize,
+    freed: AtomicUsize,
+}
+
+/// A fake GPU (see the module docs). Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct FakeGpu {
+    inner: Arc<Inner>,
+}
+
+/// What a fake GPU did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FakeGpuCounts {
+    /// Copies through the device copier.
+    pub copies: usize,
+    /// Host ranges pinned, and unpinned.
+    pub pins: usize,
+    /// Host ranges unpinned.
+    pub unpins: usize,
+    /// Device allocations freed.
+    pub freed: usize,
+    /// Device allocations live now.
+    pub live: usize,
+}
+
+impl FakeGpu {
+    /// A fake GPU with devices 0 and 1.
+    pub fn new() -> Arc<FakeGpu> {
+        Arc::new(FakeGpu::default())
+    }
+
+    /// What it did so far.
+    pub fn counts(&self) -> FakeGpuCounts {
+        let i = &self.inner;
+        FakeGpuCounts {
+            copies: i.copies.load(Ordering::Relaxed),
+            pins: i.pins.load(Ordering::Relaxed),
+            unpins: i.unpins.load(Ordering::Relaxed),
+            freed: i.freed.load(Ordering::Relaxed),
+            live: lock(&i.allocs).len(),
+        }
+    }
+
+    /// The allocation containing `[addr, addr + len)`, if any.
+    fn find(&self, addr: usize, len: usize) -> Option<(usize, usize, u32)> {
+        let allocs = lock(&self.inner.allocs);
+        let (_, a) = allocs.range(..=addr).next_back()?;
+        (addr >= a.base && addr.checked_add(len)? <= a.base + a.len)
+            .then_some((a.base, a.len, a.ordinal))
+    }
+
+    fn protect(base: usize, len: usize, prot: libc::c_int) {
+        // SAFETY: changing the protection of one of our own mappings.
+        let r = unsafe { libc::mprotect(base as *mut libc::c_void, len, prot) };
+        assert_eq!(r, 0, "fake gpu: mprotect failed");
+    }
+}
+
+/// Unlocks a pinned range when dropped (counted).
+struct Pin(Arc<Inner>);
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.0.unpins.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl DeviceCopier for FakeGpu {
+    fn name(&self) -> &'static str {
+        "fake-gpu"
+    }
+
+    fn copy(&self, dst: &MemSlice, src: &MemSlice) -> Result<()> {
+        let _one = lock(&self.inner.copying);
+        let n = src.len() as usize;
+        let mut opened = Vec::new();
+        for s in [dst, src] {
+            if let MemoryKind::Device { ordinal } = s.kind() {
+                let (base, len, o) = self.find(s.ptr() as usize, n).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "fake gpu: {:#x}+{n} is not device memory of this GPU",
+                        s.ptr() as usize
+                    ))
+                })?;
+                if o != ordinal {
+                    return Err(Error::InvalidArgument(format!(
+                        "fake gpu: memory of device {o} named as device {ordinal}"
+                    )));
+                }
+                Self::protect(base, len, libc::PROT_READ | libc::PROT_WRITE);
+                opened.push((base, len));
+            }
+        }
+        // SAFETY: both slices are live, of `n` bytes (lengths checked by `copy_from`), and any
+        // device side was just made accessible; `ptr::copy` allows overlap.
+        unsafe { std::ptr::copy(src.ptr(), dst.ptr(), n) };
+        for (base, len) in opened {
+            Self::protect(base, len, libc::PROT_NONE);
+        }
+        self.inner.copies.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Gpu for FakeGpu {
+    fn alloc_device(
+        &self,
+        ordinal: u32,
+        len: u64,
+    ) -> Result<(u64, Box<dyn std::any::Any + Send + Sync>)> {
+        if ordinal > 1 {
+            return Err(Error::InvalidArgument(format!("fake gpu: no device {ordinal}")));
+        }
+        let n = usize::try_from(len.max(1)).map_err(|_| Error::Capacity {
+            what: "fake device allocation".into(),
+            requested: len,
+            limit: usize::MAX as u64,
+        })?;
+        // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                n,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        let base = p as usize;
+        lock(&self.inner.allocs).insert(base, Allocation { base, len: n, ordinal });
+        Ok((base as u64, Box::new(Freed { gpu: self.inner.clone(), base })))
+    }
+
+    unsafe fn pin(&self, _addr: usize, _len: u64) -> Result<Box<dyn std::any::Any + Send + Sync>> {
+        self.inner.pins.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(Pin(self.inner.clone())))
+    }
+
+    fn check_device(&self, addr: u64, len: u64, ordinal: u32) -> Result<()> {
+        match self.find(addr as usize, len as usize) {
+            Some((_, _, o)) if o == ordinal => Ok(()),
+            Some((_, _, o)) => Err(Error::InvalidArgument(format!(
+                "{addr:#x}: memory of device {o}, not device {ordinal}"
+            ))),
+            None => Err(Error::InvalidArgument(format!(
+                "{addr:#x}+{len}: not device memory (the fake GPU did not allocate it)"
+            ))),
+        }
+    }
+}
