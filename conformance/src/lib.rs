@@ -16,7 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tensorwire_core::{Backend, Capabilities, Engine, EngineConfig, Session};
+use tensorwire_core::{
+    Backend, Capabilities, Engine, EngineConfig, Gpu, MemoryKind, Permissions, Region, Result,
+    Session,
+};
 
 pub mod fake_gpu;
 pub mod faults;
@@ -46,6 +49,69 @@ pub trait PairFactory: Send + Sync {
     fn capabilities(&self) -> Capabilities;
     /// Two fresh engines configured with `config`.
     async fn pair(&self, config: EngineConfig) -> Pair;
+    /// The memory the suite's regions are made of (host memory unless the factory says).
+    fn memory(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+}
+
+/// A region of `len` bytes of the factory's memory kind on engine `e` (what every suite test
+/// allocates its data regions with).
+pub async fn alloc(
+    f: &dyn PairFactory,
+    e: &Engine,
+    len: u64,
+    perms: Permissions,
+) -> Result<Region> {
+    match f.memory() {
+        MemoryKind::Host => e.alloc(len, perms).await,
+        MemoryKind::HostPinned => e.alloc_pinned(len, perms).await,
+        MemoryKind::Device { ordinal } => e.alloc_device(ordinal, len, perms).await,
+    }
+}
+
+/// A [`PairFactory`] whose engines have a GPU (made by `gpu`) and whose regions are device
+/// memory of GPU 0: the suite over device memory.
+pub struct DevicePair<F, G> {
+    make: F,
+    gpu: G,
+}
+
+impl<F, G, D> DevicePair<F, G>
+where
+    F: Fn() -> Arc<dyn Backend> + Send + Sync,
+    G: Fn() -> Arc<D> + Send + Sync,
+    D: Gpu,
+{
+    /// Engines from `make`'s backends, each with a GPU from `gpu`.
+    pub fn new(make: F, gpu: G) -> Self {
+        Self { make, gpu }
+    }
+}
+
+#[async_trait]
+impl<F, G, D> PairFactory for DevicePair<F, G>
+where
+    F: Fn() -> Arc<dyn Backend> + Send + Sync,
+    G: Fn() -> Arc<D> + Send + Sync,
+    D: Gpu,
+{
+    fn capabilities(&self) -> Capabilities {
+        (self.make)().capabilities()
+    }
+
+    async fn pair(&self, config: EngineConfig) -> Pair {
+        let engine = |c: EngineConfig| {
+            Engine::builder().backend((self.make)()).gpu((self.gpu)()).config(c).start()
+        };
+        let a = engine(config.clone()).await;
+        let b = engine(config).await;
+        Pair { a: a.expect("start engine a"), b: b.expect("start engine b") }
+    }
+
+    fn memory(&self) -> MemoryKind {
+        MemoryKind::Device { ordinal: 0 }
+    }
 }
 
 /// A [`PairFactory`] from a function that makes one backend instance per engine.

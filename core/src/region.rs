@@ -378,14 +378,52 @@ impl Region {
         }
     }
 
-    /// Copies `data` into the region at `offset` (host memory only).
+    /// Copies `data` into the region at `offset`. Device memory is written through the engine's
+    /// device copier (by way of a host buffer), never by the CPU; without one it is
+    /// [`Error::Unsupported`].
     pub fn write_bytes(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.slice(offset, data.len() as u64)?.write_at(0, data)
+        let dst = self.slice(offset, data.len() as u64)?;
+        if self.inner.kind.is_host() {
+            return dst.write_at(0, data);
+        }
+        let host = self.scratch(data.len() as u64)?;
+        host.write_at(0, data)?;
+        dst.copy_from(&host)
     }
 
-    /// Copies region bytes at `offset` into `out` (host memory only).
+    /// Copies region bytes at `offset` into `out`; device memory as in [`Region::write_bytes`].
     pub fn read_bytes(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.slice(offset, out.len() as u64)?.read_at(0, out)
+        let src = self.slice(offset, out.len() as u64)?;
+        if self.inner.kind.is_host() {
+            return src.read_at(0, out);
+        }
+        let host = self.scratch(out.len() as u64)?;
+        host.copy_from(&src)?;
+        host.read_at(0, out)
+    }
+
+    /// `len` bytes of host memory outside every region table (peers never see it), copied to and
+    /// from with this region's device copier: the host side of a CPU access to device memory.
+    fn scratch(&self, len: u64) -> Result<MemSlice> {
+        let n = usize::try_from(len).map_err(|_| Error::Capacity {
+            what: "host copy".into(),
+            requested: len,
+            limit: usize::MAX as u64,
+        })?;
+        let inner = Arc::new(RegionInner {
+            id: RegionId(u64::MAX),
+            key: AccessKey::random(),
+            kind: MemoryKind::Host,
+            perms: Permissions::NONE,
+            len,
+            storage: Storage::Owned(Arc::new(HostMapping::new(n)?)),
+            gate: InflightGate::new(),
+            drained: tokio::sync::Notify::new(),
+            blobs: Vec::new(),
+            engine_id: self.inner.engine_id,
+            copier: self.inner.copier.clone(),
+        });
+        inner.slice(0, len, "host copy")
     }
 
     /// A copy of `len` bytes at `offset`.

@@ -12,9 +12,9 @@ pub async fn batch_of_1000_small(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let (n, size) = (1000u64, 100u64);
     let data = pattern((n * size) as usize, 9);
-    let src = pair.a.alloc(n * size, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, n * size, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &data).unwrap();
-    let dst = pair.b.alloc(n * size, Permissions::READ_WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, n * size, Permissions::READ_WRITE).await.unwrap();
     let remote = dst.remote();
     // Reverse placement so a backend that mixes up offsets fails.
     let ops = (0..n)
@@ -30,7 +30,7 @@ pub async fn batch_of_1000_small(f: &dyn PairFactory) {
         let j = n as usize - 1 - i;
         assert!(got[j * 100..j * 100 + 100] == data[i * 100..i * 100 + 100], "op {i} landed wrong");
     }
-    let back = pair.a.alloc(n * size, Permissions::NONE).await.unwrap();
+    let back = crate::alloc(f, &pair.a, n * size, Permissions::NONE).await.unwrap();
     let ops = (0..n).map(|i| TransferOp::read(&back, i * size, &remote, i * size, size)).collect();
     for h in s.submit(ops).await {
         bounded("small read", h).await.unwrap();
@@ -44,9 +44,9 @@ pub async fn concurrent_batches(f: &dyn PairFactory) {
     let (tasks, per, size) = (8u64, 50u64, 4096u64);
     let total = tasks * per * size;
     let data = pattern(total as usize, 17);
-    let src = Arc::new(pair.a.alloc(total, Permissions::NONE).await.unwrap());
+    let src = Arc::new(crate::alloc(f, &pair.a, total, Permissions::NONE).await.unwrap());
     src.write_bytes(0, &data).unwrap();
-    let dst = pair.b.alloc(total, Permissions::WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, total, Permissions::WRITE).await.unwrap();
     let remote = dst.remote();
     let mut joins = Vec::new();
     for t in 0..tasks {
@@ -75,9 +75,9 @@ pub async fn per_request_completion(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let big = 64u64 << 20;
     let small = 4096u64;
-    let src = pair.a.alloc(big + 32 * small, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, big + 32 * small, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &pattern((big + 32 * small) as usize, 1)).unwrap();
-    let dst = pair.b.alloc(big + 32 * small, Permissions::WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, big + 32 * small, Permissions::WRITE).await.unwrap();
     let remote = dst.remote();
     let mut ops = vec![TransferOp::write(&src, 0, &remote, 0, big)];
     ops.extend(
@@ -108,8 +108,8 @@ pub async fn per_request_completion(f: &dyn PairFactory) {
 pub async fn telemetry_names_backend_and_counts_bytes(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let before = pair.a.stats();
-    let src = pair.a.alloc(10_000, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(10_000, Permissions::READ_WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, 10_000, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 10_000, Permissions::READ_WRITE).await.unwrap();
     let mut hs = s.submit(vec![TransferOp::write(&src, 0, &dst.remote(), 0, 10_000)]).await;
     let h = hs.pop().unwrap();
     let chosen = h.backend();

@@ -23,11 +23,12 @@ async fn chunked(
     let (pair, s) = connected(f).await;
     let plan = ChunkPlan::new(&meta, dim, count).unwrap();
     let extent = plan.extent();
-    let src = pair.a.alloc(local_base + extent, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, local_base + extent, Permissions::NONE).await.unwrap();
     let data = pattern(extent as usize, 0x33);
     src.write_bytes(local_base, &data).unwrap();
     let margin = 128;
-    let dst = pair.b.alloc(remote_base + extent + margin, Permissions::WRITE).await.unwrap();
+    let dst =
+        crate::alloc(f, &pair.b, remote_base + extent + margin, Permissions::WRITE).await.unwrap();
 
     let mut stream = pair.b.expect_chunks(plan.clone(), &dst, remote_base).unwrap();
     let sender = s
@@ -102,9 +103,9 @@ pub async fn chunked_progressive_latent(f: &dyn PairFactory) {
     let plan = ChunkPlan::new(&meta, 1, 7).unwrap();
     let n = meta.nbytes().unwrap();
     let data = pattern(n as usize, 21);
-    let src = pair.a.alloc(n, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, n, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &data).unwrap();
-    let dst = pair.b.alloc(n, Permissions::WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, n, Permissions::WRITE).await.unwrap();
     let mut stream = pair.b.expect_chunks(plan.clone(), &dst, 0).unwrap();
     let sender =
         s.chunk_sender(stream.transfer_id(), plan.clone(), &src, 0, &dst.remote(), 0).unwrap();
@@ -129,8 +130,8 @@ pub async fn chunk_sender_dropped_aborts(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let meta = TensorMeta::contiguous(DType::U8, &[3, 4096]);
     let plan = ChunkPlan::new(&meta, 0, 3).unwrap();
-    let src = pair.a.alloc(3 * 4096, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(3 * 4096, Permissions::WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, 3 * 4096, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 3 * 4096, Permissions::WRITE).await.unwrap();
     let mut stream = pair.b.expect_chunks(plan.clone(), &dst, 0).unwrap();
     let sender = s.chunk_sender(stream.transfer_id(), plan, &src, 0, &dst.remote(), 0).unwrap();
     sender.mark_ready(0).unwrap();
@@ -149,7 +150,7 @@ pub async fn chunk_stream_times_out(f: &dyn PairFactory) {
         EngineConfig { chunk_timeout: Duration::from_millis(300), ..EngineConfig::default() };
     let (pair, _s) = connected_with(f, config).await;
     let meta = TensorMeta::contiguous(DType::U8, &[2, 8]);
-    let dst = pair.b.alloc(16, Permissions::WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 16, Permissions::WRITE).await.unwrap();
     let mut stream = pair.b.expect_chunks(ChunkPlan::new(&meta, 0, 2).unwrap(), &dst, 0).unwrap();
     let e = bounded("next", stream.next()).await.unwrap_err();
     assert!(matches!(e, Error::Timeout { .. }), "expected Timeout, got {e}");
@@ -162,9 +163,9 @@ pub async fn chunk_bad_marks(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let meta = TensorMeta::contiguous(DType::U8, &[4, 16]);
     let plan = ChunkPlan::new(&meta, 0, 4).unwrap();
-    let src = pair.a.alloc(64, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(64, Permissions::WRITE).await.unwrap();
-    let small = pair.b.alloc(63, Permissions::WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, 64, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 64, Permissions::WRITE).await.unwrap();
+    let small = crate::alloc(f, &pair.b, 63, Permissions::WRITE).await.unwrap();
     assert!(matches!(
         pair.b.expect_chunks(plan.clone(), &small, 0),
         Err(Error::OutOfBounds { .. })

@@ -12,8 +12,8 @@ pub async fn reverse_session(f: &dyn PairFactory) {
     let (pair, _s) = connected(f).await;
     let back = pair.b.session(pair.a.id()).expect("b knows a from the inbound handshake");
     assert_eq!(back.peer(), pair.a.id());
-    let target = pair.a.alloc(1024, Permissions::WRITE).await.unwrap();
-    let src = pair.b.alloc(1024, Permissions::NONE).await.unwrap();
+    let target = crate::alloc(f, &pair.a, 1024, Permissions::WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.b, 1024, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &pattern(1024, 8)).unwrap();
     bounded("reverse write", back.transfer(TransferOp::write(&src, 0, &target.remote(), 0, 1024)))
         .await
@@ -30,8 +30,8 @@ pub async fn peer_goes_away_mid_transfer(f: &dyn PairFactory) {
         EngineConfig { transfer_timeout: Duration::from_secs(5), ..EngineConfig::default() };
     let (pair, s) = connected_with(f, config).await;
     let (n, size) = (64u64, 1u64 << 20);
-    let src = pair.a.alloc(n * size, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(n * size, Permissions::WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, n * size, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, n * size, Permissions::WRITE).await.unwrap();
     let remote = dst.remote();
     let ops = (0..n).map(|i| TransferOp::write(&src, i * size, &remote, i * size, size)).collect();
     let handles = s.submit(ops).await;
@@ -56,9 +56,9 @@ pub async fn peer_goes_away_mid_transfer(f: &dyn PairFactory) {
 pub async fn deregister_with_transfers_in_flight(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let len = 64u64 << 20;
-    let src = pair.a.alloc(len, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, len, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &pattern(len as usize, 5)).unwrap();
-    let dst = pair.b.alloc(len, Permissions::WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, len, Permissions::WRITE).await.unwrap();
     let remote = dst.remote();
     let mut hs = s.submit(vec![TransferOp::write(&src, 0, &remote, 0, len)]).await;
     let h = hs.pop().unwrap();
@@ -82,9 +82,9 @@ pub async fn deregister_with_transfers_in_flight(f: &dyn PairFactory) {
 pub async fn deregister_after_repeated_ops(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let len = 64u64 << 20;
-    let src = pair.a.alloc(len, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, len, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &pattern(len as usize, 9)).unwrap();
-    let dst = pair.b.alloc(len, Permissions::READ_WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, len, Permissions::READ_WRITE).await.unwrap();
     let remote = dst.remote();
     for i in 0..4u64 {
         let op = TransferOp::write(&src, i * 4096, &remote, i * 4096, 4096);
@@ -114,15 +114,15 @@ pub async fn deregister_after_repeated_ops(f: &dyn PairFactory) {
 pub async fn cancellation_is_safe(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let len = 64u64 << 20;
-    let remote_src = pair.b.alloc(len, Permissions::READ).await.unwrap();
+    let remote_src = crate::alloc(f, &pair.b, len, Permissions::READ).await.unwrap();
     remote_src.write_bytes(0, &vec![0xee; len as usize]).unwrap();
-    let dst = pair.a.alloc(len, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.a, len, Permissions::NONE).await.unwrap();
     let mut hs = s.submit(vec![TransferOp::read(&dst, 0, &remote_src.remote(), 0, len)]).await;
     tokio::task::yield_now().await;
     drop(hs.pop());
     let snapshot = dst.to_vec(0, len).unwrap();
     // Let the backend run: a full transfer of the same size on the same session.
-    let other = pair.a.alloc(len, Permissions::NONE).await.unwrap();
+    let other = crate::alloc(f, &pair.a, len, Permissions::NONE).await.unwrap();
     bounded("other read", s.transfer(TransferOp::read(&other, 0, &remote_src.remote(), 0, len)))
         .await
         .unwrap();

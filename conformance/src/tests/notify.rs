@@ -17,9 +17,9 @@ pub async fn notification_after_data(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let len = 8u64 << 20;
     let data = pattern(len as usize, 77);
-    let src = pair.a.alloc(len, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, len, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &data).unwrap();
-    let dst = pair.b.alloc(len, Permissions::WRITE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, len, Permissions::WRITE).await.unwrap();
     let remote = dst.remote();
     let chunk = len / 8;
     let ops =

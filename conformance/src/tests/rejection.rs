@@ -16,8 +16,8 @@ async fn expect_err(what: &str, s: &tensorwire_core::Session, op: TransferOp) ->
 /// the length), local, and offset + len overflowing u64.
 pub async fn reject_out_of_bounds(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
-    let src = pair.a.alloc(8192, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(4096, Permissions::READ_WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, 8192, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 4096, Permissions::READ_WRITE).await.unwrap();
     let remote = dst.remote();
     let e = expect_err("remote oob", &s, TransferOp::write(&src, 0, &remote, 4095, 2)).await;
     assert!(matches!(e, Error::OutOfBounds { offset: 4095, len: 2, limit: 4096, .. }), "{e}");
@@ -39,8 +39,8 @@ pub async fn reject_out_of_bounds(f: &dyn PairFactory) {
 /// A wrong access key is `AccessDenied`, for READ and WRITE.
 pub async fn reject_wrong_key(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
-    let src = pair.a.alloc(64, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, 64, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 64, Permissions::READ_WRITE).await.unwrap();
     let mut forged = dst.remote();
     forged.key = AccessKey::from_bits(forged.key.to_bits() ^ 1);
     for op in
@@ -54,8 +54,8 @@ pub async fn reject_wrong_key(f: &dyn PairFactory) {
 /// A region id the peer never registered is `NotFound(Region)`.
 pub async fn reject_unknown_region(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
-    let src = pair.a.alloc(64, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, 64, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 64, Permissions::READ_WRITE).await.unwrap();
     let mut forged = dst.remote();
     forged.id = RegionId(1 << 40);
     let e = expect_err("unknown region", &s, TransferOp::write(&src, 0, &forged, 0, 8)).await;
@@ -65,14 +65,14 @@ pub async fn reject_unknown_region(f: &dyn PairFactory) {
 /// A deregistered region, remote or local, is `NotFound(Deregistered)`.
 pub async fn reject_deregistered_region(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
-    let src = pair.a.alloc(64, Permissions::NONE).await.unwrap();
-    let dst = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, 64, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.b, 64, Permissions::READ_WRITE).await.unwrap();
     let remote = dst.remote();
     bounded("deregister", dst.deregister()).await.unwrap();
     let e = expect_err("deregistered remote", &s, TransferOp::write(&src, 0, &remote, 0, 8)).await;
     assert!(matches!(e, Error::NotFound(Missing::Deregistered(id)) if id == remote.id), "{e}");
 
-    let live = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let live = crate::alloc(f, &pair.b, 64, Permissions::READ_WRITE).await.unwrap();
     let op = TransferOp::write(&src, 0, &live.remote(), 0, 8);
     let src_id = src.id();
     bounded("deregister", src.deregister()).await.unwrap();
@@ -84,10 +84,10 @@ pub async fn reject_deregistered_region(f: &dyn PairFactory) {
 /// is not advertised and refuses both.
 pub async fn reject_permissions(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
-    let buf = pair.a.alloc(64, Permissions::NONE).await.unwrap();
-    let ro = pair.b.alloc(64, Permissions::READ).await.unwrap();
-    let wo = pair.b.alloc(64, Permissions::WRITE).await.unwrap();
-    let private = pair.b.alloc(64, Permissions::NONE).await.unwrap();
+    let buf = crate::alloc(f, &pair.a, 64, Permissions::NONE).await.unwrap();
+    let ro = crate::alloc(f, &pair.b, 64, Permissions::READ).await.unwrap();
+    let wo = crate::alloc(f, &pair.b, 64, Permissions::WRITE).await.unwrap();
+    let private = crate::alloc(f, &pair.b, 64, Permissions::NONE).await.unwrap();
     let e = expect_err("write ro", &s, TransferOp::write(&buf, 0, &ro.remote(), 0, 8)).await;
     assert!(matches!(e, Error::AccessDenied(_)), "{e}");
     bounded("read ro", s.transfer(TransferOp::read(&buf, 0, &ro.remote(), 0, 8))).await.unwrap();
@@ -111,8 +111,8 @@ pub async fn reject_permissions(f: &dyn PairFactory) {
 /// ops completes the good ones.
 pub async fn reject_foreign_regions(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
-    let mine = pair.a.alloc(64, Permissions::READ_WRITE).await.unwrap();
-    let theirs = pair.b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let mine = crate::alloc(f, &pair.a, 64, Permissions::READ_WRITE).await.unwrap();
+    let theirs = crate::alloc(f, &pair.b, 64, Permissions::READ_WRITE).await.unwrap();
     let remote_of_self: RemoteRegion = mine.remote();
     let mut hs = s
         .submit(vec![

@@ -9,10 +9,11 @@ use crate::{PairFactory, bounded, connected, pattern};
 async fn round_trip(f: &dyn PairFactory, len: u64, local_off: u64, remote_off: u64) {
     let (pair, s) = connected(f).await;
     let data = pattern(len as usize, 0x5a);
-    let src = pair.a.alloc(local_off + len, Permissions::NONE).await.unwrap();
+    let src = crate::alloc(f, &pair.a, local_off + len, Permissions::NONE).await.unwrap();
     src.write_bytes(local_off, &data).unwrap();
     let margin = 64;
-    let dst = pair.b.alloc(remote_off + len + margin, Permissions::READ_WRITE).await.unwrap();
+    let dst =
+        crate::alloc(f, &pair.b, remote_off + len + margin, Permissions::READ_WRITE).await.unwrap();
     let remote = dst.remote();
 
     let w =
@@ -31,7 +32,7 @@ async fn round_trip(f: &dyn PairFactory, len: u64, local_off: u64, remote_off: u
         "written bytes differ"
     );
 
-    let back = pair.a.alloc(local_off + len, Permissions::NONE).await.unwrap();
+    let back = crate::alloc(f, &pair.a, local_off + len, Permissions::NONE).await.unwrap();
     bounded("read", s.transfer(TransferOp::read(&back, local_off, &remote, remote_off, len)))
         .await
         .unwrap_or_else(|e| panic!("read of {len} bytes: {e}"));
@@ -67,9 +68,9 @@ pub async fn write_read_64mib(f: &dyn PairFactory) {
 pub async fn read_serves_peer_data(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let data = pattern(1 << 20, 3);
-    let owned = pair.b.alloc(1 << 20, Permissions::READ).await.unwrap();
+    let owned = crate::alloc(f, &pair.b, 1 << 20, Permissions::READ).await.unwrap();
     owned.write_bytes(0, &data).unwrap();
-    let dst = pair.a.alloc(1 << 20, Permissions::NONE).await.unwrap();
+    let dst = crate::alloc(f, &pair.a, 1 << 20, Permissions::NONE).await.unwrap();
     bounded("read", s.transfer(TransferOp::read(&dst, 0, &owned.remote(), 0, 1 << 20)))
         .await
         .unwrap();
