@@ -1,0 +1,262 @@
+//! [`CudaGpu`]: the engine's GPU seam over the CUDA driver API. One retained primary context per
+//! device; every call first makes the right one current on the calling thread (copies run on the
+//! engine's blocking threads, which have none).
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, MemoryKind, Result};
+
+use crate::NAME;
+
+/// Whether the NVIDIA driver library (libcuda) can be loaded here.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library; nothing is called through it.
+    unsafe { sys::is_culib_present() }
+}
+
+fn check(r: sys::CUresult, call: &str) -> Result<()> {
+    r.result().map_err(|e| Error::Backend {
+        backend: NAME,
+        source: Arc::new(std::io::Error::other(format!("{call}: {e:?}"))),
+    })
+}
+
+/// A device and its retained primary context.
+#[derive(Debug)]
+struct Device {
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+#[derive(Debug)]
+struct Inner {
+    devices: Vec<Device>,
+}
+
+// SAFETY: CUDA device handles and contexts are process-wide handles, usable from any thread
+// once made current there (which every call here does first).
+unsafe impl Send for Inner {}
+// SAFETY: as above; `Inner` is never mutated after construction.
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for d in &self.devices {
+            // SAFETY: releasing the primary context retained in `CudaGpu::new` for this device,
+            // once; every allocation of ours holds `Inner`, so none is left.
+            let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(d.dev) };
+        }
+    }
+}
+
+impl Inner {
+    /// Makes device `ordinal`'s context current on this thread.
+    fn enter(&self, ordinal: u32) -> Result<()> {
+        let d = self.devices.get(ordinal as usize).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "cuda: no device {ordinal} (this host has {})",
+                self.devices.len()
+            ))
+        })?;
+        // SAFETY: `d.ctx` is a primary context retained for the life of `self`.
+        check(unsafe { sys::cuCtxSetCurrent(d.ctx) }, "cuCtxSetCurrent")
+    }
+}
+
+/// The engine's GPU over the CUDA driver (see the crate docs). Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct CudaGpu {
+    inner: Arc<Inner>,
+}
+
+impl CudaGpu {
+    /// Loads the driver, initialises it and retains every device's primary context.
+    /// `Unsupported` without libcuda or without a device.
+    pub fn new() -> Result<Arc<CudaGpu>> {
+        if !driver_present() {
+            return Err(Error::Unsupported {
+                backend: NAME,
+                what: "no NVIDIA driver here (libcuda.so.1 cannot be loaded): GPU memory needs \
+                       one"
+                .into(),
+            });
+        }
+        // SAFETY: the library is present (checked above); cuInit has no other precondition.
+        check(unsafe { sys::cuInit(0) }, "cuInit")?;
+        let mut count = 0;
+        // SAFETY: writes one int.
+        check(unsafe { sys::cuDeviceGetCount(&mut count) }, "cuDeviceGetCount")?;
+        if count <= 0 {
+            return Err(Error::Unsupported { backend: NAME, what: "no CUDA device".into() });
+        }
+        let mut devices = Vec::with_capacity(count as usize);
+        for i in 0..count {
+            let mut dev = 0;
+            // SAFETY: writes one device handle; `i` is below the device count.
+            check(unsafe { sys::cuDeviceGet(&mut dev, i) }, "cuDeviceGet")?;
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: writes one context handle for a valid device; released in `Inner::drop`.
+            let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) };
+            check(r, "cuDevicePrimaryCtxRetain")?;
+            devices.push(Device { dev, ctx });
+        }
+        Ok(Arc::new(CudaGpu { inner: Arc::new(Inner { devices }) }))
+    }
+
+    /// Devices on this host.
+    pub fn device_count(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// Whether device `a` can read and write device `b`'s memory directly (NVLink or PCIe P2P).
+    pub fn can_access_peer(&self, a: u32, b: u32) -> Result<bool> {
+        let (Some(da), Some(db)) =
+            (self.inner.devices.get(a as usize), self.inner.devices.get(b as usize))
+        else {
+            return Err(Error::InvalidArgument(format!("cuda: no device {a} or {b}")));
+        };
+        let mut can = 0;
+        // SAFETY: writes one int; both handles are valid devices.
+        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, da.dev, db.dev) };
+        check(r, "cuDeviceCanAccessPeer")?;
+        Ok(can != 0)
+    }
+
+    /// The device memory attributes of `addr`: (memory type, device ordinal, range start,
+    /// range size).
+    fn attributes(&self, addr: u64) -> Result<(u32, i32, u64, u64)> {
+        self.inner.enter(0)?;
+        let mut mem_type: u32 = 0;
+        let mut ordinal: i32 = -1;
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
+        let get = |out: *mut std::ffi::c_void, a: sys::CUpointer_attribute| {
+            // SAFETY: `out` points at a local of the attribute's type (memory type: u32, ordinal:
+            // int, start: CUdeviceptr, size: size_t), as the driver documents.
+            check(unsafe { sys::cuPointerGetAttribute(out, a, addr) }, "cuPointerGetAttribute")
+        };
+        use sys::CUpointer_attribute::*;
+        get((&raw mut mem_type).cast(), CU_POINTER_ATTRIBUTE_MEMORY_TYPE)?;
+        get((&raw mut ordinal).cast(), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?;
+        get((&raw mut start).cast(), CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)?;
+        get((&raw mut size).cast(), CU_POINTER_ATTRIBUTE_RANGE_SIZE)?;
+        Ok((mem_type, ordinal, start, size as u64))
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed with its region.
+struct Allocation {
+    inner: Arc<Inner>,
+    ordinal: u32,
+    ptr: sys::CUdeviceptr,
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        if self.inner.enter(self.ordinal).is_ok() {
+            // SAFETY: freeing our own allocation once; its region and every transfer that used it
+            // are gone (this owner drops with the region).
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+/// Host memory page-locked with `cuMemHostRegister`, unlocked with its region.
+struct Pinned {
+    inner: Arc<Inner>,
+    addr: usize,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.inner.enter(0).is_ok() {
+            // SAFETY: unregistering exactly the range registered in `pin`, once, while it is
+            // still mapped (the region drops the pin before its mapping).
+            let _ = unsafe { sys::cuMemHostUnregister(self.addr as *mut std::ffi::c_void) };
+        }
+    }
+}
+
+fn ordinal_of(s: &MemSlice) -> Option<u32> {
+    match s.kind() {
+        MemoryKind::Device { ordinal } => Some(ordinal),
+        _ => None,
+    }
+}
+
+impl DeviceCopier for CudaGpu {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn copy(&self, dst: &MemSlice, src: &MemSlice) -> Result<()> {
+        let ordinal = ordinal_of(dst).or_else(|| ordinal_of(src)).unwrap_or(0);
+        self.inner.enter(ordinal)?;
+        let n = usize::try_from(src.len())
+            .map_err(|_| Error::InvalidArgument("cuda: copy larger than usize".into()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (d, src) = (dst.ptr() as sys::CUdeviceptr, src.ptr() as sys::CUdeviceptr);
+        // SAFETY: both slices are live (their gates are held by the caller) and `n` bytes long
+        // (checked by `copy_from`); with unified addressing `cuMemcpy` takes host and device
+        // addresses alike and returns once the bytes are in place.
+        let r = unsafe { sys::cuMemcpy(d, src, n) };
+        check(r, "cuMemcpy")
+    }
+}
+
+impl Gpu for CudaGpu {
+    fn alloc_device(
+        &self,
+        ordinal: u32,
+        len: u64,
+    ) -> Result<(u64, Box<dyn std::any::Any + Send + Sync>)> {
+        self.inner.enter(ordinal)?;
+        let n = usize::try_from(len.max(1))
+            .map_err(|_| Error::InvalidArgument("cuda: allocation larger than usize".into()))?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer; the context of `ordinal` is current.
+        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, n) }, "cuMemAlloc")?;
+        let owner = Allocation { inner: self.inner.clone(), ordinal, ptr };
+        Ok((ptr, Box::new(owner)))
+    }
+
+    unsafe fn pin(&self, addr: usize, len: u64) -> Result<Box<dyn std::any::Any + Send + Sync>> {
+        self.inner.enter(0)?;
+        let n = usize::try_from(len)
+            .map_err(|_| Error::InvalidArgument("cuda: pin larger than usize".into()))?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
+        // SAFETY: the caller guarantees `[addr, addr + n)` is mapped host memory outliving the
+        // returned owner, which unregisters it.
+        let r = unsafe { sys::cuMemHostRegister_v2(addr as *mut std::ffi::c_void, n, flags) };
+        check(r, "cuMemHostRegister")?;
+        Ok(Box::new(Pinned { inner: self.inner.clone(), addr }))
+    }
+
+    fn check_device(&self, addr: u64, len: u64, ordinal: u32) -> Result<()> {
+        let (mem_type, dev, start, size) = self.attributes(addr).map_err(|e| {
+            Error::InvalidArgument(format!("{addr:#x}: not memory the CUDA driver knows ({e})"))
+        })?;
+        if mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(Error::InvalidArgument(format!(
+                "{addr:#x}: not device memory (CUDA memory type {mem_type})"
+            )));
+        }
+        if dev != ordinal as i32 {
+            return Err(Error::InvalidArgument(format!(
+                "{addr:#x}: memory of device {dev}, not device {ordinal}"
+            )));
+        }
+        if addr.checked_add(len).is_none_or(|end| end > start + size) {
+            return Err(Error::OutOfBounds {
+                what: format!("device allocation at {start:#x}"),
+                offset: addr - start,
+                len,
+                limit: size,
+            });
+        }
+        Ok(())
+    }
+}

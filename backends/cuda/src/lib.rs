@@ -1,0 +1,26 @@
+//! `tensorwire-cuda`: GPU memory for the engine through the CUDA driver API ([`CudaGpu`], the
+//! engine's [`tensorwire_core::Gpu`]): device allocations (`cuMemAlloc`), page-locked host
+//! memory (`cuMemHostRegister`), device pointer checks (`cuPointerGetAttribute`) and every copy
+//! that involves device memory (`cuMemcpy`, with unified addressing: host to device, device to
+//! host, device to device and between GPUs).
+//!
+//! The driver is loaded at run time through cudarc's `dynamic-loading`: building needs no CUDA
+//! toolkit, and on a machine without the NVIDIA driver [`CudaGpu::new`] returns `Unsupported`
+//! naming what is missing (it checks for libcuda before any context is made).
+//!
+//! ```no_run
+//! # async fn demo() -> tensorwire_core::Result<()> {
+//! use tensorwire_core::{Engine, Permissions};
+//! let gpu = tensorwire_cuda::CudaGpu::new()?;
+//! let tcp = tensorwire_tcp::TcpBackend::new(Default::default())?;
+//! let engine = Engine::builder().backend(tcp).gpu(gpu).start().await?;
+//! let latents = engine.alloc_device(0, 8 << 20, Permissions::READ).await?;
+//! # Ok(()) }
+//! ```
+
+mod gpu;
+
+pub use gpu::{CudaGpu, driver_present};
+
+/// This crate's name in errors.
+pub const NAME: &str = "cuda";

@@ -1,0 +1,107 @@
+//! GPU checks of `CudaGpu` on a real GPU: device and pinned memory, device pointer checks, and
+//! the whole conformance suite over tcp with every region in device memory (staged through
+//! pinned bounces on both sides). Without the NVIDIA driver or a device each check reports
+//! itself skipped, with the reason; it never reports a pass it did not run.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use tensorwire_conformance::DevicePair;
+use tensorwire_core::{Backend, Engine, MemoryKind, Permissions};
+use tensorwire_cuda::CudaGpu;
+use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+type Check = fn(Arc<CudaGpu>) -> Pin<Box<dyn Future<Output = ()>>>;
+
+fn tcp() -> Arc<dyn Backend> {
+    TcpBackend::new(TcpConfig::default()).expect("a tcp backend")
+}
+
+async fn engine(gpu: Arc<CudaGpu>) -> Engine {
+    Engine::builder().backend(tcp()).gpu(gpu).start().await.expect("an engine")
+}
+
+fn device_and_pinned_memory(gpu: Arc<CudaGpu>) -> Pin<Box<dyn Future<Output = ()>>> {
+    Box::pin(async move {
+        let e = engine(gpu).await;
+        let dev = e.alloc_device(0, 64 << 20, Permissions::READ_WRITE).await.unwrap();
+        assert_eq!(dev.kind(), MemoryKind::Device { ordinal: 0 });
+        let data: Vec<u8> = (0..(64u32 << 20)).map(|i| (i % 253) as u8).collect();
+        dev.write_bytes(0, &data).unwrap();
+        assert!(dev.to_vec(0, 64 << 20).unwrap() == data, "bytes through the device differ");
+        let pinned = e.alloc_pinned(1 << 20, Permissions::NONE).await.unwrap();
+        assert_eq!(pinned.kind(), MemoryKind::HostPinned);
+        pinned.write_bytes(0, b"pinned").unwrap();
+        dev.slice(0, 6).unwrap().copy_from(&pinned.slice(0, 6).unwrap()).unwrap();
+        assert_eq!(dev.to_vec(0, 6).unwrap(), b"pinned");
+        let base = dev.slice(0, 1).unwrap().ptr() as u64;
+        // SAFETY: inside the live allocation above, which outlives the alias (deregistered
+        // first).
+        let alias = unsafe { e.register_device(base + 4096, 4096, 0, Permissions::READ) }.await;
+        alias.unwrap().deregister().await.unwrap();
+        let host = pinned.slice(0, 1).unwrap().ptr() as u64;
+        // SAFETY: refused by the check; nothing is registered.
+        let refused = unsafe { e.register_device(host, 64, 0, Permissions::READ) }.await;
+        assert!(refused.is_err(), "host memory passed the device check");
+    })
+}
+
+fn conformance_over_device_memory(_gpu: Arc<CudaGpu>) -> Pin<Box<dyn Future<Output = ()>>> {
+    Box::pin(async move {
+        let pair = DevicePair::new(tcp, || CudaGpu::new().expect("the GPU"));
+        tensorwire_conformance::run_all(&pair).await;
+    })
+}
+
+const CHECKS: [(&str, Check); 2] = [
+    ("cuda_device_and_pinned_memory", device_and_pinned_memory),
+    ("cuda_tcp_conformance_over_device_memory", conformance_over_device_memory),
+];
+
+fn main() -> ExitCode {
+    if std::env::args().any(|a| a == "--list") {
+        for (name, _) in CHECKS {
+            println!("{name}: test");
+        }
+        return ExitCode::SUCCESS;
+    }
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let selected: Vec<_> = CHECKS
+        .iter()
+        .filter(|(n, _)| filter.as_ref().is_none_or(|f| n.contains(f.as_str())))
+        .collect();
+    println!("\nrunning {} tests", selected.len());
+    let gpu = match CudaGpu::new() {
+        Ok(g) => g,
+        Err(e) => {
+            for (name, _) in &selected {
+                println!("test {name} ... SKIPPED: {e}");
+            }
+            println!("\ntest result: ok. 0 passed; 0 failed; {} skipped\n", selected.len());
+            return ExitCode::SUCCESS;
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let mut failed = 0;
+    for (name, check) in &selected {
+        let gpu = gpu.clone();
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(check(gpu))))
+            .is_ok();
+        println!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
+        failed += usize::from(!ok);
+    }
+    let passed = selected.len() - failed;
+    if failed == 0 {
+        println!("\ntest result: ok. {passed} passed; 0 failed\n");
+        ExitCode::SUCCESS
+    } else {
+        println!("\ntest result: FAILED. {passed} passed; {failed} failed\n");
+        ExitCode::from(101)
+    }
+}
