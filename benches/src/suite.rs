@@ -81,6 +81,43 @@ pub async fn transfers(
     Ok(lines)
 }
 
+/// The backend moving GPU memory on both sides (staged through pinned bounces where it moves
+/// host memory) against the same backend moving host memory, interleaved in one run.
+pub async fn device_vs_host(
+    backend: &str,
+    sizes: &[u64],
+    ops: &[bool],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+) -> Result<Vec<Line>> {
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let streams = plan.streams.max(1);
+    let dev = EnginePair::on_gpu(backend, streams, max, true).await?;
+    let host = EnginePair::on_gpu(backend, streams, max, false).await?;
+    let (dev_ref, host_ref) = (&dev, &host);
+    let name = format!("{backend}-device");
+    let baseline = format!("{backend}-host");
+    let (name, baseline) = (&name, &baseline);
+    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+        let (tw, base) = interleaved(
+            plan.runs,
+            plan.budget,
+            size,
+            || dev_ref.op(write, size, backend),
+            || host_ref.op(write, size, backend),
+        )
+        .await?;
+        let op = if write { "write" } else { "read" };
+        Ok(Line::from_samples(name, op, size, streams, baseline, tw, base))
+    })
+    .await?;
+    for p in [dev, host] {
+        p.a.shutdown().await;
+        p.b.shutdown().await;
+    }
+    Ok(lines)
+}
+
 /// UCX transfers against `ucx_perftest` (one process pair per sample, same size and UCX
 /// environment), runs alternating which side goes first. Like ucx_perftest, the two engines are
 /// two processes: the peer is this binary re-run as a child (see `child_peer`).

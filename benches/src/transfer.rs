@@ -63,6 +63,33 @@ pub struct EnginePair {
 }
 
 impl EnginePair {
+    /// Two engines with a GPU each (CUDA) whose regions are device memory of GPU 0 (`device`)
+    /// or host memory: the engine stages device memory for backends that move host memory.
+    pub async fn on_gpu(
+        backend: &str,
+        streams: usize,
+        max: u64,
+        device: bool,
+    ) -> Result<EnginePair> {
+        let gpu = tensorwire_cuda::CudaGpu::new()?;
+        let a = Engine::builder().backend(make_backend(backend, streams)?).gpu(gpu.clone());
+        let a = a.start().await?;
+        let b = Engine::builder().backend(make_backend(backend, streams)?).gpu(gpu);
+        let b = b.start().await?;
+        let (local, remote) = if device {
+            (
+                a.alloc_device(0, max, Permissions::NONE).await?,
+                b.alloc_device(0, max, Permissions::READ_WRITE).await?,
+            )
+        } else {
+            (a.alloc(max, Permissions::NONE).await?, b.alloc(max, Permissions::READ_WRITE).await?)
+        };
+        touch(&local, 5)?;
+        touch(&remote, 6)?;
+        let session = a.connect(b.local_addr()).await?;
+        Ok(EnginePair { a, b, local, remote, session })
+    }
+
     /// Starts both engines and touches every page of both regions.
     pub async fn new(backend: &str, streams: usize, max: u64) -> Result<EnginePair> {
         let a = Engine::builder().backend(make_backend(backend, streams)?).start().await?;

@@ -43,6 +43,10 @@ struct Args {
     /// READ, then the chunked overlap figure.
     #[arg(long)]
     connector: bool,
+    /// Measure the backend moving GPU memory (device regions on both engines, through the CUDA
+    /// driver) against the same backend moving host memory, interleaved; needs a GPU.
+    #[arg(long)]
+    device: bool,
     /// Measure the orchestrator's scheduler: decisions per second and dispatch latency with
     /// --workers workers and --requests requests (one core, no I/O).
     #[arg(long)]
@@ -201,6 +205,13 @@ async fn run(args: Args) -> Result<()> {
     let budget = Budget { min_time: Duration::from_millis(args.min_time_ms), ..Budget::default() };
     let started = Instant::now();
     let (name, lines) = match args.store {
+        _ if args.device => {
+            let plan = plan(&args, budget);
+            let lines =
+                tensorwire_benches::suite::device_vs_host(&args.backend, &sizes, &ops, plan, &emit)
+                    .await?;
+            (format!("{}-device", args.backend), lines)
+        }
         _ if args.connector => {
             ("connector-p2p".to_string(), connector(&args, &sizes, budget).await?)
         }
