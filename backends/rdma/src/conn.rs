@@ -191,7 +191,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
     let (mut rd, mut wr) = sock.into_split();
     let hello = async {
         control::write(&mut wr, &Msg::Hello { rails: offers }).await?;
-        control::read(&mut rd).await
+        control::read::<Msg>(&mut rd).await
     };
     let answer = tokio::time::timeout(limit, hello)
         .await
@@ -903,7 +903,7 @@ async fn rebuild(conn: Weak<ConnShared>, rail: usize) {
 /// Reads the target's messages: answers to requests, Forget, Bye.
 async fn reader(conn: Weak<ConnShared>, mut rd: OwnedReadHalf) {
     loop {
-        let m = control::read(&mut rd).await;
+        let m = control::read::<Msg>(&mut rd).await;
         let Some(c) = conn.upgrade() else { return };
         match m {
             Ok(Some(m)) => match m {

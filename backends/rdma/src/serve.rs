@@ -14,7 +14,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, Weak};
 
 use tensorwire_core::backend::RemoteRange;
-use tensorwire_core::handshake::Handshake;
 use tensorwire_core::region::{Access, MemSlice};
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::net::TcpStream;
@@ -78,13 +77,9 @@ async fn run(shared: &Weak<Shared>, mut sock: TcpStream, peer: SocketAddr) -> Re
         let s = up(shared)?;
         (s.host()?.cluster_secret(), s.cfg.answer_timeout)
     };
-    tokio::time::timeout(limit, async {
-        Handshake { framing: &FRAMING, secret: secret.as_ref(), peer }.server(&mut sock).await
-    })
-    .await
-    .map_err(|_| Error::timeout("rdma: peer handshake", limit))??;
+    control::accept(&mut sock, &FRAMING, secret.as_ref(), peer, limit).await?;
     let (mut rd, wr) = sock.into_split();
-    let first = tokio::time::timeout(limit, control::read(&mut rd))
+    let first = tokio::time::timeout(limit, control::read::<Msg>(&mut rd))
         .await
         .map_err(|_| Error::timeout("rdma: waiting for Hello", limit))??;
     let Some(Msg::Hello { rails }) = first else {
@@ -117,7 +112,7 @@ async fn run(shared: &Weak<Shared>, mut sock: TcpStream, peer: SocketAddr) -> Re
         conn
     };
     loop {
-        let Some(m) = control::read(&mut rd).await? else { return Ok(()) };
+        let Some(m) = control::read::<Msg>(&mut rd).await? else { return Ok(()) };
         let s = up(shared)?;
         match m {
             Msg::Lease { req, region, key, write } => {

@@ -21,6 +21,7 @@
 //! - A peer that goes away fails pending ops with `Error::PeerClosed` (or the engine's timeout
 //!   fires).
 
+pub mod channel;
 pub mod kit;
 mod serving;
 
