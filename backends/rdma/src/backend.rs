@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+pub(crate) use tensorwire_core::backend::kit::lock;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -22,10 +23,6 @@ use crate::serve::InConn;
 use crate::soft::{SoftFabric, SoftNicSpec, SoftProvider};
 use crate::verbs::{Cq, Nic, NicInfo, Provider};
 use crate::{NAME, RdmaConfig};
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// Per-NIC counters (what `Engine::backend_stats` shows).
 #[derive(Debug, Default)]
@@ -223,15 +220,8 @@ impl Backend for RdmaBackend {
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
         let s = &self.shared;
-        let secret = host.cluster_secret();
-        let listener = s.serving.start(host, tokio::net::TcpListener::from_std)?;
+        let listener = s.serving.start_tcp(host, "rdma control channel", s.cfg.insecure)?;
         let bound = listener.local_addr()?;
-        tensorwire_core::auth::check_listener(
-            "rdma control channel",
-            bound,
-            secret.as_ref(),
-            s.cfg.insecure,
-        )?;
         s.serving.spawn(accept_loop(listener, Arc::downgrade(s)));
         tracing::debug!(
             provider = s.provider,

@@ -9,6 +9,7 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use tensorwire_core::backend::kit::lock;
 
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
@@ -32,10 +33,6 @@ use crate::verbs::{
 
 fn err(call: &'static str, e: impl std::fmt::Display) -> VerbsError {
     VerbsError::new(call, e.to_string())
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// libibverbs as a [`Provider`]: every port of every device, opened.

@@ -11,6 +11,7 @@
 //! - wire helpers: the bounded [`Reader`] / [`Writer`] codec, the shared [`Framing`] checks for a
 //!   data header's magic, version and length, and [`encode_error`] / [`decode_error`] to send an
 //!   inbound op's refusal back to its initiator as the same [`crate::Error`];
+//! - [`lock`]: a std mutex's guard, recovered from poisoning;
 //! - bounds: [`MAX_NOTIFY_WIRE`] (largest message `notify` carries), [`MAX_ERROR_BYTES`],
 //!   [`MAX_BLOB_BYTES`].
 
@@ -26,3 +27,9 @@ pub use crate::wire::codec::{Reader, Writer};
 pub use crate::wire::envelope::MAX_NOTIFY_WIRE;
 pub use crate::wire::error::{MAX_ERROR_BYTES, decode_error, encode_error};
 pub use crate::wire::frame::Framing;
+
+/// Locks a std mutex, recovering the guard if a panicking thread poisoned it: for state whose
+/// critical sections leave it consistent across a panic (single assignments, inserts, removals).
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

@@ -85,6 +85,23 @@ impl<L> Serving<L> {
     }
 }
 
+impl Serving<std::net::TcpListener> {
+    /// [`Serving::start`] for a TCP control listener: the tokio listener, refused (see
+    /// [`crate::auth::check_listener`], named `what`) when other hosts can reach it and the
+    /// engine has no cluster secret, unless `insecure`.
+    pub fn start_tcp(
+        &self,
+        host: Arc<dyn BackendHost>,
+        what: &str,
+        insecure: bool,
+    ) -> Result<tokio::net::TcpListener> {
+        let secret = host.cluster_secret();
+        let listener = self.start(host, tokio::net::TcpListener::from_std)?;
+        crate::auth::check_listener(what, listener.local_addr()?, secret.as_ref(), insecure)?;
+        Ok(listener)
+    }
+}
+
 /// Connections held weakly: they live as long as their users, and the backend reaches the live
 /// ones (to fail them at shutdown, or tell them of a deregistration).
 #[derive(Debug)]

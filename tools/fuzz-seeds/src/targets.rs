@@ -26,6 +26,7 @@ pub const TARGETS: &[&str] = &[
     "error_body",
     "frame_header",
     "handshake",
+    "nccl_control",
     "orchestrator_journal",
     "orchestrator_msg",
     "payload_ref",
@@ -73,6 +74,9 @@ pub fn valid(target: &str, input: &[u8]) -> bool {
             0 => tensorwire_rdma::blob::Endpoint::decode(b).is_ok(),
             _ => tensorwire_rdma::blob::RegionKeys::decode(b).is_ok(),
         }),
+        "nccl_control" => input
+            .split_first()
+            .is_some_and(|(&k, b)| tensorwire_nccl::wire::Msg::decode(k, b).is_ok()),
         "rdma_control" => input
             .split_first()
             .is_some_and(|(&k, b)| tensorwire_rdma::wire::Msg::decode(k, b).is_ok()),
@@ -117,6 +121,7 @@ pub fn dictionary(target: &str) -> Vec<Vec<u8>> {
         "tcp_data_header" => vec![prefix(&tensorwire_tcp::wire::FRAMING)],
         "ucx_msg" => vec![prefix(&tensorwire_ucx::wire::FRAMING)],
         "rdma_control" => vec![prefix(&tensorwire_rdma::wire::FRAMING)],
+        "nccl_control" => vec![prefix(&tensorwire_nccl::wire::FRAMING)],
         _ => Vec::new(),
     }
 }

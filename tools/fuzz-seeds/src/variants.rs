@@ -30,6 +30,7 @@ pub fn add_all(c: &mut Corpus, refs: &[PayloadRef]) {
     shm_headers(c);
     ucx_msgs(c);
     rdma(c);
+    nccl(c);
     control(c);
     store_rpc(c);
     orchestrator(c);
@@ -231,6 +232,34 @@ fn rdma(c: &mut Corpus) {
     let mut v = vec![1];
     v.extend(RegionKeys(vec![(0, 0x1234), (1, 0x5678)]).encode());
     c.add("rdma_blob", v);
+}
+
+fn nccl(c: &mut Corpus) {
+    use tensorwire_nccl::wire::Msg as N;
+    let refusal = Error::AccessDenied("region 3 does not grant remote read".into());
+    let mut id = [0u8; 128];
+    id.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+    let (region, key) = (RegionId(3), AccessKey::from_bits(0xabcd));
+    let msgs = [
+        N::Hello { id },
+        N::HelloAck { error: None },
+        N::HelloAck { error: Some(Error::Unsupported { backend: "nccl", what: "no GPU".into() }) },
+        N::Request { req: 1, write: true, region, key, offset: 4096, len: 1 << 20 },
+        N::Request { req: 2, write: false, region, key, offset: 0, len: 64 },
+        N::Grant { req: 1 },
+        N::Refused { req: 2, error: refusal.clone() },
+        N::Done { req: 1, error: None },
+        N::Done { req: 3, error: Some(refusal.clone()) },
+        N::Notify { req: 4, msg: bytes::Bytes::from_static(b"notification") },
+        N::NotifyAck { req: 4, error: None },
+        N::NotifyAck { req: 5, error: Some(refusal) },
+        N::Bye,
+    ];
+    for m in msgs {
+        let mut v = vec![m.kind()];
+        v.extend(m.encode());
+        c.add("nccl_control", v);
+    }
 }
 
 fn control(c: &mut Corpus) {

@@ -21,8 +21,9 @@ mod dma;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock, Weak};
+use std::sync::{Arc, LazyLock, Mutex, RwLock, Weak};
 use std::time::Duration;
+use tensorwire_core::backend::kit::lock;
 
 use crate::verbs::{
     Cq, Keep, LinkLayer, Mr, MrAccess, Nic, NicAddress, NicInfo, Provider, Qp, QpCaps, VResult,
@@ -30,10 +31,6 @@ use crate::verbs::{
 };
 
 pub(crate) use dma::SoftQp;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 static NEXT_FABRIC: AtomicU64 = AtomicU64::new(1);
 static GLOBAL: LazyLock<SoftFabric> = LazyLock::new(SoftFabric::new);
