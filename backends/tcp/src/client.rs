@@ -121,27 +121,58 @@ struct StreamState {
     pending: Mutex<Pending>,
     /// Bytes of this stream's pieces sent and not yet answered.
     inflight: AtomicU64,
-    /// Signalled when `inflight` drops.
+    /// Pieces of this stream taken and not yet answered (a READ payload being received counts).
+    outstanding: AtomicUsize,
+    /// Signalled when this stream's work drops, and when another stream's rises from none.
     room: Notify,
+    /// Pieces taken by this stream, and their bytes (for the backend's stats).
+    pieces: AtomicU64,
+    bytes: AtomicU64,
 }
 
 impl StreamState {
-    /// Waits until fewer than `window` bytes are outstanding on this stream, so pieces spread over
-    /// every stream instead of queueing on whichever writer is quickest (READ requests are tiny).
+    /// Waits until this stream should take another piece: at once when it has none outstanding;
+    /// with work outstanding, only while every other stream is busy too and fewer than `window`
+    /// bytes are outstanding here. Pieces so go to idle streams first: without that the first
+    /// writer to wake would take every piece of an op (READ requests are tiny), and the op would
+    /// run on one stream while the others idle.
     async fn wait_room(&self, window: u64, c: &ConnShared) {
         loop {
             let notified = self.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.inflight.load(Ordering::Acquire) < window || c.is_dead().is_some() {
+            if c.is_dead().is_some() || self.outstanding.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            let others_busy = c
+                .streams
+                .iter()
+                .filter(|o| !std::ptr::eq(*o, self))
+                .all(|o| o.outstanding.load(Ordering::Acquire) > 0);
+            if others_busy && self.inflight.load(Ordering::Acquire) < window {
                 return;
             }
             notified.await;
         }
     }
 
+    /// Counts a piece taken by this stream's writer; the first one makes the other streams'
+    /// writers look again (they may have been waiting for this stream to get busy).
+    fn took(&self, len: u64, c: &ConnShared) {
+        self.inflight.fetch_add(len, Ordering::AcqRel);
+        self.pieces.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(len, Ordering::Relaxed);
+        if self.outstanding.fetch_add(1, Ordering::AcqRel) == 0 {
+            c.streams
+                .iter()
+                .filter(|o| !std::ptr::eq(*o, self))
+                .for_each(|o| o.room.notify_waiters());
+        }
+    }
+
     fn answered(&self, len: u64) {
         self.inflight.fetch_sub(len, Ordering::AcqRel);
+        self.outstanding.fetch_sub(1, Ordering::AcqRel);
         self.room.notify_one();
     }
 }
@@ -197,6 +228,14 @@ impl ConnShared {
         }
         self.work.notify_waiters();
         self.streams.iter().for_each(|s| s.room.notify_waiters());
+    }
+
+    /// Pieces and bytes each stream took so far, by stream index.
+    pub(crate) fn stream_counts(&self) -> Vec<(u64, u64)> {
+        self.streams
+            .iter()
+            .map(|s| (s.pieces.load(Ordering::Relaxed), s.bytes.load(Ordering::Relaxed)))
+            .collect()
     }
 
     fn is_dead(&self) -> Option<Error> {
@@ -295,6 +334,9 @@ impl TcpConnection {
                     sock,
                     pending: Mutex::new(Pending::default()),
                     inflight: AtomicU64::new(0),
+                    outstanding: AtomicUsize::new(0),
+                    pieces: AtomicU64::new(0),
+                    bytes: AtomicU64::new(0),
                     room: Notify::new(),
                 })
                 .collect(),
@@ -357,7 +399,7 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
                 p.op.finish(Err(e));
                 continue;
             }
-            s.inflight.fetch_add(p.len, Ordering::AcqRel);
+            s.took(p.len, &c);
             pend.q.push_back((id, p));
         }
         // SAFETY: `hb` and `notify_body` are locals; a WRITE's source is registered memory held
@@ -371,12 +413,31 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
     }
 }
 
-/// Returns a piece's bytes to its stream's window when the reader is done with it.
-struct Answered<'a>(&'a StreamState, u64);
+/// Returns a piece to its stream's window when the reader is done with it: before the op's
+/// completion is sent (so the next op sees the stream idle), or at the latest when dropped.
+struct Answered<'a> {
+    stream: &'a StreamState,
+    len: u64,
+    done: bool,
+}
+
+impl Answered<'_> {
+    fn release(&mut self) {
+        if !std::mem::replace(&mut self.done, true) {
+            self.stream.answered(self.len);
+        }
+    }
+
+    /// Releases the piece, then ends it with `r`.
+    fn finish(&mut self, op: &OpState, r: Result<()>) {
+        self.release();
+        op.finish(r);
+    }
+}
 
 impl Drop for Answered<'_> {
     fn drop(&mut self) {
-        self.0.answered(self.1);
+        self.release();
     }
 }
 
@@ -410,13 +471,13 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
             return c
                 .kill(Error::protocol(format!("tcp: unsolicited {:?} from {}", h.kind, c.peer)));
         };
-        let _answered = Answered(s, p.len);
+        let mut ans = Answered { stream: s, len: p.len, done: false };
         if h.id != id || !matches(&p.what, h.kind) {
             let e = Error::protocol(format!(
                 "tcp: response {:?} #{} does not answer request #{id}",
                 h.kind, h.id
             ));
-            p.op.finish(Err(e.clone()));
+            ans.finish(&p.op, Err(e.clone()));
             return c.kill(e);
         }
         if !h.ok {
@@ -425,15 +486,15 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
                 Ok(true) => {}
                 Ok(false) => {
                     let e = Error::PeerClosed("tcp: stream ended inside an error".into());
-                    p.op.finish(Err(e.clone()));
+                    ans.finish(&p.op, Err(e.clone()));
                     return c.kill(e);
                 }
                 Err(e) => {
-                    p.op.finish(Err(e.clone()));
+                    ans.finish(&p.op, Err(e.clone()));
                     return c.kill(e);
                 }
             }
-            p.op.finish(Err(decode_error(&body).unwrap_or_else(|e| e)));
+            ans.finish(&p.op, Err(decode_error(&body).unwrap_or_else(|e| e)));
             continue;
         }
         if let What::Read = p.what {
@@ -442,7 +503,7 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
                     "tcp: READ answered with {} bytes, asked {}",
                     h.len, p.len
                 ));
-                p.op.finish(Err(e.clone()));
+                ans.finish(&p.op, Err(e.clone()));
                 return c.kill(e);
             }
             // SAFETY: the destination is `len` bytes of registered memory held by the op's
@@ -453,16 +514,16 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
             }
             .await;
             match landed {
-                Ok(Landed::All) => p.op.finish(check_read(&p, &h, c.cfg.checksum)),
-                Ok(Landed::Cancelled) => p.op.finish(Ok(())),
+                Ok(Landed::All) => ans.finish(&p.op, check_read(&p, &h, c.cfg.checksum)),
+                Ok(Landed::Cancelled) => ans.finish(&p.op, Ok(())),
                 Err(e) => {
-                    p.op.finish(Err(e.clone()));
+                    ans.finish(&p.op, Err(e.clone()));
                     return c.kill(e);
                 }
             }
             continue;
         }
-        p.op.finish(Ok(()));
+        ans.finish(&p.op, Ok(()));
     }
 }
 

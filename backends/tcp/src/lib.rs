@@ -256,6 +256,26 @@ impl Backend for TcpBackend {
         Ok(Arc::new(conn))
     }
 
+    fn stats(&self) -> Vec<(String, u64)> {
+        // Summed over live connections, by stream index: how ops were spread over the streams.
+        let mut per: Vec<(u64, u64)> = Vec::new();
+        for c in self.inner.conns.live() {
+            for (i, (pieces, bytes)) in c.stream_counts().into_iter().enumerate() {
+                if per.len() <= i {
+                    per.resize(i + 1, (0, 0));
+                }
+                per[i].0 += pieces;
+                per[i].1 += bytes;
+            }
+        }
+        per.into_iter()
+            .enumerate()
+            .flat_map(|(i, (p, b))| {
+                [(format!("stream{i}.pieces"), p), (format!("stream{i}.bytes"), b)]
+            })
+            .collect()
+    }
+
     async fn shutdown(&self) {
         self.inner.close();
     }

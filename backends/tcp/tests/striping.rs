@@ -1,0 +1,57 @@
+//! How ops spread over a connection's streams, read from the backend's per-stream counters
+//! (`Engine::backend_stats`): a piece goes to an idle stream before a busy one takes a second, so
+//! a 1 MiB op uses both streams of a two-stream connection (a READ request is tiny: without that
+//! rule the first writer to wake took every piece). The data path runs through a proxy that holds
+//! each read 2 ms, so no piece is answered before the other stream's writer has run: the split
+//! is then exact, whatever the scheduler does (without the delay, a stream whose first piece is
+//! answered before the other writer wakes rightly takes the second too).
+
+use std::time::Duration;
+
+use tensorwire_conformance::faults::{Fault, FaultProxy};
+use tensorwire_core::{Engine, Permissions, TransferOp};
+use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+const LEN: u64 = 1 << 20;
+
+fn counter(e: &Engine, name: &str) -> u64 {
+    e.backend_stats()
+        .into_iter()
+        .filter(|(b, _)| *b == tensorwire_tcp::NAME)
+        .flat_map(|(_, s)| s)
+        .find(|(n, _)| n == name)
+        .map_or(0, |(_, v)| v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_of_a_mib_uses_both_streams() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let proxy = FaultProxy::start(port).await.unwrap();
+    proxy.set(Fault::Delay(Duration::from_millis(2)));
+    let b_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
+    let b = Engine::builder().backend(TcpBackend::new(b_cfg).unwrap()).start().await.unwrap();
+    let a_cfg = TcpConfig { streams: 2, ..TcpConfig::default() };
+    let a = Engine::builder().backend(TcpBackend::new(a_cfg).unwrap()).start().await.unwrap();
+    let local = a.alloc(LEN, Permissions::NONE).await.unwrap();
+    let remote = b.alloc(LEN, Permissions::READ_WRITE).await.unwrap();
+    let data: Vec<u8> = (0..LEN as usize).map(|i| (i % 251) as u8).collect();
+    remote.write_bytes(0, &data).unwrap();
+    let session = a.connect(b.local_addr()).await.unwrap();
+
+    const OPS: u64 = 8;
+    for _ in 0..OPS {
+        session.transfer(TransferOp::read(&local, 0, &remote.remote(), 0, LEN)).await.unwrap();
+    }
+    assert!(local.to_vec(0, LEN).unwrap() == data, "READ bytes differ");
+    let (p0, p1) = (counter(&a, "stream0.pieces"), counter(&a, "stream1.pieces"));
+    assert_eq!(p0 + p1, 2 * OPS, "each 1 MiB READ is cut in two pieces");
+    assert_eq!((p0, p1), (OPS, OPS), "READ pieces: stream0 {p0}, stream1 {p1}");
+    let (b0, b1) = (counter(&a, "stream0.bytes"), counter(&a, "stream1.bytes"));
+    assert_eq!((b0, b1), (OPS * LEN / 2, OPS * LEN / 2));
+
+    for _ in 0..OPS {
+        session.transfer(TransferOp::write(&local, 0, &remote.remote(), 0, LEN)).await.unwrap();
+    }
+    let (q0, q1) = (counter(&a, "stream0.pieces") - p0, counter(&a, "stream1.pieces") - p1);
+    assert_eq!((q0, q1), (OPS, OPS), "WRITE pieces: stream0 {q0}, stream1 {q1}");
+}
