@@ -13,12 +13,9 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use tensorwire_core::backend::kit::lock;
 
 use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, MemoryKind, Result};
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// One fake device allocation: a private anonymous mapping, `PROT_NONE` outside copies.
 #[derive(Debug)]

@@ -144,16 +144,17 @@ impl StreamState {
             if c.is_dead().is_some() || self.outstanding.load(Ordering::Acquire) == 0 {
                 return;
             }
-            let others_busy = c
-                .streams
-                .iter()
-                .filter(|o| !std::ptr::eq(*o, self))
-                .all(|o| o.outstanding.load(Ordering::Acquire) > 0);
+            let others_busy = self.others(c).all(|o| o.outstanding.load(Ordering::Acquire) > 0);
             if others_busy && self.inflight.load(Ordering::Acquire) < window {
                 return;
             }
             notified.await;
         }
+    }
+
+    /// The connection's other streams.
+    fn others<'a>(&'a self, c: &'a ConnShared) -> impl Iterator<Item = &'a StreamState> {
+        c.streams.iter().filter(move |o| !std::ptr::eq(*o, self))
     }
 
     /// Counts a piece taken by this stream's writer; the first one makes the other streams'
@@ -163,10 +164,7 @@ impl StreamState {
         self.pieces.fetch_add(1, Ordering::Relaxed);
         self.bytes.fetch_add(len, Ordering::Relaxed);
         if self.outstanding.fetch_add(1, Ordering::AcqRel) == 0 {
-            c.streams
-                .iter()
-                .filter(|o| !std::ptr::eq(*o, self))
-                .for_each(|o| o.room.notify_waiters());
+            self.others(c).for_each(|o| o.room.notify_waiters());
         }
     }
 

@@ -3,6 +3,7 @@
 //! framed messages of the backend's protocol ([`Message`]), a writer task fed by a bounded
 //! queue ([`Sender`]), and requests matched with their answers by id ([`Requests`], [`ask`]).
 
+use crate::backend::kit::lock;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Mutex;
@@ -21,10 +22,6 @@ use crate::wire::frame::Framing;
 
 /// Messages queued for the writer task.
 const QUEUE: usize = 1024;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// A message of a backend's control channel: a frame kind and a payload, in `FRAMING`.
 pub trait Message: Sized + Send + Sync + std::fmt::Debug + 'static {

@@ -4,7 +4,8 @@
 //! orchestrator service) and the traffic of a real session becomes seeds.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
+use tensorwire_core::backend::kit::lock;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -71,10 +72,6 @@ impl Recorder {
     pub fn conversations(&self) -> Vec<Conversation> {
         lock(&self.conversations).iter().map(|c| lock(c).clone()).collect()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Copies one direction, recording before forwarding (so whatever the receiver has seen is
