@@ -96,8 +96,8 @@ pub use backend::{
 };
 #[cfg(not(loom))]
 pub use engine::{
-    ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, Notification,
-    Session, TransferHandle, TransferOp, TransferReport,
+    ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, Handled,
+    Notification, NotificationHandler, Session, TransferHandle, TransferOp, TransferReport,
 };
 #[cfg(not(loom))]
 pub use memory::{DeviceCopier, Gpu};

@@ -3,9 +3,11 @@
 //! file is the IO around them (the engine, the store, the notification stream).
 //!
 //! - **p2p**: the payload stays in the producer's registered buffer (kept alive by the connector
-//!   until its lease ends). A consumer subscribes; the producer announces chunks as it marks them
-//!   ready; the consumer READs each chunk's byte ranges straight into its destination as soon as it
-//!   is announced and yields a view per chunk, in landing order; then reports it consumed.
+//!   until its lease ends and no consumer holds it). A consumer subscribes, holding the buffer
+//!   while it reads; the producer announces chunks as it marks them ready; the consumer READs each
+//!   chunk's byte ranges straight into its destination as soon as it is announced (an unchunked
+//!   payload's read starts with the subscription) and yields a view per chunk, in landing order;
+//!   then reports it consumed.
 //! - **store**: once every chunk is ready the producer's bytes go to the store (`put_from`) and the
 //!   buffer is released; the consumer waits (bounded) for the key, `get_into`s its destination,
 //!   and the store's lease (consumer count or TTL) removes the object.
@@ -23,12 +25,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tensorwire_core::{
-    ByteRange, ChunkPlan, Engine, EngineId, Region, Session, TensorMeta, TransferHandle, TransferOp,
+    ByteRange, ChunkPlan, Engine, EngineId, Handled, Notification, Region, Session, TensorMeta,
+    TransferHandle, TransferOp,
 };
 use tensorwire_store::{Retention, Store, StoreError};
 use tokio::sync::mpsc;
 
-use crate::control::Control;
+use crate::control::{Control, MAX_HOLD};
 use crate::error::{ConnectorError, Result};
 use crate::handoff::{Action, Fetch, FetchStep, Next, Publisher};
 use crate::lease::Lease;
@@ -85,8 +88,24 @@ struct Buffer {
     store: Option<(Vec<u8>, Retention, LeasePolicy)>,
 }
 
+/// Where a fetch under way gets its producer's messages (an error ends it).
+type ToFetch = mpsc::Sender<Result<Control>>;
+
 /// Chunks in flight per consume (reads of later chunks proceed while earlier ones land).
 const WINDOW: usize = 4;
+
+/// How often the producer side ends expired leases and releases buffers whose holds ran out.
+const SWEEP: Duration = Duration::from_millis(500);
+
+/// How long a consume of `chunks` chunks asks its producer to hold the payload: a wait for each
+/// chunk's announcement and one for the reads, at most [`MAX_HOLD`].
+fn hold_for(wait: Duration, chunks: u32) -> Duration {
+    wait.checked_mul(chunks.saturating_add(1)).map_or(MAX_HOLD, |d| d.min(MAX_HOLD))
+}
+
+fn hold_ms(hold: Duration) -> u32 {
+    u32::try_from(hold.as_millis()).unwrap_or(u32::MAX)
+}
 
 #[derive(Debug)]
 struct Inner {
@@ -94,10 +113,14 @@ struct Inner {
     store: Option<Arc<dyn Store>>,
     cfg: ConnectorConfig,
     publisher: Mutex<Publisher<Buffer>>,
-    waiters: Mutex<HashMap<(EngineId, u64), mpsc::Sender<Control>>>,
-    /// Consumption reports on their way, by (producer, payload): they complete in the
-    /// background, and a later consume of the same payload waits for its report first, so it
-    /// sees the payload consumed.
+    /// Producer messages for the fetches under way, by (producer, payload); an error ends the
+    /// fetch.
+    waiters: Mutex<HashMap<(EngineId, u64), ToFetch>>,
+    /// The runtime the connector was made on (the notification handler runs on backend tasks).
+    rt: tokio::runtime::Handle,
+    /// Consumption reports (and unsubscriptions) on their way, by (producer, payload): they
+    /// complete in the background, and a later consume or release of the same payload waits for
+    /// them first, so it sees the payload as the report left it.
     reporting: Mutex<HashMap<(EngineId, u64), tokio::sync::watch::Receiver<bool>>>,
     /// Sessions with producers, by control address (one handshake per producer).
     sessions: tokio::sync::Mutex<HashMap<SocketAddr, Session>>,
@@ -113,6 +136,7 @@ pub struct DiffusionConnector {
 
 impl Drop for DiffusionConnector {
     fn drop(&mut self) {
+        self.inner.engine.set_notification_handler(None);
         self.dispatcher.abort();
     }
 }
@@ -167,10 +191,18 @@ impl DiffusionConnector {
             cfg,
             publisher: Mutex::default(),
             waiters: Mutex::default(),
+            rt: tokio::runtime::Handle::current(),
             reporting: Mutex::default(),
             sessions: tokio::sync::Mutex::default(),
             next: AtomicU64::new(1),
         });
+        let weak = Arc::downgrade(&inner);
+        inner.engine.set_notification_handler(Some(Arc::new(move |n: &Notification| {
+            match weak.upgrade() {
+                Some(inner) => on_notification(&inner, n),
+                None => Handled::Pass,
+            }
+        })));
         let dispatcher = tokio::spawn(dispatch(Arc::downgrade(&inner)));
         DiffusionConnector { inner, dispatcher }
     }
@@ -184,6 +216,12 @@ impl DiffusionConnector {
     /// waiting for chunks).
     pub fn held(&self) -> usize {
         self.inner.publisher.lock().held()
+    }
+
+    /// Subscriptions of consumers to payloads this connector holds: each keeps its payload's
+    /// buffer while its consumer reads, even past the payload's lease.
+    pub fn readers(&self) -> usize {
+        self.inner.publisher.lock().readers()
     }
 
     /// Publishes a payload; returns at once. An unchunked payload is ready now; a chunked one
@@ -209,11 +247,16 @@ impl DiffusionConnector {
         let id = inner.next.fetch_add(1, Ordering::Relaxed);
         let engine = inner.engine.id();
         let chunked = p.chunking.is_some();
-        // p2p chunks carry their checksums in their announcements; a stored payload carries the
-        // checksum of all its bytes.
-        let checksum = match !p2p && inner.cfg.checksum {
-            true => Some(p.region.slice(p.offset, plan.extent())?.crc32c()?),
-            false => None,
+        // A stored payload carries the checksum of all its bytes, an unchunked p2p payload that
+        // of its one chunk; the chunks of a chunked one carry theirs in their announcements.
+        let checksum = match (inner.cfg.checksum, p2p, chunked) {
+            (false, _, _) | (true, true, true) => None,
+            (true, false, _) => Some(p.region.slice(p.offset, plan.extent())?.crc32c()?),
+            (true, true, false) => {
+                let chunk =
+                    plan.chunk(0).map_err(|e| ConnectorError::InvalidArgument(e.to_string()))?;
+                Some(crc_of(&p.region, p.offset, &chunk.ranges)?)
+            }
         };
         let source = if p2p {
             let (region, addr) = (p.region.remote(), inner.engine.local_addr());
@@ -243,15 +286,19 @@ impl DiffusionConnector {
             store: (!p2p).then(|| (store_key(engine, id), retention, p.lease)),
         };
         let lease = Lease::new(p.lease, Instant::now());
-        inner.publisher.lock().publish(id, buffer, chunks, lease, !p2p);
+        let whole = p2p && !chunked;
+        match whole {
+            true => inner.publisher.lock().publish_whole(id, buffer, checksum, lease),
+            false => inner.publisher.lock().publish(id, buffer, chunks, lease, !p2p),
+        }
         let mut publication = Publication {
             reference,
             id,
             inner: Arc::downgrade(inner),
-            complete: false,
+            complete: whole,
             stored: None,
         };
-        if !chunked {
+        if !chunked && !whole {
             publication.mark_ready(0)?;
         }
         Ok(publication)
@@ -304,19 +351,14 @@ impl DiffusionConnector {
                 }
             }
             Source::P2p { addr, payload, region, .. } => {
+                reports_sent(&self.inner, region.engine, *payload).await;
                 let s = match session_to(&self.inner, *addr).await {
                     Ok(s) if s.peer() == region.engine => s,
                     _ => return Ok(()), // the producer, and its payload, are gone
                 };
-                // Only a subscriber's report counts; subscribing again is harmless.
-                for c in [
-                    Control::Subscribe { payload: *payload },
-                    Control::Consumed { payload: *payload },
-                ] {
-                    if s.notify(Bytes::from(c.encode())).await.is_err() {
-                        return Ok(());
-                    }
-                }
+                // A payload no longer served refuses it: released already, nothing to do.
+                let done = Control::Done { payload: *payload, consumed: true };
+                let _ = s.notify(Bytes::from(done.encode())).await;
             }
         }
         Ok(())
@@ -373,13 +415,13 @@ fn act(
     for a in actions {
         match a {
             Action::Send { to, msg } => {
-                let inner = inner.clone();
-                tokio::spawn(async move { tell(&inner, to, &msg).await });
+                let i = inner.clone();
+                inner.rt.spawn(async move { tell(&i, to, &msg).await });
             }
             Action::Release { buffer, .. } => drop(buffer),
             Action::Store { buffer, .. } => {
                 let store = inner.store.clone();
-                put = Some(tokio::spawn(async move {
+                put = Some(inner.rt.spawn(async move {
                     let r = store_put(store, buffer).await;
                     if let Err(e) = &r {
                         tracing::warn!(error = %e, "connector: store put failed");
@@ -495,9 +537,7 @@ impl Drop for Publication {
         let Some(inner) = self.inner.upgrade().filter(|_| !self.complete) else { return };
         let mut out = Vec::new();
         inner.publisher.lock().abandon(self.id, &mut out);
-        if tokio::runtime::Handle::try_current().is_ok() {
-            act(&inner, out);
-        }
+        act(&inner, out);
     }
 }
 
@@ -510,44 +550,71 @@ async fn tell(inner: &Inner, to: EngineId, msg: &Control) {
     }
 }
 
-/// The connector's notification loop: feeds the publisher and routes announcements to fetches.
-async fn dispatch(inner: Weak<Inner>) {
-    loop {
-        let Some(i) = inner.upgrade() else { return };
-        let n = match i.engine.recv_notification(Duration::from_millis(500)).await {
-            Ok(n) => n,
-            Err(tensorwire_core::Error::Timeout { .. }) => {
-                let mut out = Vec::new();
-                i.publisher.lock().sweep(Instant::now(), &mut out);
-                act(&i, out);
-                continue;
+/// The connector's notification handler: acts on each connector message as it arrives, on the
+/// backend's task (no queue, no wake-up of another task), and answers a subscription with its
+/// verdict: the subscriber's `notify` succeeds only if it is subscribed. Other notifications
+/// go to the engine's queue, which the connector's loop drains.
+fn on_notification(inner: &Arc<Inner>, n: &Notification) -> Handled {
+    let c = match Control::decode(&n.payload) {
+        Ok(Some(c)) => c,
+        Ok(None) => return Handled::Pass,
+        Err(e) => {
+            tracing::warn!(from = %n.from, error = %e, "connector: bad control message");
+            return Handled::Refused(e);
+        }
+    };
+    let mut out = Vec::new();
+    let mut verdict = Handled::Taken;
+    match c {
+        Control::Subscribe { payload, hold_ms } => {
+            let hold = Duration::from_millis(u64::from(hold_ms));
+            let now = Instant::now();
+            if !inner.publisher.lock().subscribe(n.from, payload, hold, now, &mut out) {
+                verdict = refused(payload);
             }
-            Err(_) => return, // engine shut down
-        };
-        let c = match Control::decode(&n.payload) {
-            Ok(Some(c)) => c,
-            Ok(None) => continue,
-            Err(e) => {
-                tracing::warn!(from = %n.from, error = %e, "connector: bad control message");
-                continue;
+        }
+        Control::Done { payload, consumed } => {
+            let now = Instant::now();
+            if !inner.publisher.lock().done(n.from, payload, consumed, now, &mut out) {
+                verdict = refused(payload);
             }
-        };
-        let mut out = Vec::new();
-        match c {
-            Control::Subscribe { payload } => {
-                i.publisher.lock().subscribe(n.from, payload, Instant::now(), &mut out);
-            }
-            Control::Consumed { payload } => {
-                i.publisher.lock().consumed(n.from, payload, Instant::now(), &mut out);
-            }
-            Control::Ready { payload, .. } | Control::Gone { payload, .. } => {
-                let tx = i.waiters.lock().get(&(n.from, payload)).cloned();
-                if let Some(tx) = tx {
-                    let _ = tx.send(c).await;
+        }
+        Control::Ready { payload, .. } | Control::Gone { payload, .. } => {
+            let tx = inner.waiters.lock().get(&(n.from, payload)).cloned();
+            if let Some(tx) = tx {
+                if let Err(mpsc::error::TrySendError::Full(c)) = tx.try_send(Ok(c)) {
+                    inner.rt.spawn(async move { tx.send(c).await });
                 }
             }
         }
-        act(&i, out);
+    }
+    act(inner, out);
+    verdict
+}
+
+/// The verdict on a message about a payload no longer served (a Gone message says why).
+fn refused(payload: u64) -> Handled {
+    let why = format!("payload {payload} is not served here");
+    Handled::Refused(tensorwire_core::Error::NotFound(tensorwire_core::Missing::Other(why)))
+}
+
+/// The connector's loop: ends expired leases and releases buffers whose holds ran out, and
+/// drains notifications that are not the connector's.
+async fn dispatch(inner: Weak<Inner>) {
+    let mut swept = Instant::now();
+    loop {
+        let Some(i) = inner.upgrade() else { return };
+        if swept.elapsed() >= SWEEP {
+            swept = Instant::now();
+            let mut out = Vec::new();
+            i.publisher.lock().sweep(swept, &mut out);
+            act(&i, out);
+        }
+        match i.engine.recv_notification(SWEEP).await {
+            Ok(n) => tracing::debug!(from = %n.from, "connector: not a connector message"),
+            Err(tensorwire_core::Error::Timeout { .. }) => {}
+            Err(_) => return, // engine shut down
+        }
     }
 }
 
@@ -609,12 +676,13 @@ async fn session_to(inner: &Inner, addr: SocketAddr) -> Result<Session> {
     Ok(x)
 }
 
-/// Why a read of a p2p payload failed. A buffer that is no longer registered means the payload
-/// ended: the producer says why in answer to the subscription (sent before any read completes).
+/// Why a read of a p2p payload, or its `Done`, failed. A buffer no longer registered, or a
+/// refused `Done` or subscription, means the payload ended: the producer says why in a Gone
+/// message of its own.
 async fn read_failed(
     e: tensorwire_core::Error,
     payload: u64,
-    rx: &mut mpsc::Receiver<Control>,
+    rx: &mut mpsc::Receiver<Result<Control>>,
     wait: Duration,
 ) -> ConnectorError {
     if !matches!(e, tensorwire_core::Error::NotFound(_)) {
@@ -622,8 +690,10 @@ async fn read_failed(
     }
     let deadline = tokio::time::Instant::now() + wait;
     while let Ok(Some(c)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-        if let Control::Gone { why, .. } = c {
-            return why.error(payload);
+        match c {
+            Ok(Control::Gone { why, .. }) => return why.error(payload),
+            Err(e) => return e,
+            Ok(_) => {}
         }
     }
     ConnectorError::ProducerGone(format!("payload {payload}: its buffer is gone ({e})"))
@@ -638,6 +708,95 @@ impl Drop for Waiter<'_> {
     }
 }
 
+/// Waits (bounded) for the reports of earlier consumes of `payload` still on their way.
+async fn reports_sent(inner: &Inner, engine: EngineId, payload: u64) {
+    let pending = inner.reporting.lock().get(&(engine, payload)).cloned();
+    if let Some(mut r) = pending {
+        let _ = tokio::time::timeout(inner.cfg.wait_timeout, r.wait_for(|done| *done)).await;
+    }
+}
+
+/// One consume's subscription to a p2p payload: sent at once (unordered: it follows no data),
+/// holding the payload's buffer for this consumer, and ended exactly once by `Done` (counting
+/// the consumer with the report, or not however else the consume ends), in the background after
+/// the subscription itself and ordered after the consume's reads (a cancelled read has ended by
+/// then). Its verdict is known once its `notify` returns: a refused subscription is followed by
+/// the producer's Gone (which says why); one that could not be delivered ends the fetch through
+/// `to`.
+struct Subscription {
+    inner: Arc<Inner>,
+    session: Session,
+    engine: EngineId,
+    payload: u64,
+    sent: Option<tokio::task::JoinHandle<bool>>,
+}
+
+impl Subscription {
+    fn start(
+        inner: &Arc<Inner>,
+        session: &Session,
+        payload: u64,
+        hold: Duration,
+        to: ToFetch,
+    ) -> Subscription {
+        let bytes = Bytes::from(Control::Subscribe { payload, hold_ms: hold_ms(hold) }.encode());
+        let s = session.clone();
+        let sent = tokio::spawn(async move {
+            match s.notify_unordered(bytes).await {
+                Ok(()) => true,
+                Err(tensorwire_core::Error::NotFound(_)) => false, // a Gone follows
+                Err(e) => {
+                    let _ = to.send(Err(ConnectorError::from_producer(e))).await;
+                    false
+                }
+            }
+        });
+        Subscription {
+            inner: inner.clone(),
+            session: session.clone(),
+            engine: session.peer(),
+            payload,
+            sent: Some(sent),
+        }
+    }
+
+    /// Whether the producer accepted the subscription (waits for its verdict).
+    async fn accepted(&mut self) -> bool {
+        let Some(sent) = self.sent.take() else { return false };
+        let ok = sent.await.unwrap_or(false);
+        self.sent = Some(tokio::spawn(std::future::ready(ok)));
+        ok
+    }
+
+    /// Ends the subscription, in the background; a later consume or release of the payload
+    /// waits for it.
+    fn end(&mut self, consumed: bool) {
+        let Some(subscription) = self.sent.take() else { return };
+        let key = (self.engine, self.payload);
+        let (done, pending) = tokio::sync::watch::channel(false);
+        self.inner.reporting.lock().insert(key, pending);
+        let (s, inner, payload) = (self.session.clone(), self.inner.clone(), self.payload);
+        let msg = Bytes::from(Control::Done { payload, consumed }.encode());
+        tokio::spawn(async move {
+            if !subscription.await.unwrap_or(false) {
+                tracing::debug!(payload, "connector: not subscribed; nothing to end");
+            } else if let Err(e) = s.notify(msg).await {
+                tracing::debug!(payload, error = %e, "connector: ending a subscription");
+            }
+            inner.reporting.lock().remove(&key);
+            done.send_replace(true);
+        });
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        if self.sent.is_some() && tokio::runtime::Handle::try_current().is_ok() {
+            self.end(false);
+        }
+    }
+}
+
 async fn consume_p2p(
     inner: &Arc<Inner>,
     r: &PayloadRef,
@@ -645,129 +804,174 @@ async fn consume_p2p(
     out: &mpsc::Sender<Result<ChunkView>>,
     report: bool,
 ) -> Result<()> {
-    let Source::P2p { addr, payload, region: ref remote, offset: src_base } = r.source else {
+    let Source::P2p { addr, payload, region: ref remote, offset: base } = r.source else {
         return Err(ConnectorError::Internal("not a p2p payload".into()));
     };
     let engine = remote.engine;
-    let wait = inner.cfg.wait_timeout;
-    let reported = inner.reporting.lock().get(&(engine, payload)).cloned();
-    if let Some(mut r) = reported {
-        let _ = tokio::time::timeout(wait, r.wait_for(|done| *done)).await;
-    }
+    reports_sent(inner, engine, payload).await;
     let s = session_to(inner, addr).await?;
     if s.peer() != engine {
         return Err(ConnectorError::ProducerGone(format!(
             "{engine} at {addr}: another engine answers there"
         )));
     }
-    let (tx, mut rx) = mpsc::channel(dst.plan.len() as usize + 4);
-    inner.waiters.lock().insert((engine, payload), tx);
+    let (tx, rx) = mpsc::channel(dst.plan.len() as usize + 4);
+    inner.waiters.lock().insert((engine, payload), tx.clone());
     let _w = Waiter(inner, (engine, payload));
-    let mut reads: HashMap<u32, Vec<TransferHandle>> = HashMap::new();
-    let (mut fetch, mut steps) = Fetch::new(payload, dst.plan.len(), WINDOW, r.chunking.is_none());
-    // The subscription completes in the background: a read does not wait a round trip for it.
-    // Chunk announcements and a Gone answer come once it lands; the consumption report (which
-    // counts only from a subscriber) is sent after it.
-    let mut subscribed: Option<tokio::task::JoinHandle<bool>> = None;
-    loop {
-        for step in std::mem::take(&mut steps) {
-            match step {
-                FetchStep::Read(index) => {
-                    let chunk = dst
-                        .plan
-                        .chunk(index)
-                        .map_err(|e| ConnectorError::Internal(e.to_string()))?;
-                    let ops = chunk
-                        .ranges
-                        .iter()
-                        .map(|b| {
-                            TransferOp::read(
-                                dst.region,
-                                dst.offset + b.offset,
-                                remote,
-                                src_base + b.offset,
-                                b.len,
-                            )
-                        })
-                        .collect();
-                    reads.insert(index, s.submit(ops).await);
-                }
-                FetchStep::Yield(index) => {
-                    if out.send(dst.view(index)).await.is_err() {
-                        return Ok(()); // the consumer stopped listening
-                    }
-                }
-                // Every view is out; the lease moves on once the producer knows. The report goes
-                // out now and completes in the background: the consumer has its bytes and does
-                // not wait a round trip for it (a later consume of this payload does).
-                FetchStep::Report if !report => return Ok(()),
-                FetchStep::Report => {
-                    let bytes = Bytes::from(Control::Consumed { payload }.encode());
-                    let (done, pending) = tokio::sync::watch::channel(false);
-                    inner.reporting.lock().insert((engine, payload), pending);
-                    let (s, inner) = (s.clone(), inner.clone());
-                    let subscription = subscribed.take();
-                    tokio::spawn(async move {
-                        let ok = match subscription {
-                            Some(h) => h.await.unwrap_or(false),
-                            None => true,
-                        };
-                        if !ok {
-                            tracing::debug!(payload, "connector: not subscribed; no report");
-                        } else if let Err(e) = s.notify(bytes).await {
-                            tracing::debug!(payload, error = %e, "connector: consumption report");
-                        }
-                        inner.reporting.lock().remove(&(engine, payload));
-                        done.send_replace(true);
-                    });
-                    return Ok(());
-                }
-                FetchStep::Fail(e) => return Err(e),
+    // The producer keeps the buffer for this consumer until `held_until` at least (its clock
+    // starts when the subscription arrives, after this one): a read that ends later may have
+    // read a buffer given back, and fails the consume.
+    let wait = inner.cfg.wait_timeout;
+    let hold = hold_for(wait, dst.plan.len());
+    let held_until = tokio::time::Instant::now() + hold;
+    // Sent now, with the first reads; declared before them, so dropped after them (the `Done`
+    // on the way out is ordered after the reads' cancellation).
+    let subscription = Subscription::start(inner, &s, payload, hold, tx);
+    let p = P2pRead { s, remote, base, payload, dst, wait, hold, held_until, rx };
+    match r.chunking {
+        None => p.whole(subscription, r.checksum, out, report).await,
+        Some(_) => p.chunked(subscription, out, report).await,
+    }
+}
+
+/// One consume of a p2p payload under way.
+struct P2pRead<'a> {
+    s: Session,
+    remote: &'a tensorwire_core::RemoteRegion,
+    base: u64,
+    payload: u64,
+    dst: Destination<'a>,
+    wait: Duration,
+    hold: Duration,
+    held_until: tokio::time::Instant,
+    rx: mpsc::Receiver<Result<Control>>,
+}
+
+impl P2pRead<'_> {
+    /// Submits the reads of chunk `index`.
+    async fn submit(&self, index: u32) -> Result<Vec<TransferHandle>> {
+        let chunk =
+            self.dst.plan.chunk(index).map_err(|e| ConnectorError::Internal(e.to_string()))?;
+        let (dst, remote, base) = (&self.dst, self.remote, self.base);
+        let ops = chunk
+            .ranges
+            .iter()
+            .map(|b| {
+                TransferOp::read(dst.region, dst.offset + b.offset, remote, base + b.offset, b.len)
+            })
+            .collect();
+        Ok(self.s.submit(ops).await)
+    }
+
+    /// Waits for `reads`; then they must have ended within the producer's hold.
+    async fn landed(&mut self, reads: Vec<TransferHandle>) -> Result<()> {
+        for h in reads {
+            if let Err(e) = h.await {
+                return Err(read_failed(e, self.payload, &mut self.rx, self.wait).await);
             }
         }
-        if subscribed.is_none() {
-            // After the speculative read of an unchunked payload was submitted (the engine orders
-            // the subscription after it).
-            let bytes = Bytes::from(Control::Subscribe { payload }.encode());
-            let s = s.clone();
-            subscribed = Some(tokio::spawn(async move {
-                match s.notify(bytes).await {
-                    Ok(()) => true,
-                    Err(e) => {
-                        tracing::debug!(payload, error = %e, "connector: subscription");
-                        false
-                    }
-                }
-            }));
+        if tokio::time::Instant::now() >= self.held_until {
+            let what = format!("reads of payload {} within the producer's hold", self.payload);
+            return Err(ConnectorError::Timeout { what, after: self.hold });
         }
-        steps = match fetch.next() {
-            Next::Done => return Ok(()),
-            Next::Landing { index, or_message } => {
-                // A message already here goes first, while there is room for more reads.
-                match or_message.then(|| rx.try_recv().ok()).flatten() {
-                    Some(c) => fetch.on_message(&c),
-                    None => {
-                        for h in reads.remove(&index).unwrap_or_default() {
-                            if let Err(e) = h.await {
-                                return Err(read_failed(e, payload, &mut rx, wait).await);
-                            }
-                        }
-                        let crc = if fetch.wants_crc(index) { Some(dst.crc(index)?) } else { None };
-                        fetch.on_landed(index, crc)
+        Ok(())
+    }
+
+    /// An unchunked payload is complete at publish: its read starts with the subscription. The
+    /// producer accepts the subscription only if it still serves the payload when it arrives; a
+    /// payload no longer served is never served again, so it was served throughout every read
+    /// before, and the subscription holds it for the reads after. An accepted subscription so
+    /// confirms the bytes without a round trip after the read; a refused one is followed by a
+    /// Gone that says why. `Done` goes in the background.
+    async fn whole(
+        mut self,
+        mut subscription: Subscription,
+        checksum: Option<u32>,
+        out: &mpsc::Sender<Result<ChunkView>>,
+        report: bool,
+    ) -> Result<()> {
+        let reads = self.submit(0).await?;
+        self.landed(reads).await?;
+        if !subscription.accepted().await {
+            let why = format!("payload {}: subscription refused", self.payload);
+            let e = tensorwire_core::Error::NotFound(tensorwire_core::Missing::Other(why));
+            return Err(read_failed(e, self.payload, &mut self.rx, self.wait).await);
+        }
+        if let Some(expected) = checksum {
+            let actual = self.dst.crc(0)?;
+            if actual != expected {
+                let what = format!("payload {}", self.payload);
+                return Err(ConnectorError::Checksum { what, expected, actual });
+            }
+        }
+        let _ = out.send(self.dst.view(0)).await;
+        subscription.end(report);
+        Ok(())
+    }
+
+    /// A chunked payload: read each chunk as it is announced, within a window, and say `Done`
+    /// once every chunk landed.
+    async fn chunked(
+        mut self,
+        mut subscription: Subscription,
+        out: &mpsc::Sender<Result<ChunkView>>,
+        report: bool,
+    ) -> Result<()> {
+        let (payload, dst) = (self.payload, self.dst);
+        let mut reads_of: HashMap<u32, Vec<TransferHandle>> = HashMap::new();
+        let mut fetch = Fetch::new(payload, dst.plan.len(), WINDOW);
+        let mut steps = Vec::new();
+        loop {
+            for step in std::mem::take(&mut steps) {
+                match step {
+                    FetchStep::Read(index) => {
+                        let reads = self.submit(index).await?;
+                        reads_of.insert(index, reads);
                     }
+                    FetchStep::Yield(index) => {
+                        if out.send(dst.view(index)).await.is_err() {
+                            return Ok(()); // the consumer stopped listening
+                        }
+                    }
+                    // Every view is out; the lease moves on once the producer knows. The report
+                    // completes in the background: the consumer has its bytes and does not wait a
+                    // round trip for it (a later consume of this payload does).
+                    FetchStep::Report => {
+                        subscription.end(report);
+                        return Ok(());
+                    }
+                    FetchStep::Fail(e) => return Err(e),
                 }
             }
-            Next::Message => match tokio::time::timeout(wait, rx.recv()).await {
-                Ok(Some(c)) => fetch.on_message(&c),
-                Ok(None) => return Err(ConnectorError::Internal("connector closed".into())),
-                Err(_) => {
-                    return Err(ConnectorError::Timeout {
-                        what: format!("chunk announcements of payload {payload} from {engine}"),
-                        after: wait,
-                    });
+            steps = match fetch.next() {
+                Next::Done => return Ok(()),
+                Next::Landing { index, or_message } => {
+                    // A message already here goes first, while there is room for more reads.
+                    match or_message.then(|| self.rx.try_recv().ok()).flatten() {
+                        Some(c) => fetch.on_message(&c?),
+                        None => {
+                            self.landed(reads_of.remove(&index).unwrap_or_default()).await?;
+                            let crc =
+                                if fetch.wants_crc(index) { Some(dst.crc(index)?) } else { None };
+                            fetch.on_landed(index, crc)
+                        }
+                    }
                 }
-            },
-        };
+                Next::Message => match tokio::time::timeout(self.wait, self.rx.recv()).await {
+                    Ok(Some(c)) => fetch.on_message(&c?),
+                    Ok(None) => return Err(ConnectorError::Internal("connector closed".into())),
+                    Err(_) => {
+                        return Err(ConnectorError::Timeout {
+                            what: format!(
+                                "chunk announcements of payload {payload} from {}",
+                                self.s.peer()
+                            ),
+                            after: self.wait,
+                        });
+                    }
+                },
+            };
+        }
     }
 }
 

@@ -1,7 +1,9 @@
-//! Connector control messages, carried in engine notifications (ordered after the data they
-//! follow): a consumer subscribes to a p2p payload, the producer announces each chunk as it becomes
-//! ready (with its crc32c when checksums are on), the consumer reports when it is done, and a
-//! producer that cannot serve says why. Versioned and total.
+//! Connector control messages, carried in engine notifications: a consumer subscribes to a chunked
+//! p2p payload (holding it for a while: see [`Control::Subscribe`]), the producer announces each
+//! chunk as it becomes ready (with its crc32c when checksums are on), the consumer says when it is
+//! done (counting as a consumer or not), and a producer that cannot serve says why. The
+//! producer's verdict on `Done` (what the consumer's `notify` returns) says whether it still
+//! served the payload when `Done` arrived. Versioned and total.
 
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::wire::frame::Framing;
@@ -9,9 +11,13 @@ use tensorwire_core::{Error, Result};
 
 use crate::error::{ConnectorError, LeaseEnd};
 
+/// The longest hold a subscription may ask for (a consumer asks for less; a producer caps a
+/// longer ask to this).
+pub const MAX_HOLD: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// The messages' magic ("TC") and version.
 pub const FRAMING: Framing =
-    Framing { name: "connector control", magic: *b"TC", version: 2, max_payload: 64 };
+    Framing { name: "connector control", magic: *b"TC", version: 3, max_payload: 64 };
 
 /// Why a producer cannot serve a payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,10 +62,15 @@ impl Gone {
 /// A control message about one payload of the producer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
-    /// Consumer -> producer: send me chunk announcements for `payload`.
+    /// Consumer -> producer: send me chunk announcements for `payload`, and keep its buffer
+    /// (even past the end of its lease) until I report it consumed, unsubscribe, or `hold_ms`
+    /// pass. A consumer may start reading before this arrives: a payload still held when it
+    /// arrives was held all along, and the hold keeps it for the reads after.
     Subscribe {
         /// The payload.
         payload: u64,
+        /// How long the producer keeps the buffer for this consumer, at most [`MAX_HOLD`].
+        hold_ms: u32,
     },
     /// Producer -> consumer: chunk `index` of `payload` is ready.
     Ready {
@@ -70,10 +81,14 @@ pub enum Control {
         /// Its crc32c, with checksums on.
         crc: Option<u32>,
     },
-    /// Consumer -> producer: done with `payload`.
-    Consumed {
+    /// Consumer -> producer: done reading `payload` (sent after the reads, so a payload still
+    /// served when it arrives was served throughout them); ends the consumer's hold, and with
+    /// `consumed` counts it as a consumer of the lease.
+    Done {
         /// The payload.
         payload: u64,
+        /// Whether it counts as a consumer.
+        consumed: bool,
     },
     /// Producer -> consumer: `payload` cannot be served.
     Gone {
@@ -90,13 +105,13 @@ impl Control {
         let mut w = Writer::new();
         w.raw(&FRAMING.magic).u8(FRAMING.version);
         match self {
-            Control::Subscribe { payload } => w.u8(1).u64(*payload),
+            Control::Subscribe { payload, hold_ms } => w.u8(1).u64(*payload).u32(*hold_ms),
             Control::Ready { payload, index, crc } => {
                 w.u8(2).u64(*payload).u32(*index).opt(*crc, |w, c| {
                     w.u32(c);
                 })
             }
-            Control::Consumed { payload } => w.u8(3).u64(*payload),
+            Control::Done { payload, consumed } => w.u8(3).u64(*payload).bool(*consumed),
             Control::Gone { payload, why } => {
                 let tag = Gone::ALL.iter().position(|g| g == why).unwrap_or(0);
                 w.u8(4).u64(*payload).u8(tag as u8)
@@ -113,13 +128,13 @@ impl Control {
         let mut r = Reader::new(b, "connector control");
         FRAMING.check_prefix(r.raw(3)?)?;
         let c = match r.u8()? {
-            1 => Control::Subscribe { payload: r.u64()? },
+            1 => Control::Subscribe { payload: r.u64()?, hold_ms: r.u32()? },
             2 => Control::Ready {
                 payload: r.u64()?,
                 index: r.u32()?,
                 crc: r.opt("crc", Reader::u32)?,
             },
-            3 => Control::Consumed { payload: r.u64()? },
+            3 => Control::Done { payload: r.u64()?, consumed: r.bool()? },
             4 => {
                 let payload = r.u64()?;
                 let t = r.u8()?;

@@ -10,10 +10,11 @@ use tensorwire_diffusion::{Lease, LeasePolicy, LeaseState};
 #[test]
 fn control_round_trip() {
     let all = [
-        Control::Subscribe { payload: 1 },
+        Control::Subscribe { payload: 1, hold_ms: 30_000 },
+        Control::Done { payload: 5, consumed: false },
         Control::Ready { payload: 3, index: 6, crc: Some(9) },
         Control::Ready { payload: 3, index: 6, crc: None },
-        Control::Consumed { payload: 2 },
+        Control::Done { payload: 2, consumed: true },
     ]
     .into_iter()
     .chain(

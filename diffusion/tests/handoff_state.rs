@@ -8,16 +8,17 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use tensorwire_core::EngineId;
-use tensorwire_diffusion::control::{Control, Gone};
+use tensorwire_diffusion::control::{Control, Gone, MAX_HOLD};
 use tensorwire_diffusion::handoff::{Action, Fetch, FetchStep, Next, Publisher};
 use tensorwire_diffusion::{ConnectorError, Lease, LeasePolicy};
 
 #[derive(Debug, Clone)]
 enum Op {
     Publish { id: u64, chunks: u32, lease: u8, to_store: bool },
+    PublishWhole { id: u64, lease: u8 },
     Mark { id: u64, index: u32 },
-    Subscribe { from: u8, id: u64 },
-    Consumed { from: u8, id: u64 },
+    Subscribe { from: u8, id: u64, hold_ms: u64 },
+    Done { from: u8, id: u64, consumed: bool },
     Retire { id: u64 },
     Abandon { id: u64 },
     Sweep { ms: u64 },
@@ -27,9 +28,18 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         (0u64..4, 1u32..5, 0u8..4, any::<bool>())
             .prop_map(|(id, chunks, lease, to_store)| Op::Publish { id, chunks, lease, to_store }),
+        (0u64..4, 0u8..4).prop_map(|(id, lease)| Op::PublishWhole { id, lease }),
         (0u64..4, 0u32..5).prop_map(|(id, index)| Op::Mark { id, index }),
-        (0u8..3, 0u64..4).prop_map(|(from, id)| Op::Subscribe { from, id }),
-        (0u8..3, 0u64..4).prop_map(|(from, id)| Op::Consumed { from, id }),
+        (0u8..3, 0u64..4, 0u64..300).prop_map(|(from, id, hold_ms)| Op::Subscribe {
+            from,
+            id,
+            hold_ms
+        }),
+        (0u8..3, 0u64..4, any::<bool>()).prop_map(|(from, id, consumed)| Op::Done {
+            from,
+            id,
+            consumed
+        }),
         (0u64..4).prop_map(|id| Op::Retire { id }),
         (0u64..4).prop_map(|id| Op::Abandon { id }),
         (0u64..300).prop_map(|ms| Op::Sweep { ms }),
@@ -41,13 +51,19 @@ fn op() -> impl Strategy<Value = Op> {
 struct Model {
     buffer: u64,
     chunks: u32,
+    to_store: bool,
+    /// Published whole: subscribing is its announcement (no Ready is sent).
+    whole: bool,
     ready: BTreeSet<u32>,
-    subscribers: HashSet<EngineId>,
+    /// Subscribers and the end of each one's hold.
+    subscribers: HashMap<EngineId, Instant>,
+    /// No longer served (its buffer may wait for holds).
+    ended: bool,
 }
 
 proptest! {
     #[test]
-    fn publisher_returns_every_buffer_once_and_announces_every_ready_chunk(
+    fn publisher_returns_every_buffer_once_never_under_a_hold_and_announces_every_ready_chunk(
         ops in proptest::collection::vec(op(), 1..200),
     ) {
         let t0 = Instant::now();
@@ -62,52 +78,68 @@ proptest! {
             match op {
                 Op::Publish { id, chunks, lease, to_store } => {
                     if models.contains_key(&id) { continue; } // ids are unique per connector
-                    let policy = match lease {
-                        0 => LeasePolicy::DeleteOnConsume { consumers: 1 },
-                        1 => LeasePolicy::DeleteOnConsume { consumers: 2 },
-                        2 => LeasePolicy::Ttl(Duration::from_millis(100)),
-                        _ => LeasePolicy::Pinned,
-                    };
                     next_buffer += 1;
                     issued.insert(next_buffer);
-                    p.publish(id, next_buffer, chunks, Lease::new(policy, now), to_store);
-                    models.insert(id, Model { buffer: next_buffer, chunks, ..Model::default() });
+                    p.publish(id, next_buffer, chunks, Lease::new(policy(lease), now), to_store);
+                    models.insert(id, Model { buffer: next_buffer, chunks, to_store, ..Model::default() });
+                }
+                Op::PublishWhole { id, lease } => {
+                    if models.contains_key(&id) { continue; }
+                    next_buffer += 1;
+                    issued.insert(next_buffer);
+                    p.publish_whole(id, next_buffer, Some(0), Lease::new(policy(lease), now));
+                    let ready = BTreeSet::from([0]);
+                    models.insert(id, Model { buffer: next_buffer, chunks: 1, whole: true, ready, ..Model::default() });
                 }
                 Op::Mark { id, index } => {
-                    let valid = models.get(&id).is_some_and(|m| index < m.chunks && !m.ready.contains(&index));
+                    let valid = models.get(&id).is_some_and(|m| !m.ended && index < m.chunks && !m.ready.contains(&index));
                     let r = p.mark_ready(id, index, Some(index), &mut out);
                     prop_assert_eq!(r.is_ok(), valid, "mark {} of {}: {:?}", index, id, r.err());
-                    if r.is_ok() { models.get_mut(&id).unwrap().ready.insert(index); }
-                    // Every subscriber hears of the chunk.
                     if r.is_ok() {
+                        let m = models.get_mut(&id).unwrap();
+                        m.ready.insert(index);
+                        // Every subscriber hears of the chunk.
                         let told: HashSet<EngineId> = out.iter().filter_map(|a| match a {
                             Action::Send { to, msg: Control::Ready { index: i, .. } } if *i == index => Some(*to),
                             _ => None,
                         }).collect();
-                        prop_assert_eq!(&told, &models[&id].subscribers);
+                        prop_assert_eq!(told, m.subscribers.keys().copied().collect::<HashSet<_>>());
                     }
                 }
-                Op::Subscribe { from, id } => {
+                Op::Subscribe { from, id, hold_ms } => {
                     let from = EngineId(u128::from(from));
-                    p.subscribe(from, id, now, &mut out);
+                    let subscribed = p.subscribe(from, id, Duration::from_millis(hold_ms), now, &mut out);
                     let gone = out.iter().any(|a| matches!(a, Action::Send { msg: Control::Gone { .. }, to } if *to == from));
-                    if let Some(m) = models.get_mut(&id) {
-                        if !gone {
-                            m.subscribers.insert(from);
+                    prop_assert_eq!(subscribed, !gone, "subscribed, or told why not");
+                    match models.get_mut(&id) {
+                        Some(m) if !gone => {
+                            prop_assert!(!m.ended && !m.to_store, "an ended or store payload subscribed to");
+                            let until = now + Duration::from_millis(hold_ms);
+                            let held = m.subscribers.entry(from).or_insert(until);
+                            *held = (*held).max(until);
                             let replayed: BTreeSet<u32> = out.iter().filter_map(|a| match a {
                                 Action::Send { to, msg: Control::Ready { index, .. } } if *to == from => Some(*index),
                                 _ => None,
                             }).collect();
-                            prop_assert_eq!(&replayed, &m.ready, "a subscriber learns every ready chunk");
+                            let expected = if m.whole { BTreeSet::new() } else { m.ready.clone() };
+                            prop_assert_eq!(replayed, expected, "a subscriber learns every ready chunk");
                         }
-                    } else {
-                        prop_assert!(gone, "a payload not held answers Gone");
+                        Some(_) => {}
+                        None => prop_assert!(gone, "a payload not held answers Gone"),
                     }
                 }
-                Op::Consumed { from, id } => {
+                Op::Done { from, id, consumed } => {
                     let from = EngineId(u128::from(from));
-                    p.consumed(from, id, now, &mut out);
-                    if let Some(m) = models.get_mut(&id) { m.subscribers.remove(&from); }
+                    let served = p.done(from, id, consumed, now, &mut out);
+                    let gone = out.iter().any(|a| matches!(a, Action::Send { msg: Control::Gone { .. }, to } if *to == from));
+                    prop_assert_eq!(served, !gone, "served, or told why not");
+                    match models.get_mut(&id) {
+                        Some(m) => {
+                            prop_assert!(!served || !(m.ended || m.to_store), "an ended payload confirmed");
+                            m.subscribers.remove(&from);
+                        }
+                        None => prop_assert!(!served, "a payload not held confirmed"),
+                    }
                 }
                 Op::Retire { id } => p.retire(id, &mut out),
                 Op::Abandon { id } => p.abandon(id, &mut out),
@@ -116,20 +148,21 @@ proptest! {
                     p.sweep(now, &mut out);
                 }
             }
-            for a in &out {
-                match a {
-                    Action::Release { payload, buffer } | Action::Store { payload, buffer } => {
-                        prop_assert!(issued.contains(buffer), "a buffer never published");
-                        prop_assert!(returned.insert(*buffer), "buffer {} handed back twice", buffer);
-                        let m = models.remove(payload).expect("a payload the model holds");
-                        prop_assert_eq!(m.buffer, *buffer);
+            check(&out, &mut models, &issued, &mut returned, now)?;
+            // Payloads that stopped being served in this step: the subscribers of an incomplete
+            // one were told.
+            for (id, m) in &mut models {
+                let ended = p.buffer(*id).is_none();
+                if ended && !m.ended && m.ready.len() < m.chunks as usize {
+                    for s in m.subscribers.keys() {
+                        let told = out.iter().any(|a| matches!(a, Action::Send { to, msg: Control::Gone { payload, .. } } if to == s && payload == id));
+                        prop_assert!(told, "subscriber {} of {} not told it ended", s, id);
                     }
-                    Action::Send { msg: Control::Ready { payload, index, crc }, .. } => {
-                        prop_assert_eq!(*crc, Some(*index));
-                        let marked = models.get(payload).is_some_and(|m| m.ready.contains(index));
-                        prop_assert!(marked, "announced chunk {} of {} before it was ready", index, payload);
-                    }
-                    Action::Send { .. } => {}
+                }
+                prop_assert!(!m.ended || ended, "payload {} served again", id);
+                m.ended = ended;
+                if m.ended {
+                    m.subscribers.retain(|_, until| *until > now || !matches!(op, Op::Sweep { .. }));
                 }
             }
             prop_assert_eq!(p.held(), models.len());
@@ -137,14 +170,59 @@ proptest! {
         let ids: Vec<u64> = models.keys().copied().collect();
         let mut out = Vec::new();
         for id in ids { p.retire(id, &mut out); }
-        for a in out {
-            if let Action::Release { buffer, .. } | Action::Store { buffer, .. } = a {
-                prop_assert!(returned.insert(buffer));
-            }
-        }
+        now += MAX_HOLD + Duration::from_secs(1);
+        p.sweep(now, &mut out);
+        check(&out, &mut models, &issued, &mut returned, now)?;
         prop_assert_eq!(returned, issued, "every buffer comes back exactly once");
         prop_assert_eq!(p.held(), 0);
     }
+}
+
+fn policy(lease: u8) -> LeasePolicy {
+    match lease {
+        0 => LeasePolicy::DeleteOnConsume { consumers: 1 },
+        1 => LeasePolicy::DeleteOnConsume { consumers: 2 },
+        2 => LeasePolicy::Ttl(Duration::from_millis(100)),
+        _ => LeasePolicy::Pinned,
+    }
+}
+
+/// Checks one step's actions against the models: buffers come back once, only from ended
+/// payloads nobody holds (store payloads once complete); chunks are announced only once ready.
+fn check(
+    out: &[Action<u64>],
+    models: &mut HashMap<u64, Model>,
+    issued: &HashSet<u64>,
+    returned: &mut HashSet<u64>,
+    now: Instant,
+) -> Result<(), TestCaseError> {
+    for a in out {
+        match a {
+            Action::Release { payload, buffer } | Action::Store { payload, buffer } => {
+                prop_assert!(issued.contains(buffer), "a buffer never published");
+                prop_assert!(returned.insert(*buffer), "buffer {} handed back twice", buffer);
+                let m = models.remove(payload).expect("a payload the model holds");
+                prop_assert_eq!(m.buffer, *buffer);
+                let held = m.subscribers.values().filter(|&&until| until > now).count();
+                prop_assert_eq!(held, 0, "payload {} released under {} holds", payload, held);
+                if matches!(a, Action::Store { .. }) {
+                    prop_assert_eq!(m.ready.len(), m.chunks as usize);
+                }
+            }
+            Action::Send { msg: Control::Ready { payload, index, crc }, .. } => {
+                prop_assert_eq!(*crc, Some(*index));
+                let marked = models.get(payload).is_some_and(|m| m.ready.contains(index));
+                prop_assert!(
+                    marked,
+                    "announced chunk {} of {} before it was ready",
+                    index,
+                    payload
+                );
+            }
+            Action::Send { .. } => {}
+        }
+    }
+    Ok(())
 }
 
 /// Drives a fetch the way the connector does, with `choices` deciding whether a waiting message
@@ -152,14 +230,13 @@ proptest! {
 fn drive(
     chunks: u32,
     window: usize,
-    speculative: bool,
     mut messages: Vec<Control>,
     mut choices: impl Iterator<Item = bool>,
     bad_crc: Option<u32>,
 ) -> Vec<FetchStep> {
-    let (mut f, first) = Fetch::new(7, chunks, window, speculative);
+    let mut f = Fetch::new(7, chunks, window);
     let mut log: Vec<FetchStep> = Vec::new();
-    let mut steps = first;
+    let mut steps = Vec::new();
     for _ in 0..10_000 {
         log.append(&mut steps);
         steps = match f.next() {
@@ -186,7 +263,6 @@ proptest! {
     fn fetch_reads_and_yields_each_chunk_once_within_its_window(
         chunks in 1u32..9,
         window in 1usize..5,
-        speculative in any::<bool>(),
         order in Just(()).prop_perturb(|_, mut rng| {
             let mut v: Vec<u32> = (0..8).collect();
             for i in (1..v.len()).rev() { v.swap(i, rng.random_range(0..=i)); }
@@ -197,8 +273,8 @@ proptest! {
     ) {
         let mut messages: Vec<Control> = order.iter().chain(&repeats).filter(|&&i| i < chunks)
             .map(|&i| Control::Ready { payload: 7, index: i, crc: Some(i) }).collect();
-        messages.insert(0, Control::Subscribe { payload: 7 }); // not for a fetch: ignored
-        let log = drive(chunks, window, speculative, messages, choices.into_iter(), None);
+        messages.insert(0, Control::Subscribe { payload: 7, hold_ms: 1 }); // not for a fetch: ignored
+        let log = drive(chunks, window, messages, choices.into_iter(), None);
         let (mut read, mut yielded, mut in_flight) = (Vec::new(), Vec::new(), 0usize);
         for (k, s) in log.iter().enumerate() {
             match s {
@@ -232,7 +308,7 @@ proptest! {
         if gone {
             messages.insert(gone_at, Control::Gone { payload: 7, why: Gone::Expired });
         }
-        let log = drive(chunks, 2, false, messages, std::iter::repeat(true), bad);
+        let log = drive(chunks, 2, messages, std::iter::repeat(true), bad);
         let fails: Vec<&ConnectorError> = log.iter().filter_map(|s| match s { FetchStep::Fail(e) => Some(e), _ => None }).collect();
         let bad_hit = bad.is_some_and(|b| b < chunks);
         if gone || bad_hit {

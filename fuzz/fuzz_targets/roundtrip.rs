@@ -328,9 +328,9 @@ fn store_response(u: &mut Unstructured<'_>) -> Result<()> {
 fn control(u: &mut Unstructured<'_>) -> Result<()> {
     let payload = u.arbitrary()?;
     let m = match u.int_in_range(0..=3u8)? {
-        0 => Control::Subscribe { payload },
+        0 => Control::Subscribe { payload, hold_ms: u.arbitrary()? },
         1 => Control::Ready { payload, index: u.arbitrary()?, crc: u.arbitrary()? },
-        2 => Control::Consumed { payload },
+        2 => Control::Done { payload, consumed: u.arbitrary()? },
         _ => Control::Gone { payload, why: *u.choose(&Gone::ALL)? },
     };
     assert_eq!(Control::decode(&m.encode()).ok().flatten(), Some(m));

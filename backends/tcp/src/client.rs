@@ -79,6 +79,13 @@ enum What {
     Notify(Bytes),
 }
 
+impl What {
+    /// A READ or WRITE (what the streams balance), not a notification.
+    fn is_data(&self) -> bool {
+        !matches!(self, What::Notify(_))
+    }
+}
+
 /// One piece of an op: what goes in one request frame.
 #[derive(Debug)]
 struct Piece {
@@ -121,7 +128,9 @@ struct StreamState {
     pending: Mutex<Pending>,
     /// Bytes of this stream's pieces sent and not yet answered.
     inflight: AtomicU64,
-    /// Pieces of this stream taken and not yet answered (a READ payload being received counts).
+    /// Data pieces (READ or WRITE) of this stream taken and not yet answered (a READ payload
+    /// being received counts). Notifications do not: they are tiny, and a stream waiting for a
+    /// notification's answer is free to move data.
     outstanding: AtomicUsize,
     /// Signalled when this stream's work drops, and when another stream's rises from none.
     room: Notify,
@@ -157,10 +166,14 @@ impl StreamState {
         c.streams.iter().filter(move |o| !std::ptr::eq(*o, self))
     }
 
-    /// Counts a piece taken by this stream's writer; the first one makes the other streams'
-    /// writers look again (they may have been waiting for this stream to get busy).
-    fn took(&self, len: u64, c: &ConnShared) {
+    /// Counts a piece taken by this stream's writer (`data`: a READ or WRITE); the first data
+    /// piece makes the other streams' writers look again (they may have been waiting for this
+    /// stream to get busy).
+    fn took(&self, len: u64, data: bool, c: &ConnShared) {
         self.inflight.fetch_add(len, Ordering::AcqRel);
+        if !data {
+            return;
+        }
         self.pieces.fetch_add(1, Ordering::Relaxed);
         self.bytes.fetch_add(len, Ordering::Relaxed);
         if self.outstanding.fetch_add(1, Ordering::AcqRel) == 0 {
@@ -168,9 +181,11 @@ impl StreamState {
         }
     }
 
-    fn answered(&self, len: u64) {
+    fn answered(&self, len: u64, data: bool) {
         self.inflight.fetch_sub(len, Ordering::AcqRel);
-        self.outstanding.fetch_sub(1, Ordering::AcqRel);
+        if data {
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
         self.room.notify_one();
     }
 }
@@ -397,7 +412,7 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
                 p.op.finish(Err(e));
                 continue;
             }
-            s.took(p.len, &c);
+            s.took(p.len, p.what.is_data(), &c);
             pend.q.push_back((id, p));
         }
         // SAFETY: `hb` and `notify_body` are locals; a WRITE's source is registered memory held
@@ -416,13 +431,14 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
 struct Answered<'a> {
     stream: &'a StreamState,
     len: u64,
+    data: bool,
     done: bool,
 }
 
 impl Answered<'_> {
     fn release(&mut self) {
         if !std::mem::replace(&mut self.done, true) {
-            self.stream.answered(self.len);
+            self.stream.answered(self.len, self.data);
         }
     }
 
@@ -469,7 +485,7 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
             return c
                 .kill(Error::protocol(format!("tcp: unsolicited {:?} from {}", h.kind, c.peer)));
         };
-        let mut ans = Answered { stream: s, len: p.len, done: false };
+        let mut ans = Answered { stream: s, len: p.len, data: p.what.is_data(), done: false };
         if h.id != id || !matches(&p.what, h.kind) {
             let e = Error::protocol(format!(
                 "tcp: response {:?} #{} does not answer request #{id}",

@@ -67,3 +67,38 @@ pub async fn notification_bounds(f: &dyn PairFactory) {
     assert!(matches!(e, Error::Capacity { .. }), "full queue: {e}");
     assert_eq!(bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap().payload, max);
 }
+
+/// A notification handler on the receiver decides each notification's fate, and its verdict is
+/// what the sender's `notify` returns: taken (not queued), refused (the sender gets the error,
+/// the connection stays usable), or passed on to the queue.
+pub async fn notification_handler_verdicts(f: &dyn PairFactory) {
+    use std::sync::Arc;
+    use tensorwire_core::{Handled, Missing};
+    let (pair, s) = connected(f).await;
+    let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = taken.clone();
+    let from = pair.a.id();
+    pair.b.set_notification_handler(Some(Arc::new(move |n| {
+        assert_eq!(n.from, from);
+        match &n.payload[..] {
+            b"take" => {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Handled::Taken
+            }
+            b"refuse" => Handled::Refused(Error::NotFound(Missing::Other("refused here".into()))),
+            _ => Handled::Pass,
+        }
+    })));
+    bounded("notify", s.notify(Bytes::from_static(b"take"))).await.unwrap();
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1, "taken before notify returned");
+    let e = bounded("notify", s.notify(Bytes::from_static(b"refuse"))).await.unwrap_err();
+    assert!(matches!(e, Error::NotFound(_)), "a refusal is the handler's error: {e}");
+    assert!(e.to_string().contains("refused here"), "the refusal keeps its reason: {e}");
+    bounded("notify", s.notify_unordered(Bytes::from_static(b"pass"))).await.unwrap();
+    let n = bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap();
+    assert_eq!(&n.payload[..], b"pass", "only the passed notification is queued");
+    pair.b.set_notification_handler(None);
+    bounded("notify", s.notify(Bytes::from_static(b"take"))).await.unwrap();
+    let n = bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap();
+    assert_eq!(&n.payload[..], b"take", "without a handler everything is queued");
+}

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc::error::TrySendError;
 
 use super::chunked::ChunkSignal;
-use super::{EngineShared, Notification, lock};
+use super::{EngineShared, Handled, Notification, lock};
 use crate::backend::{BackendHost, RemoteRange};
 use crate::error::{Error, Missing, Result};
 use crate::region::{Access, MemSlice};
@@ -61,16 +61,21 @@ impl BackendHost for HostAdapter {
         let env = Envelope::decode(&msg)?;
         match env.msg {
             Message::User(payload) => {
+                let n = Notification { from: env.from, payload };
+                let handler = engine.notif_handler.get();
+                match handler.map_or(Handled::Pass, |h| h(&n)) {
+                    Handled::Pass => {}
+                    Handled::Taken => return Ok(()),
+                    Handled::Refused(e) => return Err(e),
+                }
                 let cap = engine.config.notification_queue as u64;
-                engine.notif_tx.try_send(Notification { from: env.from, payload }).map_err(|e| {
-                    match e {
-                        TrySendError::Full(_) => Error::Capacity {
-                            what: format!("notification queue of {}", engine.id),
-                            requested: cap + 1,
-                            limit: cap,
-                        },
-                        TrySendError::Closed(_) => Error::PeerClosed("receiver gone".into()),
-                    }
+                engine.notif_tx.try_send(n).map_err(|e| match e {
+                    TrySendError::Full(_) => Error::Capacity {
+                        what: format!("notification queue of {}", engine.id),
+                        requested: cap + 1,
+                        limit: cap,
+                    },
+                    TrySendError::Closed(_) => Error::PeerClosed("receiver gone".into()),
                 })
             }
             Message::ChunkLanded { transfer, index } => {

@@ -107,6 +107,43 @@ pub(crate) struct Counters {
     pub(crate) ops_failed: AtomicU64,
 }
 
+/// What a [`NotificationHandler`] decided about an inbound notification.
+#[derive(Debug)]
+pub enum Handled {
+    /// Not the handler's: it goes to [`Engine::recv_notification`] as usual.
+    Pass,
+    /// The handler acted on it; the sender's `notify` succeeds.
+    Taken,
+    /// The handler refused it; the sender's `notify` fails with this error.
+    Refused(Error),
+}
+
+/// Sees each inbound user notification as it arrives, before it is queued, and decides what
+/// becomes of it. It runs on the receiving backend's IO task, so it must be quick and never
+/// block; its verdict is what the sender's [`crate::Session::notify`] returns, which makes a
+/// notification a one-way request whose answer is that verdict.
+pub type NotificationHandler = Arc<dyn Fn(&Notification) -> Handled + Send + Sync>;
+
+/// Where the engine keeps its [`NotificationHandler`].
+#[derive(Default)]
+pub(crate) struct HandlerSlot(std::sync::RwLock<Option<NotificationHandler>>);
+
+impl HandlerSlot {
+    fn set(&self, h: Option<NotificationHandler>) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = h;
+    }
+
+    pub(crate) fn get(&self) -> Option<NotificationHandler> {
+        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
+impl std::fmt::Debug for HandlerSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.get().is_some() { "HandlerSlot(set)" } else { "HandlerSlot(none)" })
+    }
+}
+
 /// The engine's shared state (behind `Engine`, referenced weakly by sessions and regions).
 #[derive(Debug)]
 pub(crate) struct EngineShared {
@@ -123,6 +160,7 @@ pub(crate) struct EngineShared {
     pub(crate) peers: Mutex<HashMap<EngineId, EngineDescriptor>>,
     pub(crate) sessions: Mutex<HashMap<EngineId, Session>>,
     pub(crate) notif_tx: mpsc::Sender<Notification>,
+    pub(crate) notif_handler: HandlerSlot,
     notif_rx: tokio::sync::Mutex<mpsc::Receiver<Notification>>,
     pub(crate) chunk_streams: Mutex<HashMap<u64, mpsc::Sender<ChunkSignal>>>,
     local_addr: SocketAddr,
@@ -355,6 +393,7 @@ impl EngineBuilder {
             peers: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             notif_tx,
+            notif_handler: HandlerSlot::default(),
             notif_rx: tokio::sync::Mutex::new(notif_rx),
             chunk_streams: Mutex::new(HashMap::new()),
             local_addr,
@@ -583,6 +622,12 @@ impl Engine {
             .cloned()
             .ok_or_else(|| Error::NotFound(Missing::Peer(peer.to_string())))?;
         Ok(session::Session::open(&self.shared, desc, None))
+    }
+
+    /// Installs `handler` (replacing any other): each inbound user notification goes through it
+    /// first (see [`NotificationHandler`]). `None` removes it.
+    pub fn set_notification_handler(&self, handler: Option<NotificationHandler>) {
+        self.shared.notif_handler.set(handler);
     }
 
     /// Waits up to `timeout` for the next user notification from any peer.

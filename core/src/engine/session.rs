@@ -479,18 +479,25 @@ impl Session {
     }
 
     pub(crate) async fn send(&self, msg: Message) -> Result<()> {
+        self.send_as(msg, true).await
+    }
+
+    /// Sends `msg`; with `ordered`, only once every op submitted before the call has ended.
+    async fn send_as(&self, msg: Message, ordered: bool) -> Result<()> {
         let engine = self.engine()?;
         let peer = self.descriptor();
         let bytes = Envelope { from: engine.id, msg }.encode()?;
         let b = engine.backends[Self::select(&engine, &peer, None, None)?].clone();
         let c = self.connection(&engine, &b).await?;
-        let earlier = c.fence.wait_earlier();
+        let earlier = ordered.then(|| c.fence.wait_earlier());
         let limit = engine.config.transfer_timeout;
-        let ordered = async move {
-            earlier.await; // every op submitted before this notification has ended
+        let sent = async move {
+            if let Some(earlier) = earlier {
+                earlier.await; // every op submitted before this notification has ended
+            }
             c.conn.notify(bytes).await
         };
-        tokio::time::timeout(limit, ordered)
+        tokio::time::timeout(limit, sent)
             .await
             .map_err(|_| Error::timeout(format!("notification to {}", peer.engine), limit))?
     }
@@ -501,5 +508,13 @@ impl Session {
     /// engine's preferred backend, so for them the order is total).
     pub async fn notify(&self, payload: Bytes) -> Result<()> {
         self.send(Message::User(payload)).await
+    }
+
+    /// [`Session::notify`] without the wait for earlier transfers: the message leaves at once and
+    /// may arrive before the bytes of ops submitted before it (and before an ordered
+    /// notification still waiting for them). For control messages that describe no data, such
+    /// as asking a producer for a payload while its read is already under way.
+    pub async fn notify_unordered(&self, payload: Bytes) -> Result<()> {
+        self.send_as(Message::User(payload), false).await
     }
 }

@@ -21,6 +21,10 @@ impl Writer {
         self.buf.push(v);
         self
     }
+    /// Appends a flag as one byte, 0 or 1.
+    pub fn bool(&mut self, v: bool) -> &mut Self {
+        self.u8(u8::from(v))
+    }
     /// Appends a u32 length then the bytes.
     pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
         // Callers bound their fields far below 4 GiB; saturate rather than wrap if one does not.
@@ -125,6 +129,14 @@ impl<'a> Reader<'a> {
     /// Reads one byte.
     pub fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
+    }
+    /// Reads what [`Writer::bool`] wrote; a byte other than 0 or 1 is an error.
+    pub fn bool(&mut self) -> Result<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            t => Err(Error::protocol(format!("{}: flag byte {t}", self.what))),
+        }
     }
     /// Reads a length-prefixed byte string of at most `max` bytes.
     pub fn bytes(&mut self, max: usize, field: &str) -> Result<&'a [u8]> {

@@ -1,5 +1,5 @@
-//! One consumer's progress through a p2p payload: which chunks were announced, which reads are
-//! in flight (oldest first, at most `window`), what was handed out, and when to report. The IO
+//! One consumer's progress through a chunked p2p payload: which chunks were announced, which reads
+//! are in flight (oldest first, at most `window`), what was handed out, and when to report. The IO
 //! layer submits the reads it asks for, tells it when the oldest one landed (with the bytes'
 //! checksum when the producer sent one), and forwards the producer's messages.
 
@@ -24,7 +24,7 @@ pub enum FetchStep {
 /// What a fetch waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
-    /// A message from the producer (nothing confirmed is in flight).
+    /// A message from the producer (nothing is in flight).
     Message,
     /// The oldest read in flight, chunk `index`; with `or_message`, a producer message that is
     /// already there goes first (more reads may start while this one lands).
@@ -47,24 +47,17 @@ pub struct Fetch {
     crc: Vec<Option<u32>>,
     /// Announced, not yet read (the window was full).
     queued: VecDeque<u32>,
-    /// Reads in flight, oldest first; `false`: started before the producer confirmed it.
-    flight: VecDeque<(u32, bool)>,
+    /// Reads in flight, oldest first.
+    flight: VecDeque<u32>,
     left: usize,
     over: bool,
 }
 
 impl Fetch {
     /// A fetch of `payload` in `chunks` chunks with at most `window` chunks' reads in flight.
-    /// `speculative`: an unchunked payload is complete at publish, so its read starts now (its
-    /// bytes are handed out only once the producer confirmed the lease).
-    pub fn new(
-        payload: u64,
-        chunks: u32,
-        window: usize,
-        speculative: bool,
-    ) -> (Fetch, Vec<FetchStep>) {
+    pub fn new(payload: u64, chunks: u32, window: usize) -> Fetch {
         let n = chunks as usize;
-        let mut f = Fetch {
+        Fetch {
             payload,
             window: window.max(1),
             announced: vec![false; n],
@@ -73,23 +66,15 @@ impl Fetch {
             flight: VecDeque::new(),
             left: n,
             over: n == 0,
-        };
-        let mut steps = Vec::new();
-        if speculative && n == 1 {
-            f.flight.push_back((0, false));
-            steps.push(FetchStep::Read(0));
         }
-        (f, steps)
     }
 
     /// What to wait for.
     pub fn next(&self) -> Next {
         match self.flight.front() {
             _ if self.over => Next::Done,
-            Some(&(index, true)) => {
-                Next::Landing { index, or_message: self.flight.len() < self.window }
-            }
-            _ => Next::Message,
+            Some(&index) => Next::Landing { index, or_message: self.flight.len() < self.window },
+            None => Next::Message,
         }
     }
 
@@ -125,14 +110,10 @@ impl Fetch {
                 }
                 self.announced[i] = true;
                 self.crc[i] = crc;
-                if let Some(f) = self.flight.iter_mut().find(|f| f.0 == index) {
-                    f.1 = true; // the speculative read is confirmed
-                    return Vec::new();
-                }
                 self.queued.push_back(index);
                 self.refill()
             }
-            Control::Subscribe { .. } | Control::Consumed { .. } => Vec::new(),
+            Control::Subscribe { .. } | Control::Done { .. } => Vec::new(),
         }
     }
 
@@ -140,7 +121,7 @@ impl Fetch {
         let mut steps = Vec::new();
         while self.flight.len() < self.window {
             let Some(i) = self.queued.pop_front() else { break };
-            self.flight.push_back((i, true));
+            self.flight.push_back(i);
             steps.push(FetchStep::Read(i));
         }
         steps
@@ -152,7 +133,7 @@ impl Fetch {
         if self.over {
             return Vec::new();
         }
-        if self.flight.front() != Some(&(index, true)) {
+        if self.flight.front() != Some(&index) {
             let e = format!("chunk {index} landed out of order ({:?} in flight)", self.flight);
             return self.fail(ConnectorError::Internal(e));
         }

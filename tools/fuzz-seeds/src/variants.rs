@@ -264,10 +264,11 @@ fn nccl(c: &mut Corpus) {
 
 fn control(c: &mut Corpus) {
     let mut all = vec![
-        Control::Subscribe { payload: 9 },
+        Control::Subscribe { payload: 9, hold_ms: 60_000 },
+        Control::Done { payload: 9, consumed: false },
         Control::Ready { payload: 9, index: 2, crc: Some(0x1234_5678) },
         Control::Ready { payload: 9, index: 3, crc: None },
-        Control::Consumed { payload: 9 },
+        Control::Done { payload: 9, consumed: true },
     ];
     all.extend(Gone::ALL.map(|why| Control::Gone { payload: 9, why }));
     for m in all {

@@ -1,0 +1,82 @@
+//! A consumer's subscription holds a chunked payload's buffer while it reads: the producer retires
+//! the payload in the middle of a read (the read's bytes come back through a proxy throttled to
+//! 64 KiB/s, so it cannot end while the test looks), the buffer stays, the read completes with
+//! the right bytes, and only then is the buffer given back. A consumer that comes after the
+//! retirement is told so.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorwire_conformance::faults::{Fault, FaultProxy};
+use tensorwire_core::{DType, Engine, Permissions, TensorMeta};
+use tensorwire_diffusion::{
+    Chunking, ConnectorConfig, ConnectorError, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
+    StagePayload,
+};
+use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(20), "{what}: not within 20 s");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_in_flight_keeps_its_buffer_past_a_retirement() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let proxy = FaultProxy::start(port).await.unwrap();
+    let p_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
+    let p_engine =
+        Engine::builder().backend(TcpBackend::new(p_cfg).unwrap()).start().await.unwrap();
+    let c_cfg = TcpConfig { stall_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+    let c_engine =
+        Engine::builder().backend(TcpBackend::new(c_cfg).unwrap()).start().await.unwrap();
+    let cfg =
+        ConnectorConfig { mode: Mode::P2p, checksum: false, wait_timeout: Duration::from_secs(30) };
+    let producer = DiffusionConnector::new(p_engine, None, cfg.clone());
+    let consumer = DiffusionConnector::new(c_engine, None, cfg);
+
+    let meta = TensorMeta::contiguous(DType::U8, &[1 << 20]);
+    let src = Arc::new(producer.engine().alloc(1 << 20, Permissions::READ).await.unwrap());
+    let data: Vec<u8> =
+        (0..1u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+    src.write_bytes(0, &data).unwrap();
+    let mut publication = producer
+        .publish(
+            StagePayload {
+                request: 1,
+                kind: PayloadKind::Latent,
+                region: src.clone(),
+                offset: 0,
+                meta: meta.clone(),
+                chunking: Some(Chunking { dim: 0, count: 2 }),
+                lease: LeasePolicy::Pinned,
+            },
+            None,
+        )
+        .unwrap();
+    publication.mark_all_ready().unwrap();
+    drop(src); // the connector holds the only handle
+    let r = publication.reference.clone();
+
+    proxy.set(Fault::Throttle(64 << 10));
+    let dst = Arc::new(consumer.engine().alloc(1 << 20, Permissions::NONE).await.unwrap());
+    let reading = consumer.consume(&r, dst.clone(), 0, Some(&meta)).unwrap();
+    let reading = tokio::spawn(reading.all());
+    until("the subscription arrives", || producer.readers() == 1).await;
+    producer.retire(&publication);
+    assert_eq!(producer.held(), 1, "the buffer stays for the reader");
+    assert!(!reading.is_finished(), "the throttled read ended already");
+
+    proxy.set(Fault::None);
+    let chunks = reading.await.unwrap().unwrap();
+    assert_eq!(chunks.len(), 2);
+    assert!(dst.to_vec(0, 1 << 20).unwrap() == data, "bytes differ");
+    until("the buffer is given back", || producer.held() == 0 && producer.readers() == 0).await;
+
+    let late = Arc::new(consumer.engine().alloc(1 << 20, Permissions::NONE).await.unwrap());
+    let e = consumer.consume(&r, late, 0, None).unwrap().all().await.unwrap_err();
+    assert!(matches!(&e, ConnectorError::ProducerGone(m) if m.contains("retired")), "{e}");
+}
