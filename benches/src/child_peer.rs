@@ -133,15 +133,23 @@ impl ChildPair {
 
     /// One op of `size` bytes; checks that the engine used `backend`.
     pub async fn op(&self, write: bool, size: u64, backend: &str) -> Result<()> {
+        self.ops(write, size, 1, backend).await
+    }
+
+    /// `n` ops of `size` bytes (the same ranges) in one submit, each completing on its own;
+    /// waits for all and checks that the engine used `backend`.
+    pub async fn ops(&self, write: bool, size: u64, n: usize, backend: &str) -> Result<()> {
         let local = self.local.as_ref().ok_or_else(|| Error::protocol("pair dropped"))?;
-        let op = if write {
-            TransferOp::write(local, 0, &self.remote, 0, size)
-        } else {
-            TransferOp::read(local, 0, &self.remote, 0, size)
+        let op = || match write {
+            true => TransferOp::write(local, 0, &self.remote, 0, size),
+            false => TransferOp::read(local, 0, &self.remote, 0, size),
         };
-        let report = self.session.transfer(op).await?;
-        if report.backend != backend {
-            return Err(Error::protocol(format!("engine moved it with {}", report.backend)).into());
+        for h in self.session.submit((0..n).map(|_| op()).collect()).await {
+            let report = h.await?;
+            if report.backend != backend {
+                let e = format!("engine moved it with {}", report.backend);
+                return Err(Error::protocol(e).into());
+            }
         }
         Ok(())
     }

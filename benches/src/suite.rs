@@ -118,6 +118,9 @@ pub async fn device_vs_host(
     Ok(lines)
 }
 
+/// Ops per submit in the batched UCX measurement.
+const UCX_BATCH: usize = 16;
+
 /// UCX transfers against `ucx_perftest` (one process pair per sample, same size and UCX
 /// environment), runs alternating which side goes first. Like ucx_perftest, the two engines are
 /// two processes: the peer is this binary re-run as a child (see `child_peer`).
@@ -131,22 +134,36 @@ async fn ucx_transfers(
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let pair = ChildPair::new("ucx", max).await?;
     let (pair_ref, perf) = (&pair, &perf);
-    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
-        let (mut tw, mut base) = (Vec::new(), Vec::new());
-        for run in 0..plan.runs.max(1) {
-            let ours = || gbps(plan.budget, size, || pair_ref.op(write, size, "ucx"));
-            if run % 2 == 0 {
-                base.push(perf.sample(write, size, plan.budget).await?);
-                tw.push(ours().await?);
-            } else {
-                tw.push(ours().await?);
-                base.push(perf.sample(write, size, plan.budget).await?);
-            }
-        }
-        let op = if write { "write" } else { "read" };
-        Ok(Line::from_samples("ucx", op, size, 1, &perf.name(), tw, base))
-    })
-    .await?;
+    // Each size and direction twice: one op at a time (each waits for the one before), and
+    // UCX_BATCH ops per submit, each completing on its own (ucx_perftest streams its puts).
+    let mut lines = Vec::new();
+    for batch in [1, UCX_BATCH] {
+        lines.extend(
+            sweep(sizes, ops, on_line, move |size, write| async move {
+                let (mut tw, mut base) = (Vec::new(), Vec::new());
+                let bytes = size * batch as u64;
+                for run in 0..plan.runs.max(1) {
+                    let ours =
+                        || gbps(plan.budget, bytes, || pair_ref.ops(write, size, batch, "ucx"));
+                    if run % 2 == 0 {
+                        base.push(perf.sample(write, size, plan.budget).await?);
+                        tw.push(ours().await?);
+                    } else {
+                        tw.push(ours().await?);
+                        base.push(perf.sample(write, size, plan.budget).await?);
+                    }
+                }
+                let op = match (write, batch) {
+                    (true, 1) => "write".to_string(),
+                    (false, 1) => "read".to_string(),
+                    (true, n) => format!("write x{n}"),
+                    (false, n) => format!("read x{n}"),
+                };
+                Ok(Line::from_samples("ucx", &op, size, 1, &perf.name(), tw, base))
+            })
+            .await?,
+        );
+    }
     // Idle: connected, nothing moving. The progress thread should sleep in poll(2).
     let idle = Duration::from_secs(1);
     let before = crate::thread_cpu::used("tensorwire-ucx");

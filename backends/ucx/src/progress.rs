@@ -37,6 +37,10 @@ const BUSY_TICK: Duration = Duration::from_millis(50);
 const IDLE_TICK: Duration = Duration::from_secs(1);
 /// How long the thread keeps polling after UCX last did work while bytes are moving.
 const SPIN: Duration = Duration::from_millis(2);
+/// How long the thread keeps polling after its last work or command before it sleeps: a caller
+/// that issues ops one after another finds it awake (a wake-up through `poll(2)` costs tens of
+/// microseconds on a virtual machine), and an idle backend still sleeps.
+const LINGER: Duration = Duration::from_micros(50);
 /// Most `ucp_worker_progress` calls in a row before the thread looks at its deadlines.
 const PROGRESS_ROUNDS: usize = 64;
 /// Endpoint tokens with this bit belong to inbound connections.
@@ -357,9 +361,13 @@ impl Progress {
                 // The process is exiting: leave UCX (this parks the thread for good).
                 inside.outside(|| ());
             }
+            let mut handled = false;
             loop {
                 match rx.try_recv() {
-                    Ok(cmd) => self.command(cmd),
+                    Ok(cmd) => {
+                        handled = true;
+                        self.command(cmd);
+                    }
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
                         senders_gone = true;
@@ -371,7 +379,6 @@ impl Progress {
                 self.begin_shutdown();
             }
             // Bounded: a transport that keeps reporting work must not starve deadlines and commands.
-            let mut handled = false;
             for _ in 0..PROGRESS_ROUNDS {
                 if self.worker.progress() == 0 {
                     break;
@@ -397,7 +404,7 @@ impl Progress {
             // message would throttle them. Quiet for SPIN, or nothing in flight: sleep.
             let moving = self.ops.values().any(OpState::moving)
                 || self.inb.values().any(|c| !c.holds.is_empty());
-            if moving && active.elapsed() < SPIN {
+            if (moving && active.elapsed() < SPIN) || active.elapsed() < LINGER {
                 std::thread::yield_now();
                 continue;
             }
