@@ -80,3 +80,43 @@ async fn a_read_in_flight_keeps_its_buffer_past_a_retirement() {
     let e = consumer.consume(&r, late, 0, None).unwrap().all().await.unwrap_err();
     assert!(matches!(&e, ConnectorError::ProducerGone(m) if m.contains("retired")), "{e}");
 }
+
+/// A read that ends after the hold its subscription asked for is not trusted: the producer may
+/// have given the buffer back by then. Here the hold is 2 x a 100 ms wait and the read of an
+/// unchunked 256 KiB payload comes through a proxy throttled to 64 KiB/s (about 4 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_outlives_its_hold_fails() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let proxy = FaultProxy::start(port).await.unwrap();
+    let p_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
+    let p_engine =
+        Engine::builder().backend(TcpBackend::new(p_cfg).unwrap()).start().await.unwrap();
+    let c_cfg = TcpConfig { stall_timeout: Duration::from_secs(60), ..TcpConfig::default() };
+    let c_engine =
+        Engine::builder().backend(TcpBackend::new(c_cfg).unwrap()).start().await.unwrap();
+    let wait = Duration::from_millis(100);
+    let cfg = ConnectorConfig { mode: Mode::P2p, checksum: false, wait_timeout: wait };
+    let producer = DiffusionConnector::new(p_engine, None, cfg.clone());
+    let consumer = DiffusionConnector::new(c_engine, None, cfg);
+    let meta = TensorMeta::contiguous(DType::U8, &[256 << 10]);
+    let src = Arc::new(producer.engine().alloc(256 << 10, Permissions::READ).await.unwrap());
+    let payload = StagePayload {
+        request: 2,
+        kind: PayloadKind::Latent,
+        region: src,
+        offset: 0,
+        meta: meta.clone(),
+        chunking: None,
+        lease: LeasePolicy::Pinned,
+    };
+    let publication = producer.publish(payload, None).unwrap();
+    proxy.set(Fault::Throttle(64 << 10));
+    let dst = Arc::new(consumer.engine().alloc(256 << 10, Permissions::NONE).await.unwrap());
+    let e =
+        consumer.consume(&publication.reference, dst, 0, None).unwrap().all().await.unwrap_err();
+    assert!(
+        matches!(&e, ConnectorError::Timeout { what, .. } if what.contains("hold")),
+        "a read past its hold: {e}"
+    );
+    proxy.set(Fault::None);
+}
