@@ -418,7 +418,13 @@ fn act(
                 let i = inner.clone();
                 inner.rt.spawn(async move { tell(&i, to, &msg).await });
             }
-            Action::Release { buffer, .. } => drop(buffer),
+            // A region dropped outside the runtime (a backend's own thread delivering a
+            // notification to the handler) could not start its deregistration: drop it on the
+            // runtime then.
+            Action::Release { buffer, .. } => match tokio::runtime::Handle::try_current() {
+                Ok(_) => drop(buffer),
+                Err(_) => drop(inner.rt.spawn(async move { drop(buffer) })),
+            },
             Action::Store { buffer, .. } => {
                 let store = inner.store.clone();
                 put = Some(inner.rt.spawn(async move {
