@@ -134,7 +134,7 @@ impl Control {
                 index: r.u32()?,
                 crc: r.opt("crc", Reader::u32)?,
             },
-            3 => Control::Done { payload: r.u64()?, consumed: r.bool()? },
+            3 => Control::Done { payload: r.u64()?, consumed: r.bool("consumed")? },
             4 => {
                 let payload = r.u64()?;
                 let t = r.u8()?;

@@ -386,7 +386,7 @@ impl Fact {
                 e.start.0.encode(&mut w);
                 w.bytes(&e.start.1[..e.start.1.len().min(MAX_DATA)]);
                 e.stage.encode(&mut w);
-                w.u32(e.attempt).u8(u8::from(e.dispatched)).u32(e.reruns);
+                w.u32(e.attempt).bool(e.dispatched).u32(e.reruns);
                 w.u32(e.outputs.len().min(MAX_OUTPUTS) as u32);
                 for (s, o) in e.outputs.iter().take(MAX_OUTPUTS) {
                     s.encode(&mut w);
@@ -428,11 +428,7 @@ impl Fact {
                 let start = (Stage::decode(&mut r)?, data(&mut r)?);
                 let stage = Stage::decode(&mut r)?;
                 let attempt = r.u32()?;
-                let dispatched = match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    t => return Err(Error::protocol(format!("journal: dispatched flag {t}"))),
-                };
+                let dispatched = r.bool("dispatched")?;
                 let reruns = r.u32()?;
                 let n = r.count(MAX_OUTPUTS, "outputs")?;
                 let outputs = (0..n)

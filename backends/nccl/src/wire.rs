@@ -122,7 +122,7 @@ impl Msg {
             }
             Msg::HelloAck { error } => put_error(&mut w, error.as_ref()),
             Msg::Request { req, write, region, key, offset, len } => {
-                w.u64(*req).u8(u8::from(*write)).u64(region.0).u128(key.to_bits());
+                w.u64(*req).bool(*write).u64(region.0).u128(key.to_bits());
                 w.u64(*offset).u64(*len);
             }
             Msg::Grant { req } => {
@@ -155,11 +155,7 @@ impl Msg {
             2 => Msg::HelloAck { error: get_error(&mut r)? },
             3 => {
                 let req = r.u64()?;
-                let write = match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    t => return Err(Error::protocol(format!("nccl control: write flag {t}"))),
-                };
+                let write = r.bool("write")?;
                 Msg::Request {
                     req,
                     write,

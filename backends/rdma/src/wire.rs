@@ -169,14 +169,6 @@ fn get_answer(r: &mut Reader<'_>) -> Result<std::result::Result<QpAddress, Error
     }
 }
 
-fn flag(r: &mut Reader<'_>, field: &str) -> Result<bool> {
-    match r.u8()? {
-        0 => Ok(false),
-        1 => Ok(true),
-        t => Err(Error::protocol(format!("rdma control: {field} flag {t}"))),
-    }
-}
-
 impl Msg {
     /// The frame kind.
     pub fn kind(&self) -> u8 {
@@ -209,7 +201,7 @@ impl Msg {
                 rails.iter().for_each(|a| put_answer(&mut w, a));
             }
             Msg::Lease { req, region, key, write } => {
-                w.u64(*req).u64(region.0).u128(key.to_bits()).u8(u8::from(*write));
+                w.u64(*req).u64(region.0).u128(key.to_bits()).bool(*write);
             }
             Msg::Granted { req, len, bases } => {
                 w.u64(*req).u64(*len).u32(bases.len() as u32);
@@ -224,7 +216,7 @@ impl Msg {
                 w.u64(region.0);
             }
             Msg::Released { region, write } => {
-                w.u64(region.0).u8(u8::from(*write));
+                w.u64(region.0).bool(*write);
             }
             Msg::Notify { req, msg } => {
                 w.u64(*req).bytes(msg);
@@ -265,7 +257,7 @@ impl Msg {
                 req: r.u64()?,
                 region: RegionId(r.u64()?),
                 key: AccessKey::from_bits(r.u128()?),
-                write: flag(&mut r, "write")?,
+                write: r.bool("write")?,
             },
             4 => {
                 let (req, len) = (r.u64()?, r.u64()?);
@@ -278,7 +270,7 @@ impl Msg {
                 error: decode_error(r.bytes(MAX_ERROR_BYTES, "error")?)?,
             },
             6 => Msg::Forget { region: RegionId(r.u64()?) },
-            7 => Msg::Released { region: RegionId(r.u64()?), write: flag(&mut r, "write")? },
+            7 => Msg::Released { region: RegionId(r.u64()?), write: r.bool("write")? },
             8 => {
                 Msg::Notify { req: r.u64()?, msg: r.owned_bytes(MAX_NOTIFY_WIRE, "notification")? }
             }

@@ -130,12 +130,12 @@ impl<'a> Reader<'a> {
     pub fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
     }
-    /// Reads what [`Writer::bool`] wrote; a byte other than 0 or 1 is an error.
-    pub fn bool(&mut self) -> Result<bool> {
+    /// Reads what [`Writer::bool`] wrote; a byte other than 0 or 1 is an error naming `field`.
+    pub fn bool(&mut self, field: &str) -> Result<bool> {
         match self.u8()? {
             0 => Ok(false),
             1 => Ok(true),
-            t => Err(Error::protocol(format!("{}: flag byte {t}", self.what))),
+            t => Err(Error::protocol(format!("{}: {field} flag {t}", self.what))),
         }
     }
     /// Reads a length-prefixed byte string of at most `max` bytes.
