@@ -23,8 +23,9 @@ async fn until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_in_flight_keeps_its_buffer_past_a_retirement() {
+/// A p2p producer whose data path runs through a fault proxy, and a consumer, both waiting at
+/// most `wait`.
+async fn pair(wait: Duration) -> (FaultProxy, DiffusionConnector, DiffusionConnector) {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let proxy = FaultProxy::start(port).await.unwrap();
     let p_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
@@ -33,10 +34,14 @@ async fn a_read_in_flight_keeps_its_buffer_past_a_retirement() {
     let c_cfg = TcpConfig { stall_timeout: Duration::from_secs(60), ..TcpConfig::default() };
     let c_engine =
         Engine::builder().backend(TcpBackend::new(c_cfg).unwrap()).start().await.unwrap();
-    let cfg =
-        ConnectorConfig { mode: Mode::P2p, checksum: false, wait_timeout: Duration::from_secs(30) };
+    let cfg = ConnectorConfig { mode: Mode::P2p, checksum: false, wait_timeout: wait };
     let producer = DiffusionConnector::new(p_engine, None, cfg.clone());
-    let consumer = DiffusionConnector::new(c_engine, None, cfg);
+    (proxy, producer, DiffusionConnector::new(c_engine, None, cfg))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_in_flight_keeps_its_buffer_past_a_retirement() {
+    let (proxy, producer, consumer) = pair(Duration::from_secs(30)).await;
 
     let meta = TensorMeta::contiguous(DType::U8, &[1 << 20]);
     let src = Arc::new(producer.engine().alloc(1 << 20, Permissions::READ).await.unwrap());
@@ -86,18 +91,7 @@ async fn a_read_in_flight_keeps_its_buffer_past_a_retirement() {
 /// unchunked 256 KiB payload comes through a proxy throttled to 64 KiB/s (about 4 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_that_outlives_its_hold_fails() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let proxy = FaultProxy::start(port).await.unwrap();
-    let p_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
-    let p_engine =
-        Engine::builder().backend(TcpBackend::new(p_cfg).unwrap()).start().await.unwrap();
-    let c_cfg = TcpConfig { stall_timeout: Duration::from_secs(60), ..TcpConfig::default() };
-    let c_engine =
-        Engine::builder().backend(TcpBackend::new(c_cfg).unwrap()).start().await.unwrap();
-    let wait = Duration::from_millis(100);
-    let cfg = ConnectorConfig { mode: Mode::P2p, checksum: false, wait_timeout: wait };
-    let producer = DiffusionConnector::new(p_engine, None, cfg.clone());
-    let consumer = DiffusionConnector::new(c_engine, None, cfg);
+    let (proxy, producer, consumer) = pair(Duration::from_millis(100)).await;
     let meta = TensorMeta::contiguous(DType::U8, &[256 << 10]);
     let src = Arc::new(producer.engine().alloc(256 << 10, Permissions::READ).await.unwrap());
     let payload = StagePayload {
