@@ -734,7 +734,17 @@ struct Subscription {
     session: Session,
     engine: EngineId,
     payload: u64,
-    sent: Option<tokio::task::JoinHandle<bool>>,
+    verdict: Verdict,
+}
+
+/// Where a subscription stands, as far as its consumer knows.
+enum Verdict {
+    /// Its `notify` is under way; it answers whether the producer accepted it.
+    Pending(tokio::task::JoinHandle<bool>),
+    /// Accepted or not.
+    Known(bool),
+    /// Ended: `Done` is on its way, or was never owed.
+    Ended,
 }
 
 impl Subscription {
@@ -762,29 +772,40 @@ impl Subscription {
             session: session.clone(),
             engine: session.peer(),
             payload,
-            sent: Some(sent),
+            verdict: Verdict::Pending(sent),
         }
     }
 
     /// Whether the producer accepted the subscription (waits for its verdict).
     async fn accepted(&mut self) -> bool {
-        let Some(sent) = self.sent.take() else { return false };
-        let ok = sent.await.unwrap_or(false);
-        self.sent = Some(tokio::spawn(std::future::ready(ok)));
+        let ok = match &mut self.verdict {
+            Verdict::Pending(sent) => sent.await.unwrap_or(false),
+            Verdict::Known(ok) => return *ok,
+            Verdict::Ended => return false,
+        };
+        self.verdict = Verdict::Known(ok);
         ok
     }
 
     /// Ends the subscription, in the background; a later consume or release of the payload
-    /// waits for it.
+    /// waits for it. A refused one is owed no `Done`.
     fn end(&mut self, consumed: bool) {
-        let Some(subscription) = self.sent.take() else { return };
+        let verdict = match std::mem::replace(&mut self.verdict, Verdict::Ended) {
+            Verdict::Pending(sent) => Some(sent),
+            Verdict::Known(true) => None,
+            Verdict::Known(false) | Verdict::Ended => return,
+        };
         let key = (self.engine, self.payload);
         let (done, pending) = tokio::sync::watch::channel(false);
         self.inner.reporting.lock().insert(key, pending);
         let (s, inner, payload) = (self.session.clone(), self.inner.clone(), self.payload);
         let msg = Bytes::from(Control::Done { payload, consumed }.encode());
         tokio::spawn(async move {
-            if !subscription.await.unwrap_or(false) {
+            let accepted = match verdict {
+                Some(sent) => sent.await.unwrap_or(false),
+                None => true,
+            };
+            if !accepted {
                 tracing::debug!(payload, "connector: not subscribed; nothing to end");
             } else if let Err(e) = s.notify(msg).await {
                 tracing::debug!(payload, error = %e, "connector: ending a subscription");
@@ -797,7 +818,8 @@ impl Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        if self.sent.is_some() && tokio::runtime::Handle::try_current().is_ok() {
+        if !matches!(self.verdict, Verdict::Ended) && tokio::runtime::Handle::try_current().is_ok()
+        {
             self.end(false);
         }
     }
