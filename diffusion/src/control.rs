@@ -63,7 +63,7 @@ impl Gone {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
     /// Consumer -> producer: send me chunk announcements for `payload`, and keep its buffer
-    /// (even past the end of its lease) until I report it consumed, unsubscribe, or `hold_ms`
+    /// (even past the end of its lease) until I say `Done`, or `hold_ms`
     /// pass. A consumer may start reading before this arrives: a payload still held when it
     /// arrives was held all along, and the hold keeps it for the reads after.
     Subscribe {

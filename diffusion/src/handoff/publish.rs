@@ -7,7 +7,7 @@
 //! travel at once). That is sound because a payload, once no longer held, is never held again:
 //! a payload still served when the subscription arrives was served during every earlier read,
 //! and the subscription's hold keeps the buffer for the reads after, even past the lease's end,
-//! until the consumer reports, unsubscribes, or its hold runs out.
+//! until the consumer says `Done` or its hold runs out.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
