@@ -193,3 +193,21 @@ impl<'a> Reader<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_are_0_or_1_and_anything_else_names_its_field() {
+        let mut w = Writer::new();
+        w.bool(true).bool(false).u8(2);
+        let b = w.finish();
+        let mut r = Reader::new(&b, "test message");
+        assert!(r.bool("a").unwrap());
+        assert!(!r.bool("b").unwrap());
+        let e = r.bool("write").unwrap_err();
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
+        assert!(e.to_string().contains("test message: write flag 2"), "{e}");
+    }
+}
