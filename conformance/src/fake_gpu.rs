@@ -101,6 +101,36 @@ impl FakeGpu {
             .then_some((a.base, a.len, a.ordinal))
     }
 
+    /// The device allocation holding `addr`: (base, length, device), as a driver's pointer
+    /// query gives it; `None` for memory that is not this fake's device memory.
+    pub fn allocation(&self, addr: u64) -> Option<(u64, u64, u32)> {
+        let (base, len, ordinal) = self.find(usize::try_from(addr).ok()?, 1)?;
+        Some((base as u64, len as u64, ordinal))
+    }
+
+    /// Copies `n` bytes from `src` to `dst`, either of which may be this fake's device memory
+    /// (made accessible for the copy only), as a driver's copy between unified addresses does.
+    ///
+    /// # Safety
+    /// `[src, src+n)` readable and `[dst, dst+n)` writable (once accessible) for the call.
+    pub unsafe fn copy_raw(&self, src: usize, dst: usize, n: usize) {
+        let _one = lock(&self.inner.copying);
+        let opened: Vec<(usize, usize)> = [dst, src]
+            .into_iter()
+            .filter_map(|a| self.find(a, n.max(1)).map(|(base, len, _)| (base, len)))
+            .collect();
+        for &(base, len) in &opened {
+            Self::protect(base, len, libc::PROT_READ | libc::PROT_WRITE);
+        }
+        // SAFETY: the caller's contract, and any device side was just made accessible;
+        // `ptr::copy` allows overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+        for (base, len) in opened {
+            Self::protect(base, len, libc::PROT_NONE);
+        }
+        self.inner.copies.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn protect(base: usize, len: usize, prot: libc::c_int) {
         // SAFETY: changing the protection of one of our own mappings.
         let r = unsafe { libc::mprotect(base as *mut libc::c_void, len, prot) };
@@ -123,12 +153,10 @@ impl DeviceCopier for FakeGpu {
     }
 
     fn copy(&self, dst: &MemSlice, src: &MemSlice) -> Result<()> {
-        let _one = lock(&self.inner.copying);
         let n = src.len() as usize;
-        let mut opened = Vec::new();
         for s in [dst, src] {
             if let MemoryKind::Device { ordinal } = s.kind() {
-                let (base, len, o) = self.find(s.ptr() as usize, n).ok_or_else(|| {
+                let (_, _, o) = self.find(s.ptr() as usize, n).ok_or_else(|| {
                     Error::InvalidArgument(format!(
                         "fake gpu: {:#x}+{n} is not device memory of this GPU",
                         s.ptr() as usize
@@ -139,17 +167,10 @@ impl DeviceCopier for FakeGpu {
                         "fake gpu: memory of device {o} named as device {ordinal}"
                     )));
                 }
-                Self::protect(base, len, libc::PROT_READ | libc::PROT_WRITE);
-                opened.push((base, len));
             }
         }
-        // SAFETY: both slices are live, of `n` bytes (lengths checked by `copy_from`), and any
-        // device side was just made accessible; `ptr::copy` allows overlap.
-        unsafe { std::ptr::copy(src.ptr(), dst.ptr(), n) };
-        for (base, len) in opened {
-            Self::protect(base, len, libc::PROT_NONE);
-        }
-        self.inner.copies.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: both slices are live and `n` bytes long (lengths checked by `copy_from`).
+        unsafe { self.copy_raw(src.ptr() as usize, dst.ptr() as usize, n) };
         Ok(())
     }
 }

@@ -33,18 +33,39 @@ pub async unsafe fn gated_copy(
     gate: &CancelGate,
     alive: impl Fn() -> Result<()>,
 ) -> Result<Copied> {
+    let cpu = |s: usize, d: usize, n: usize| {
+        // SAFETY: `gated_copy_with` passes sub-ranges of the caller's ranges, which this
+        // function's contract keeps valid.
+        unsafe { copy_bytes(s, d, n) };
+        Ok(())
+    };
+    // SAFETY: forwarded contract.
+    unsafe { gated_copy_with(src, dst, len, SEGMENT, gate, alive, cpu) }.await
+}
+
+/// [`gated_copy`] with another copier for each segment of `segment` bytes (a device copy for
+/// memory the CPU cannot reach): `copy(src, dst, n)` must have moved all `n` bytes when it
+/// returns, so that a cancel, which waits for the segment in progress, leaves none in flight.
+///
+/// # Safety
+/// As [`gated_copy`]; `copy` is only called on sub-ranges of the two ranges.
+pub async unsafe fn gated_copy_with(
+    src: usize,
+    dst: usize,
+    len: u64,
+    segment: u64,
+    gate: &CancelGate,
+    alive: impl Fn() -> Result<()>,
+    copy: impl Fn(usize, usize, usize) -> Result<()>,
+) -> Result<Copied> {
     let mut done = 0u64;
     while done < len {
         alive()?;
-        let n = SEGMENT.min(len - done);
+        let n = segment.max(1).min(len - done);
         let at = done as usize;
-        let copied = gate.run(|| {
-            // SAFETY: the caller keeps both ranges valid for `len` bytes (this function's
-            // contract) and `done + n <= len`.
-            unsafe { copy_bytes(src + at, dst + at, n as usize) }
-        });
-        if copied.is_none() {
-            return Ok(Copied::Cancelled);
+        match gate.run(|| copy(src + at, dst + at, n as usize)) {
+            None => return Ok(Copied::Cancelled),
+            Some(r) => r?,
         }
         done += n;
         if done < len {
@@ -59,7 +80,7 @@ pub async unsafe fn gated_copy(
 ///
 /// # Safety
 /// `[src, src+n)` readable and `[dst, dst+n)` writable for the duration of the call.
-pub(crate) unsafe fn copy_bytes(src: usize, dst: usize, n: usize) {
+pub unsafe fn copy_bytes(src: usize, dst: usize, n: usize) {
     let disjoint = src.checked_add(n).is_some_and(|e| e <= dst)
         || dst.checked_add(n).is_some_and(|e| e <= src);
     #[cfg(target_arch = "x86_64")]

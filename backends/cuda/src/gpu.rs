@@ -1,11 +1,11 @@
 //! [`CudaGpu`]: the engine's GPU seam over the CUDA driver API. One retained primary context per
 //! device; every call first makes the right one current on the calling thread (copies run on the
-//! engine's blocking threads, which have none).
+//! engine's blocking threads, which have none). Copies go on a non-blocking stream per thread.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, MemoryKind, Result};
+use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, Result};
 
 use crate::NAME;
 
@@ -15,7 +15,7 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-fn check(r: sys::CUresult, call: &str) -> Result<()> {
+pub(crate) fn check(r: sys::CUresult, call: &str) -> Result<()> {
     r.result().map_err(|e| Error::Backend {
         backend: NAME,
         source: Arc::new(std::io::Error::other(format!("{call}: {e:?}"))),
@@ -24,14 +24,14 @@ fn check(r: sys::CUresult, call: &str) -> Result<()> {
 
 /// A device and its retained primary context.
 #[derive(Debug)]
-struct Device {
-    dev: sys::CUdevice,
+pub(crate) struct Device {
+    pub(crate) dev: sys::CUdevice,
     ctx: sys::CUcontext,
 }
 
 #[derive(Debug)]
-struct Inner {
-    devices: Vec<Device>,
+pub(crate) struct Inner {
+    pub(crate) devices: Vec<Device>,
 }
 
 // SAFETY: CUDA device handles and contexts are process-wide handles, usable from any thread
@@ -52,7 +52,7 @@ impl Drop for Inner {
 
 impl Inner {
     /// Makes device `ordinal`'s context current on this thread.
-    fn enter(&self, ordinal: u32) -> Result<()> {
+    pub(crate) fn enter(&self, ordinal: u32) -> Result<()> {
         let d = self.devices.get(ordinal as usize).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "cuda: no device {ordinal} (this host has {})",
@@ -67,7 +67,7 @@ impl Inner {
 /// The engine's GPU over the CUDA driver (see the crate docs). Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct CudaGpu {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl CudaGpu {
@@ -123,9 +123,23 @@ impl CudaGpu {
         Ok(can != 0)
     }
 
+    /// The raw medium benchmarks compare with: `cuMemcpyDtoD` of `n` bytes on the legacy
+    /// stream of device `ordinal`'s context, then `cuCtxSynchronize` (a device-to-device
+    /// `cuMemcpyDtoD` does not wait for the copy by itself).
+    ///
+    /// # Safety
+    /// `[src, src+n)` and `[dst, dst+n)` are live device memory during the call.
+    pub unsafe fn memcpy_dtod(&self, ordinal: u32, dst: u64, src: u64, n: usize) -> Result<()> {
+        self.inner.enter(ordinal)?;
+        // SAFETY: the caller's contract.
+        check(unsafe { sys::cuMemcpyDtoD_v2(dst, src, n) }, "cuMemcpyDtoD")?;
+        // SAFETY: waits for the context's work; no precondition beyond a current context.
+        check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+    }
+
     /// The device memory attributes of `addr`: (memory type, device ordinal, range start,
     /// range size).
-    fn attributes(&self, addr: u64) -> Result<(u32, i32, u64, u64)> {
+    pub(crate) fn attributes(&self, addr: u64) -> Result<(u32, i32, u64, u64)> {
         self.inner.enter(0)?;
         let mut mem_type: u32 = 0;
         let mut ordinal: i32 = -1;
@@ -142,6 +156,53 @@ impl CudaGpu {
         get((&raw mut start).cast(), CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)?;
         get((&raw mut size).cast(), CU_POINTER_ATTRIBUTE_RANGE_SIZE)?;
         Ok((mem_type, ordinal, start, size as u64))
+    }
+}
+
+/// A copy stream of this thread, created on first use: non-blocking, so a transfer never waits
+/// for the framework's work on the legacy default stream (nor holds it up), and copies of
+/// different threads (ops of different tasks) run side by side on the copy engines. Destroyed
+/// when the thread ends.
+struct ThreadStream(sys::CUstream);
+
+impl Drop for ThreadStream {
+    fn drop(&mut self) {
+        // SAFETY: destroying the stream this thread created, once; nothing else knows it.
+        let _ = unsafe { sys::cuStreamDestroy_v2(self.0) };
+    }
+}
+
+thread_local! {
+    static STREAM: std::cell::RefCell<Option<ThreadStream>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Inner {
+    /// Copies `n` bytes from `src` to `dst` (host or device addresses: unified addressing) on
+    /// this thread's copy stream, and returns once they are in place.
+    ///
+    /// # Safety
+    /// Both ranges valid for `n` bytes during the call.
+    pub(crate) unsafe fn copy(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.enter(0)?;
+        STREAM.with(|cell| {
+            let mut slot = cell.borrow_mut();
+            if slot.is_none() {
+                let mut s = std::ptr::null_mut();
+                let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+                // SAFETY: writes one stream handle, in device 0's primary context (current).
+                check(unsafe { sys::cuStreamCreate(&mut s, flags) }, "cuStreamCreate")?;
+                *slot = Some(ThreadStream(s));
+            }
+            let stream = slot.as_ref().map(|s| s.0).unwrap_or(std::ptr::null_mut());
+            // SAFETY: the caller keeps both ranges valid for `n` bytes until the synchronize
+            // below returns; the stream is this thread's own.
+            check(unsafe { sys::cuMemcpyAsync(dst, src, n, stream) }, "cuMemcpyAsync")?;
+            // SAFETY: waits for the copy just queued on this thread's stream.
+            check(unsafe { sys::cuStreamSynchronize(stream) }, "cuStreamSynchronize")
+        })
     }
 }
 
@@ -178,32 +239,17 @@ impl Drop for Pinned {
     }
 }
 
-fn ordinal_of(s: &MemSlice) -> Option<u32> {
-    match s.kind() {
-        MemoryKind::Device { ordinal } => Some(ordinal),
-        _ => None,
-    }
-}
-
 impl DeviceCopier for CudaGpu {
     fn name(&self) -> &'static str {
         NAME
     }
 
     fn copy(&self, dst: &MemSlice, src: &MemSlice) -> Result<()> {
-        let ordinal = ordinal_of(dst).or_else(|| ordinal_of(src)).unwrap_or(0);
-        self.inner.enter(ordinal)?;
         let n = usize::try_from(src.len())
             .map_err(|_| Error::InvalidArgument("cuda: copy larger than usize".into()))?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (d, src) = (dst.ptr() as sys::CUdeviceptr, src.ptr() as sys::CUdeviceptr);
         // SAFETY: both slices are live (their gates are held by the caller) and `n` bytes long
-        // (checked by `copy_from`); with unified addressing `cuMemcpy` takes host and device
-        // addresses alike and returns once the bytes are in place.
-        let r = unsafe { sys::cuMemcpy(d, src, n) };
-        check(r, "cuMemcpy")
+        // (checked by `copy_from`).
+        unsafe { self.inner.copy(src.ptr() as u64, dst.ptr() as u64, n) }
     }
 }
 

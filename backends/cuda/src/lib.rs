@@ -18,9 +18,26 @@
 //! # Ok(()) }
 //! ```
 
+mod driver;
 mod gpu;
+pub mod ipc;
+mod medium;
+
+use std::sync::Arc;
 
 pub use gpu::{CudaGpu, driver_present};
+pub use medium::{CudaIpc, IpcDriver};
+use tensorwire_core::Result;
+pub use tensorwire_shm::{ShmBackend, ShmConfig};
+
+/// The cuda backend ("cuda"): the same-host protocol of `tensorwire-shm` over [`CudaIpc`], with
+/// `driver` ([`CudaGpu`] on a GPU machine) and `cfg` (how long a silent peer is waited for).
+/// Put it first among an engine's backends: it serves ops on the peer's device regions between
+/// engines of one host, and the engine picks the next backend for host memory and for peers on
+/// other hosts.
+pub fn backend(driver: Arc<dyn IpcDriver>, cfg: ShmConfig) -> Result<Arc<ShmBackend>> {
+    ShmBackend::with_medium(Arc::new(CudaIpc::new(driver)), cfg)
+}
 
 /// This crate's name in errors.
 pub const NAME: &str = "cuda";

@@ -1,6 +1,7 @@
-//! GPU checks of `CudaGpu` on a real GPU: device and pinned memory, device pointer checks, and
-//! the whole conformance suite over tcp with every region in device memory (staged through
-//! pinned bounces on both sides). Without the NVIDIA driver or a device each check reports
+//! GPU checks of `CudaGpu` on a real GPU: device and pinned memory, device pointer checks, the
+//! whole conformance suite over tcp with every region in device memory (staged through pinned
+//! bounces on both sides), the allocation queries IPC export relies on, and the whole suite over
+//! the cuda backend. Without the NVIDIA driver or a device each check reports
 //! itself skipped, with the reason; it never reports a pass it did not run.
 
 use std::future::Future;
@@ -55,9 +56,46 @@ fn conformance_over_device_memory(_gpu: Arc<CudaGpu>) -> Pin<Box<dyn Future<Outp
     })
 }
 
-const CHECKS: [(&str, Check); 2] = [
+/// The driver's view of allocations that IPC export relies on: a region made by `alloc_device`
+/// is one whole allocation (odd sizes included), an address inside it names the same one, and
+/// a handle can be made for it.
+fn ipc_allocations(gpu: Arc<CudaGpu>) -> Pin<Box<dyn Future<Output = ()>>> {
+    Box::pin(async move {
+        use tensorwire_cuda::IpcDriver;
+        let e = engine(gpu.clone()).await;
+        for len in [1u64, 4097, 3 << 20, (64 << 20) + 1] {
+            let dev = e.alloc_device(0, len, Permissions::READ).await.unwrap();
+            let base = dev.slice(0, 1).unwrap().ptr() as u64;
+            assert_eq!(gpu.allocation(base).unwrap(), (base, len), "the {len}-byte allocation");
+            if len > 1 {
+                assert_eq!(gpu.allocation(base + 1).unwrap(), (base, len), "inside it");
+            }
+            gpu.export(base, 0).expect("an IPC handle");
+        }
+        assert_ne!(gpu.uuid(0).unwrap(), [0; 16]);
+    })
+}
+
+/// The whole suite over the cuda backend, device memory on both engines. Both engines run in
+/// this process, so openings take the exporter's address as it is (a handle cannot be opened by
+/// its exporter); `xfer --backend cuda` moves bytes between two processes (the
+/// cuIpcOpenMemHandle path) and checks a round trip.
+fn cuda_backend_conformance(_gpu: Arc<CudaGpu>) -> Pin<Box<dyn Future<Output = ()>>> {
+    Box::pin(async move {
+        let cuda = || -> Arc<dyn Backend> {
+            let gpu = CudaGpu::new().expect("the GPU");
+            tensorwire_cuda::backend(gpu, Default::default()).expect("a cuda backend")
+        };
+        let pair = DevicePair::new(cuda, || CudaGpu::new().expect("the GPU"));
+        tensorwire_conformance::run_all(&pair).await;
+    })
+}
+
+const CHECKS: [(&str, Check); 4] = [
     ("cuda_device_and_pinned_memory", device_and_pinned_memory),
     ("cuda_tcp_conformance_over_device_memory", conformance_over_device_memory),
+    ("cuda_ipc_allocations", ipc_allocations),
+    ("cuda_backend_conformance_over_device_memory", cuda_backend_conformance),
 ];
 
 fn main() -> ExitCode {

@@ -1,6 +1,6 @@
 //! The initiating side: one Unix stream to the peer's backend. The first op on a region (for an
-//! access) asks the peer to hold the region (Begin), maps it from the granted memfd, and copies
-//! once between the local slice and the mapping. The peer grants a lease: the whole region stays
+//! access) asks the peer to hold the region (Begin), opens the granted export through the medium
+//! (for shm: maps the memfd), and copies once between the local slice and the opening. The peer grants a lease: the whole region stays
 //! held for this connection, so later ops with the same key and access copy at once, with no
 //! message at all (a 4 KiB op is a memcpy and a completion). Without a lease an op releases the
 //! region when its copy is over (End). A reader task matches grants to ops, and on the peer's
@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tensorwire_core::backend::kit::{CancelGate, decode_error, gated_copy, spawn_cancellable};
+use tensorwire_core::backend::kit::{CancelGate, decode_error, gated_copy_with, spawn_cancellable};
 use tensorwire_core::backend::{Completion, Connection, Direction, Op};
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::net::UnixStream;
@@ -24,8 +24,9 @@ use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 
 use crate::mapping::Mapping;
+use crate::medium::{Grant, Medium};
 use crate::uds::{FrameReader, FrameWriter};
-use crate::wire::{ACCESS_WRITE, Header, Kind, LEASE, WANT_FD, WRITABLE};
+use crate::wire::{ACCESS_WRITE, Header, Kind, LEASE, WANT_SHARE, WRITABLE};
 
 /// A peer's answer to a Begin (the mapping to copy through, and the lease the op runs on if
 /// the peer granted one) or to a Notify (nothing).
@@ -35,11 +36,21 @@ struct Answer {
     lease: Option<Arc<Lease>>,
 }
 
-/// A request waiting for its answer; for a Begin, what it asked for: (region, key, write).
+/// A request waiting for its answer; for a Begin, what it asked for.
 #[derive(Debug)]
 struct Pending {
     tx: oneshot::Sender<Result<Answer>>,
-    begin: Option<(RegionId, tensorwire_core::AccessKey, bool)>,
+    begin: Option<Asked>,
+}
+
+/// What a Begin asked for.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    region: RegionId,
+    key: tensorwire_core::AccessKey,
+    write: bool,
+    /// It asked for the region's export (no opening of it was cached).
+    share: bool,
 }
 
 /// A region the peer holds for this connection until we release it.
@@ -97,6 +108,7 @@ struct State {
 #[derive(Debug)]
 pub(crate) struct ClientShared {
     writer: FrameWriter,
+    medium: Arc<dyn Medium>,
     state: Mutex<State>,
     next_req: AtomicU64,
     answer_timeout: Duration,
@@ -144,8 +156,12 @@ impl ClientShared {
             if let Some(e) = &s.dead {
                 return Err(e.clone());
             }
-            let begin =
-                (h.kind == Kind::Begin).then_some((h.region, h.key, h.flags & ACCESS_WRITE != 0));
+            let begin = (h.kind == Kind::Begin).then_some(Asked {
+                region: h.region,
+                key: h.key,
+                write: h.flags & ACCESS_WRITE != 0,
+                share: h.flags & WANT_SHARE != 0,
+            });
             s.pending.insert(h.req, Pending { tx, begin });
         }
         if let Err(e) = self.writer.send(&h, body, None).await {
@@ -183,11 +199,13 @@ impl Drop for ShmConnection {
 impl ShmConnection {
     pub(crate) fn new(
         sock: UnixStream,
+        medium: Arc<dyn Medium>,
         answer_timeout: Duration,
     ) -> (ShmConnection, Arc<ClientShared>) {
         let sock = Arc::new(sock);
         let shared = Arc::new(ClientShared {
             writer: FrameWriter::new(sock.clone()),
+            medium,
             state: Mutex::new(State::default()),
             next_req: AtomicU64::new(1),
             answer_timeout,
@@ -229,7 +247,7 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
                     (false, _) => Err(decode_error(&f.body).unwrap_or_else(|e| e)),
                     (true, None) => Ok(Answer::default()),
                     // Mapped and leased here, in frame order: a Forget that follows finds them.
-                    (true, Some(asked)) => granted(&c, &f.h, f.fd, asked).await,
+                    (true, Some(asked)) => granted(&c, &f.h, f.body, f.fd, asked).await,
                 };
                 let _ = p.tx.send(answer);
             }
@@ -239,24 +257,29 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
     c.kill(err);
 }
 
-/// A Begin was granted: the mapping (new from the descriptor, or the one cached) and, when
-/// the peer leased the region, the lease (with this op's copy entered on it).
+/// A Begin was granted: the mapping (new from the export, or the one cached) and, when the
+/// peer leased the region, the lease (with this op's copy entered on it).
 async fn granted(
     c: &ClientShared,
     h: &Header,
+    share: Vec<u8>,
     fd: Option<OwnedFd>,
-    (region, key, write): (RegionId, tensorwire_core::AccessKey, bool),
+    Asked { region, key, write, share: asked_share }: Asked,
 ) -> Result<Answer> {
     let leased = h.flags & LEASE != 0;
     let map = {
         let mut s = c.state.lock();
-        let map = match fd {
-            Some(fd) => Mapping::new(fd, h.len, h.flags & WRITABLE != 0)
+        let map = if asked_share {
+            let grant = Grant { share, fd, len: h.len, writable: h.flags & WRITABLE != 0 };
+            Mapping::open(&*c.medium, grant)
                 .map(Arc::new)
-                .inspect(|m| drop(s.maps.insert(region, m.clone()))),
-            None => s.maps.get(&region).cloned().ok_or_else(|| {
-                Error::protocol("shm: granted without a descriptor for an unmapped region")
-            }),
+                .inspect(|m| drop(s.maps.insert(region, m.clone())))
+        } else if fd.is_some() || !share.is_empty() {
+            Err(Error::protocol("shm: an export nobody asked for came with a grant"))
+        } else {
+            s.maps.get(&region).cloned().ok_or_else(|| {
+                Error::protocol("shm: granted without an export for a region not opened here")
+            })
         };
         match (map, leased) {
             (Ok(map), true) => {
@@ -294,7 +317,7 @@ async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<(
     h.key = op.remote().key;
     h.offset = op.remote().offset;
     h.len = len;
-    h.flags = if write { ACCESS_WRITE } else { 0 } | if cached { 0 } else { WANT_FD } | LEASE;
+    h.flags = if write { ACCESS_WRITE } else { 0 } | if cached { 0 } else { WANT_SHARE } | LEASE;
     let answer = c.ask(h, &[]).await;
     // From here the peer holds the region for us (for this op, or leased): release it however
     // the copy ends. A leased region is released when its lease ends, not per op.
@@ -324,14 +347,10 @@ fn entered(c: &ClientShared, op: &Op) -> Option<Arc<Lease>> {
     (l.key == op.remote().key && l.enter()).then_some(l)
 }
 
-/// Ops on a leased region are copied right here, in `submit`, up to this many bytes per call:
-/// no task to spawn and no thread to wake, which on an idle machine costs more than a small
-/// copy. The caller waits for at most this much copying (about 25 us); larger ops, and the rest
-/// of a larger batch, run on the runtime's workers.
-const INLINE: u64 = 1 << 20;
-
-/// Copies `op` now if it fits in `budget` (which it then uses up) and its region is leased for
-/// its access and key; `None` otherwise (the op goes the usual way).
+/// Copies `op` now, in `submit`, if it fits in `budget` (the medium's inline bytes per call,
+/// which it then uses up) and its region is leased for its access and key; `None` otherwise
+/// (the op goes the usual way: larger ops, and the rest of a larger batch, run on the runtime's
+/// workers).
 fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>> {
     let len = op.local().len();
     if len == 0 || len > *budget {
@@ -340,14 +359,13 @@ fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>
     let write = op.dir() == Direction::Write;
     let l = entered(c, op)?;
     *budget -= len;
-    let copied = l.map.at(op.remote().offset, len, write).map(|remote| {
+    let copied = l.map.at(op.remote().offset, len, write).and_then(|remote| {
         let local = op.local().ptr() as usize;
         let (src, dst) = if write { (local, remote) } else { (remote, local) };
         // SAFETY: `op.local()` is a live registered slice of `len` bytes held by `op` for this
-        // call; `remote` is inside the lease's mapping (checked by `at`), which `l` keeps mapped;
-        // the peer holds its region for the lease, which this copy entered. `ptr::copy`
-        // tolerates overlap.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+        // call; `remote` is inside the lease's mapping (checked by `at`), which `l` keeps open;
+        // the peer holds its region for the lease, which this copy entered.
+        unsafe { c.medium.copy(src, dst, len as usize) }
     });
     if l.exit() {
         // Revoked meanwhile and this was its last copy: release it from a task (submit runs
@@ -366,10 +384,16 @@ async fn copy(c: &ClientShared, op: &Op, map: &Mapping, gate: &CancelGate) -> Re
     let remote = map.at(op.remote().offset, len, write)?;
     let local = op.local().ptr() as usize;
     let (src, dst) = if write { (local, remote) } else { (remote, local) };
+    let medium = &*c.medium;
+    let segment = |s: usize, d: usize, n: usize| {
+        // SAFETY: sub-ranges of the two ranges below, which stay valid for the copy.
+        unsafe { medium.copy(s, d, n) }
+    };
     // SAFETY: `op.local()` is a live registered slice of `len` bytes held by `op`; `remote` is
     // inside `map` (checked by `at`), which this function holds; the peer holds its region open
     // (in-flight gate) until our End.
-    unsafe { gated_copy(src, dst, len, gate, || c.alive()) }.await?;
+    unsafe { gated_copy_with(src, dst, len, medium.segment(), gate, || c.alive(), segment) }
+        .await?;
     Ok(())
 }
 
@@ -379,7 +403,7 @@ impl Connection for ShmConnection {
     }
 
     fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
-        let mut budget = INLINE;
+        let mut budget = self.shared.medium.inline_bytes();
         ops.into_iter()
             .map(|op| {
                 if let Some(done) = inline(&self.shared, &op, &mut budget) {

@@ -18,15 +18,20 @@
 //! - **Cleanup.** Mappings of a peer's memory are dropped when the peer deregisters the region
 //!   (Forget), when the connection closes, or when the peer dies (end of stream); descriptors are
 //!   closed right after mapping; nothing is created in `/dev/shm` or on the file system.
+//! - **Other media.** The protocol above is written once, over a [`Medium`]: what a region
+//!   exports, how a peer opens it, how bytes are copied. [`ShmBackend::new`] runs it over
+//!   [`Memfd`] (host memory, CPU copies); [`ShmBackend::with_medium`] over another, such as
+//!   `tensorwire-cuda`'s CUDA IPC (device memory, GPU copies).
 
 mod client;
 mod mapping;
+pub mod medium;
+mod memfd;
 mod server;
 mod uds;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -40,34 +45,24 @@ use tensorwire_core::backend::{
 use tensorwire_core::{Error, RegionId, Result};
 
 use client::{ClientShared, ShmConnection};
+pub use medium::{Export, Grant, MAX_SHARE_BYTES, Medium, Opened};
+pub use memfd::Memfd;
 use server::ServerConn;
 use uds::{FrameReader, FrameWriter};
 
 /// The backend's name.
 pub const NAME: &str = "shm";
 
-/// A registered region's descriptor, as peers receive it.
+/// Shareable regions by id, with their exports.
 #[derive(Debug)]
-pub(crate) struct Share {
-    fd: OwnedFd,
-    pub(crate) len: u64,
-    pub(crate) writable: bool,
-}
-
-impl Share {
-    pub(crate) fn fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
-    }
-}
-
-/// Shareable regions by id.
-#[derive(Debug, Default)]
 pub(crate) struct Table {
-    regions: Mutex<HashMap<RegionId, Arc<Share>>>,
+    regions: Mutex<HashMap<RegionId, Arc<Export>>>,
+    /// The backend's name, for errors.
+    pub(crate) backend: &'static str,
 }
 
 impl Table {
-    pub(crate) fn get(&self, id: RegionId) -> Option<Arc<Share>> {
+    pub(crate) fn get(&self, id: RegionId) -> Option<Arc<Export>> {
         self.regions.lock().get(&id).cloned()
     }
 }
@@ -106,11 +101,12 @@ impl Default for ShmConfig {
     }
 }
 
-/// The shared-memory backend (one per engine).
+/// The shared-memory backend (one per engine), over [`Memfd`] or another [`Medium`].
 #[derive(Debug)]
 pub struct ShmBackend {
     cfg: ShmConfig,
     name: String,
+    medium: Arc<dyn Medium>,
     inner: Arc<Inner>,
 }
 
@@ -122,17 +118,26 @@ impl ShmBackend {
 
     /// Binds the backend's Unix socket (abstract namespace, unguessable name).
     pub fn with_config(cfg: ShmConfig) -> Result<Arc<ShmBackend>> {
+        Self::with_medium(Arc::new(Memfd), cfg)
+    }
+
+    /// The same-host protocol over `medium` (its name is the backend's name): binds the Unix
+    /// socket (abstract namespace, unguessable name).
+    pub fn with_medium(medium: Arc<dyn Medium>, cfg: ShmConfig) -> Result<Arc<ShmBackend>> {
         use std::os::linux::net::SocketAddrExt;
-        let name = format!("tensorwire-shm-{}-{:016x}", std::process::id(), rand::random::<u64>());
+        let backend = medium.name();
+        let name =
+            format!("tensorwire-{backend}-{}-{:016x}", std::process::id(), rand::random::<u64>());
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
         let listener = std::os::unix::net::UnixListener::bind_addr(&addr)?;
         listener.set_nonblocking(true)?;
         Ok(Arc::new(ShmBackend {
             cfg,
             name,
+            medium,
             inner: Arc::new(Inner {
-                serving: Serving::new(NAME, listener),
-                table: Arc::default(),
+                serving: Serving::new(backend, listener),
+                table: Arc::new(Table { regions: Mutex::default(), backend }),
                 served: WeakList::default(),
                 clients: WeakList::default(),
             }),
@@ -184,11 +189,11 @@ async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
 #[async_trait]
 impl Backend for ShmBackend {
     fn name(&self) -> &'static str {
-        NAME
+        self.medium.name()
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::host(true, 1 << 40)
+        self.medium.capabilities()
     }
 
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
@@ -202,16 +207,17 @@ impl Backend for ShmBackend {
     }
 
     async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
-        let Some(mem) = region.shareable() else {
-            return Ok(None); // caller memory: peers reach it through another backend
+        let Some(export) = self.medium.export(region)? else {
+            return Ok(None); // memory this medium cannot share: peers reach it another way
         };
-        // Peers that may only read get a read-only descriptor: they cannot map it writable.
-        let share = Share {
-            fd: mem.open(region.perms.write)?,
-            len: mem.len(),
-            writable: region.perms.write,
-        };
-        self.inner.table.regions.lock().insert(region.id, Arc::new(share));
+        if export.share.len() > MAX_SHARE_BYTES {
+            return Err(Error::Internal(format!(
+                "{}: a {}-byte export (at most {MAX_SHARE_BYTES})",
+                self.medium.name(),
+                export.share.len()
+            )));
+        }
+        self.inner.table.regions.lock().insert(region.id, Arc::new(export));
         Ok(Some(Bytes::new()))
     }
 
@@ -235,7 +241,7 @@ impl Backend for ShmBackend {
         })?;
         sock.set_nonblocking(true)?;
         let sock = tokio::net::UnixStream::from_std(sock)?;
-        let (conn, shared) = ShmConnection::new(sock, self.cfg.answer_timeout);
+        let (conn, shared) = ShmConnection::new(sock, self.medium.clone(), self.cfg.answer_timeout);
         self.inner.clients.push(&shared);
         Ok(Arc::new(conn))
     }

@@ -1,7 +1,8 @@
 //! The serving side of one peer connection. A Begin is checked through the engine's
 //! `BackendHost::resolve` (region, key, permission, bounds, deregistration) and the resolved slice
 //! is held until the peer's End, so deregistration waits for the peer's copy exactly as it waits
-//! for local ones. The region's memfd goes with the first grant (read-only unless peers may write).
+//! for local ones. The region's export (for shm its memfd, read-only unless peers may write) goes
+//! with the first grant.
 //! A Begin that asks for a lease holds the whole region (checked the same way, for the op's
 //! access) until the peer's `Released`, which it sends after the region's `Forget` once its
 //! copies are over: deregistration waits for it as it waits for a held op. When the peer goes
@@ -9,6 +10,7 @@
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -17,7 +19,7 @@ use tensorwire_core::{Access, BackendHost, Error, MemSlice, RegionId, Result};
 
 use crate::Table;
 use crate::uds::{FrameReader, FrameWriter};
-use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, LEASE, WANT_FD, WRITABLE};
+use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, LEASE, WANT_SHARE, WRITABLE};
 
 /// Most ops one peer may hold open at once.
 const MAX_HELD: usize = 1 << 16;
@@ -26,7 +28,7 @@ const MAX_HELD: usize = 1 << 16;
 #[derive(Debug)]
 pub(crate) struct ServerConn {
     pub(crate) writer: FrameWriter,
-    /// Regions whose descriptor this peer received (it gets a Forget when they go).
+    /// Regions whose export this peer received (it gets a Forget when they go).
     pub(crate) mapped: Mutex<HashSet<RegionId>>,
 }
 
@@ -101,7 +103,7 @@ async fn serve_inner(
                 };
                 let Some(share) = table.get(h.region) else {
                     let e = Error::Unsupported {
-                        backend: crate::NAME,
+                        backend: table.backend,
                         what: format!("region {} is not shareable (caller memory)", h.region.0),
                     };
                     reply(conn, Kind::Granted, h.req, Err(e)).await?;
@@ -128,13 +130,18 @@ async fn serve_inner(
                         held.ops.insert(h.req, slice);
                     }
                 }
-                let mut fd = None;
-                if h.flags & WANT_FD != 0 {
-                    g.flags |= HAS_FD | if share.writable { WRITABLE } else { 0 };
-                    fd = Some(share.fd());
+                let (mut fd, mut body) = (None, &[][..]);
+                if h.flags & WANT_SHARE != 0 {
+                    g.flags |= if share.writable { WRITABLE } else { 0 };
+                    if let Some(d) = &share.fd {
+                        g.flags |= HAS_FD;
+                        fd = Some(d.as_raw_fd());
+                    }
+                    body = &share.share;
+                    g.share = body.len() as u16; // at most MAX_SHARE_BYTES (checked at export)
                     conn.mapped.lock().insert(h.region);
                 }
-                conn.writer.send(&g, &[], fd).await?;
+                conn.writer.send(&g, body, fd).await?;
                 // Deregistered meanwhile (its gate closed after the resolve): the Forget that
                 // deregistration sent may have come before this lease existed. Say it again,
                 // so the peer releases the lease and the deregistration can finish.

@@ -1,13 +1,16 @@
-//! The shm control protocol on the Unix socket between two engines: fixed 56-byte headers, an
-//! optional bounded body, and (on a grant) one memfd passed with `SCM_RIGHTS`. Data never crosses
-//! the socket; it is copied between the two mappings. A pure codec, total on any input.
+//! The shm control protocol on the Unix socket between two engines (every same-host medium
+//! speaks it: memfds for shm, CUDA IPC handles for cuda): fixed 56-byte headers, an optional
+//! bounded body, and (on a grant) the region's export: up to [`MAX_SHARE_BYTES`] bytes and one
+//! descriptor passed with `SCM_RIGHTS`. Data never crosses the socket; it is copied between the
+//! two openings of the same memory. A pure codec, total on any input.
 //!
 //! ```text
-//! 0..2 magic "TS"  2 version  3 kind  4 status  5 flags  6..8 zero
+//! 0..2 magic "TS"  2 version  3 kind  4 status  5 flags  6..8 share length (else zero)
 //! 8..16 request id  16..24 region  24..40 access key  40..48 offset  48..56 len
 //! ```
 //! Body that follows: Notify: `len` bytes; Granted or NotifyAck with status Err: `len` bytes of
-//! encoded error; nothing otherwise (a Granted ok's `len` is the region length).
+//! encoded error; Granted ok: the export's `share` bytes (its `len` is the region length);
+//! nothing otherwise.
 //!
 //! Leases (version 2): a Begin with [`LEASE`] asks to hold the whole region for this connection.
 //! A Granted with [`LEASE`] says it is held until the client's `Released`: the client runs later
@@ -18,23 +21,25 @@
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
 
+pub use crate::medium::MAX_SHARE_BYTES;
+
 /// Header length.
 pub const HEADER_LEN: usize = 56;
 /// The protocol's magic ("TS"), version and largest body.
 pub const FRAMING: Framing =
-    Framing { name: "shm", magic: *b"TS", version: 2, max_payload: MAX_NOTIFY_WIRE as u32 };
+    Framing { name: "shm", magic: *b"TS", version: 3, max_payload: MAX_NOTIFY_WIRE as u32 };
 
-/// Begin: the client wants the region's memfd with the grant.
-pub const WANT_FD: u8 = 1;
+/// Begin: the client wants the region's export (share bytes, descriptor) with the grant.
+pub const WANT_SHARE: u8 = 1;
 /// Begin: the op writes the region (else it reads it).
 pub const ACCESS_WRITE: u8 = 2;
-/// Granted: a memfd accompanies this header.
+/// Granted: a descriptor accompanies this header.
 pub const HAS_FD: u8 = 4;
-/// Granted: the memfd may be mapped writable.
+/// Granted: the export may be opened writable.
 pub const WRITABLE: u8 = 8;
 /// Begin: hold the whole region until released; Granted: it is held (a lease).
 pub const LEASE: u8 = 16;
-const KNOWN_FLAGS: u8 = WANT_FD | ACCESS_WRITE | HAS_FD | WRITABLE | LEASE;
+const KNOWN_FLAGS: u8 = WANT_SHARE | ACCESS_WRITE | HAS_FD | WRITABLE | LEASE;
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +106,8 @@ pub struct Header {
     pub offset: u64,
     /// Length (see the module docs).
     pub len: u64,
+    /// Bytes of the region's export after a Granted ok (zero on every other frame).
+    pub share: u16,
 }
 
 impl Header {
@@ -115,6 +122,7 @@ impl Header {
             key: AccessKey::from_bits(0),
             offset: 0,
             len: 0,
+            share: 0,
         }
     }
 
@@ -128,6 +136,7 @@ impl Header {
         match (self.kind, self.ok) {
             (Kind::Notify, _) => self.len,
             (Kind::Granted | Kind::NotifyAck, false) => self.len,
+            (Kind::Granted, true) => u64::from(self.share),
             _ => 0,
         }
     }
@@ -136,7 +145,7 @@ impl Header {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut w = Writer::new();
         w.raw(&FRAMING.magic).u8(FRAMING.version).u8(self.kind.tag());
-        w.u8(u8::from(!self.ok)).u8(self.flags).u16(0);
+        w.u8(u8::from(!self.ok)).u8(self.flags).u16(self.share);
         w.u64(self.req).u64(self.region.0).u128(self.key.to_bits()).u64(self.offset).u64(self.len);
         w.finish_fixed()
     }
@@ -157,9 +166,15 @@ impl Header {
             1 if matches!(kind, Kind::Granted | Kind::NotifyAck) => false,
             s => return Err(Error::protocol(format!("shm: bad status {s} on {kind:?}"))),
         };
-        let (flags, reserved) = (r.u8()?, r.u16()?);
-        if flags & !KNOWN_FLAGS != 0 || reserved != 0 {
-            return Err(Error::protocol("shm: unknown flags or non-zero reserved bytes"));
+        let (flags, share) = (r.u8()?, r.u16()?);
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(Error::protocol("shm: unknown flags"));
+        }
+        if share != 0 && !(kind == Kind::Granted && ok) {
+            return Err(Error::protocol(format!("shm: share bytes on a {kind:?}")));
+        }
+        if usize::from(share) > MAX_SHARE_BYTES {
+            return Err(Error::protocol(format!("shm: a {share}-byte share")));
         }
         let hdr = Header {
             kind,
@@ -170,9 +185,11 @@ impl Header {
             key: AccessKey::from_bits(r.u128()?),
             offset: r.u64()?,
             len: r.u64()?,
+            share,
         };
-        let limit = match kind {
-            Kind::Notify => MAX_NOTIFY_WIRE,
+        let limit = match (kind, ok) {
+            (Kind::Notify, _) => MAX_NOTIFY_WIRE,
+            (Kind::Granted, true) => MAX_SHARE_BYTES,
             _ => MAX_ERROR_BYTES,
         };
         FRAMING.check_len(&format!("{kind:?} body"), hdr.body_len(), limit as u64)?;
@@ -192,7 +209,7 @@ mod tests {
         h.key = AccessKey::from_bits(0xfeed);
         h.offset = 10;
         h.len = 1 << 30;
-        h.flags = WANT_FD | ACCESS_WRITE;
+        h.flags = WANT_SHARE | ACCESS_WRITE;
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         assert_eq!(h.body_len(), 0);
         let mut n = Header::new(Kind::Notify, 1);
@@ -202,6 +219,14 @@ mod tests {
         e.ok = false;
         e.len = 10;
         assert_eq!(Header::decode(&e.encode()).unwrap().body_len(), 10);
+        let mut g = Header::new(Kind::Granted, 2);
+        g.share = 100;
+        assert_eq!(Header::decode(&g.encode()).unwrap().body_len(), 100);
+        g.share = MAX_SHARE_BYTES as u16 + 1;
+        assert!(Header::decode(&g.encode()).is_err(), "an oversized share");
+        let mut s = h;
+        s.share = 1;
+        assert!(Header::decode(&s.encode()).is_err(), "share bytes on a Begin");
         let mut bad = h.encode();
         bad[4] = 1; // error status on a Begin
         assert!(Header::decode(&bad).is_err());

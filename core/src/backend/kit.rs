@@ -3,7 +3,8 @@
 //! - completions: [`spawn_cancellable`] (an op run as a task whose completion cancels it on
 //!   drop), [`gated`] (a completion resolved from the backend's own I/O tasks), [`ready`];
 //! - [`CancelGate`]: "no byte lands after the completion's drop returns", for CPU copies;
-//! - [`gated_copy`]: the segmented CPU copy of memory-to-memory backends;
+//! - [`gated_copy`]: the segmented CPU copy of memory-to-memory backends ([`gated_copy_with`]
+//!   for another copier, [`copy_bytes`] for one CPU copy);
 //! - [`Serving`]: a backend's own listener, engine host, tasks and shutdown flag, and
 //!   [`WeakList`] for the connections it fails at shutdown; [`TaskSet`] for other task sets;
 //! - [`ShareableMemory`] (on [`super::RegionInfo::shareable`]) and [`DetachedMemory`]
@@ -18,7 +19,7 @@
 pub use super::serving::{Serving, WeakList};
 pub use crate::cancel::CancelGate;
 pub use crate::completion::{CompletionSender, gated, ready, spawn_cancellable};
-pub use crate::copy::{Copied, SEGMENT, gated_copy};
+pub use crate::copy::{Copied, SEGMENT, copy_bytes, gated_copy, gated_copy_with};
 pub use crate::engine::staging::{BOUNCE_BYTES, Bounce, copy_blocking};
 pub use crate::memory::ShareableMemory;
 pub use crate::region::{DetachedMemory, MAX_BLOB_BYTES};

@@ -20,6 +20,7 @@ pub const TARGETS: &[&str] = &[
     "checkpoint_ref",
     "chunk_plan",
     "connector_control",
+    "cuda_ipc_share",
     "discovery_entry",
     "engine_descriptor",
     "envelope",
@@ -51,6 +52,7 @@ pub fn valid(target: &str, input: &[u8]) -> bool {
         "checkpoint_ref" => tensorwire_diffusion::cache::CheckpointRef::decode(input).is_ok(),
         "chunk_plan" => input.len() >= 5 && meta(&input[5..]),
         "connector_control" => matches!(Control::decode(input), Ok(Some(_))),
+        "cuda_ipc_share" => tensorwire_cuda::ipc::IpcShare::decode(input).is_ok(),
         "discovery_entry" => {
             tensorwire_core::discovery::Entry::decode_value("store", "n1", input).is_ok()
         }
@@ -116,6 +118,11 @@ pub fn dictionary(target: &str) -> Vec<Vec<u8>> {
             d
         }
         "connector_control" => vec![prefix(&control::FRAMING)],
+        "cuda_ipc_share" => vec![
+            tensorwire_cuda::ipc::IpcShare::decode(&cuda_share())
+                .map(|s| s.encode()[..4].to_vec())
+                .unwrap_or_default(),
+        ],
         "queue_message" => vec![prefix(&queue::FRAMING)],
         "shm_header" => vec![prefix(&tensorwire_shm::wire::FRAMING)],
         "tcp_data_header" => vec![prefix(&tensorwire_tcp::wire::FRAMING)],
@@ -134,4 +141,16 @@ pub fn dictionary_file(tokens: &[Vec<u8>]) -> String {
         out.push_str(&format!("kw{i}=\"{quoted}\"\n"));
     }
     out
+}
+
+/// One well-formed cuda IPC share (a seed, and the source of its dictionary's prefix).
+pub fn cuda_share() -> Vec<u8> {
+    tensorwire_cuda::ipc::IpcShare {
+        process: 0x1234_5678_9abc_def0,
+        uuid: [7; 16],
+        addr: 0x7f00_0000_0000,
+        len: 64 << 20,
+        handle: [0x5a; 64],
+    }
+    .encode()
 }

@@ -28,6 +28,7 @@ pub fn add_all(c: &mut Corpus, refs: &[PayloadRef]) {
     handshake(c);
     envelopes(c);
     shm_headers(c);
+    c.add("cuda_ipc_share", crate::targets::cuda_share());
     ucx_msgs(c);
     rdma(c);
     nccl(c);
@@ -132,14 +133,14 @@ fn envelopes(c: &mut Corpus) {
 
 fn shm_headers(c: &mut Corpus) {
     use shm::Kind::*;
-    for kind in [Begin, Granted, End, Notify, NotifyAck, Forget] {
+    for kind in [Begin, Granted, End, Notify, NotifyAck, Forget, Released] {
         let mut h = shm::Header::new(kind, 42);
         h.region = RegionId(3);
         h.key = AccessKey::from_bits(0xfeed_f00d);
         h.offset = 4096;
         h.len = if kind == Notify { 64 } else { 1 << 20 };
         h.flags = match kind {
-            Begin => shm::WANT_FD | shm::ACCESS_WRITE,
+            Begin => shm::WANT_SHARE | shm::ACCESS_WRITE,
             Granted => shm::HAS_FD | shm::WRITABLE,
             _ => 0,
         };
@@ -151,6 +152,11 @@ fn shm_headers(c: &mut Corpus) {
             c.add("shm_header", refused.encode().to_vec());
         }
     }
+    // A grant with an export's bytes after it (a cuda IPC share).
+    let mut g = shm::Header::new(Granted, 44);
+    g.len = 64 << 20;
+    g.share = tensorwire_cuda::ipc::SHARE_LEN as u16;
+    c.add("shm_header", g.encode().to_vec());
 }
 
 fn ucx_msgs(c: &mut Corpus) {
