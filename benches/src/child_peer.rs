@@ -1,5 +1,5 @@
 //! A peer engine in a child process, for media whose baseline runs as two processes
-//! (`ucx_perftest`): the harness re-runs its own binary with [`PEER_ENV`] set; the child starts an
+//! (`ucx_perftest`) or whose path exists only between processes (CUDA IPC): the harness re-runs its own binary with [`PEER_ENV`] set; the child starts an
 //! engine with the backend under test, registers one readable and writable region, prints
 //! `READY <control addr> <region id>` and serves until its stdin closes.
 
@@ -42,6 +42,15 @@ async fn engine_with_region(
             e.register_raw(memory.as_ptr(), len, tensorwire_core::MemoryKind::Host, perms).await?
         };
         return Ok((e, region, Some(memory)));
+    }
+    if backend == "cuda" {
+        // Device memory of GPU 0 on both sides, each engine its own process: the CUDA IPC path
+        // (a handle opened by the other process), as two serving processes of one host use it.
+        let gpu = tensorwire_cuda::CudaGpu::new()?;
+        let cuda = tensorwire_cuda::backend(gpu.clone(), Default::default())?;
+        let e = Engine::builder().backend(cuda).gpu(gpu).start().await?;
+        let region = e.alloc_device(0, len, perms).await?;
+        return Ok((e, region, None));
     }
     let e = Engine::builder().backend(make_backend(backend, 1)?).start().await?;
     let region = e.alloc(len, perms).await?;
@@ -129,6 +138,24 @@ impl ChildPair {
         let session = a.connect(addr).await?;
         let remote = session.remote_region(RegionId(id))?;
         Ok(ChildPair { a, local: Some(local), remote, session, child, _memory: memory })
+    }
+
+    /// Checks the bytes of one round trip of `size` bytes: a pattern written to the peer and read
+    /// back into local memory cleared in between.
+    pub async fn verify(&self, size: u64, backend: &str) -> Result<()> {
+        let local = self.local.as_ref().ok_or_else(|| Error::protocol("pair dropped"))?;
+        let n = usize::try_from(size).map_err(|_| Error::protocol("size"))?;
+        let want: Vec<u8> = (0..n).map(|i| (i as u32).wrapping_mul(2_654_435_761) as u8).collect();
+        local.write_bytes(0, &want)?;
+        self.op(true, size, backend).await?;
+        local.write_bytes(0, &vec![0; n])?;
+        self.op(false, size, backend).await?;
+        if local.to_vec(0, size)? != want {
+            return Err(
+                Error::protocol(format!("{backend}: a {size}-byte round trip differs")).into()
+            );
+        }
+        Ok(())
     }
 
     /// One op of `size` bytes; checks that the engine used `backend`.

@@ -47,6 +47,9 @@ pub async fn transfers(
     if backend == "ucx" {
         return ucx_transfers(sizes, ops, plan, on_line).await;
     }
+    if backend == "cuda" {
+        return cuda_transfers(sizes, ops, plan, on_line).await;
+    }
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let streams = if backend == "tcp" { plan.streams.max(1) } else { 1 };
     let pair = EnginePair::new(backend, streams, max).await?;
@@ -174,6 +177,51 @@ async fn ucx_transfers(
         spent.as_millis(),
         idle.as_millis()
     );
+    pair.a.shutdown().await;
+    Ok(lines)
+}
+
+/// The cuda backend between two processes (the peer is this binary re-run as a child, see
+/// `child_peer`), device memory of GPU 0 on both sides, against `cuMemcpyDtoD` between two
+/// device buffers of this process, interleaved. The bytes of one round trip at the largest size
+/// are checked first.
+async fn cuda_transfers(
+    sizes: &[u64],
+    ops: &[bool],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+) -> Result<Vec<Line>> {
+    let gpu = tensorwire_cuda::CudaGpu::new()?; // before the child: say once why there is none
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let pair = ChildPair::new("cuda", max).await?;
+    pair.verify(max, "cuda").await?;
+    eprintln!("    verified cuda: a {max}-byte round trip between two processes is exact");
+    let (src, dst) = (
+        pair.a.alloc_device(0, max, tensorwire_core::Permissions::NONE).await?,
+        pair.a.alloc_device(0, max, tensorwire_core::Permissions::NONE).await?,
+    );
+    let (s, d) = (src.slice(0, max)?.ptr() as u64, dst.slice(0, max)?.ptr() as u64);
+    let (pair_ref, gpu) = (&pair, &gpu);
+    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+        let (tw, base) = interleaved(
+            plan.runs,
+            plan.budget,
+            size,
+            || pair_ref.op(write, size, "cuda"),
+            || async move {
+                let n = usize::try_from(size).map_err(|_| Error::protocol("size"))?;
+                // SAFETY: `src` and `dst` are live device regions of `max >= size` bytes held
+                // until the sweep is over.
+                unsafe { gpu.memcpy_dtod(0, d, s, n) }?;
+                Ok(())
+            },
+        )
+        .await?;
+        let op = if write { "write" } else { "read" };
+        Ok(Line::from_samples("cuda", op, size, 1, "cuMemcpyDtoD", tw, base))
+    })
+    .await?;
+    drop((src, dst));
     pair.a.shutdown().await;
     Ok(lines)
 }

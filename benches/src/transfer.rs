@@ -11,7 +11,7 @@ use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 /// Backends the harness can build.
-pub const BACKENDS: &[&str] = &["tcp", "shm", "mem", "ucx", "rdma"];
+pub const BACKENDS: &[&str] = &["tcp", "shm", "mem", "ucx", "rdma", "cuda"];
 
 /// Makes one backend instance of `name`.
 pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
@@ -25,6 +25,9 @@ pub fn make_backend(name: &str, streams: usize) -> Result<Arc<dyn Backend>> {
         // NICs per engine on the process's fabric (the backend's own cost: bookkeeping, and the
         // software NIC's one copy per request).
         "rdma" => rdma(),
+        "cuda" => {
+            Ok(tensorwire_cuda::backend(tensorwire_cuda::CudaGpu::new()?, Default::default())?)
+        }
         other => Err(Error::InvalidArgument(format!(
             "unknown backend {other:?}; this harness knows {BACKENDS:?}"
         ))
