@@ -150,4 +150,8 @@ impl Medium for CudaIpc {
     fn segment(&self) -> u64 {
         self.driver.segment()
     }
+
+    fn blocking(&self) -> bool {
+        true
+    }
 }

@@ -378,12 +378,15 @@ fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>
     Some(copied.and_then(|()| c.alive()))
 }
 
-async fn copy(c: &ClientShared, op: &Op, map: &Mapping, gate: &CancelGate) -> Result<()> {
+async fn copy(c: &ClientShared, op: &Op, map: &Arc<Mapping>, gate: &Arc<CancelGate>) -> Result<()> {
     let len = op.local().len();
     let write = op.dir() == Direction::Write;
     let remote = map.at(op.remote().offset, len, write)?;
     let local = op.local().ptr() as usize;
     let (src, dst) = if write { (local, remote) } else { (remote, local) };
+    if c.medium.blocking() {
+        return offloaded(c, op, map, gate, (src, dst, len)).await;
+    }
     let medium = &*c.medium;
     let segment = |s: usize, d: usize, n: usize| {
         // SAFETY: sub-ranges of the two ranges below, which stay valid for the copy.
@@ -394,6 +397,42 @@ async fn copy(c: &ClientShared, op: &Op, map: &Mapping, gate: &CancelGate) -> Re
     // (in-flight gate) until our End.
     unsafe { gated_copy_with(src, dst, len, medium.segment(), gate, || c.alive(), segment) }
         .await?;
+    Ok(())
+}
+
+/// A medium whose copy holds its thread until a DMA is over: each segment runs on a blocking
+/// thread (so runtime workers keep serving other ops, and copies of different ops run side by
+/// side), under the op's gate, holding both ends alive itself (a task dropped at shutdown
+/// cannot free memory a segment still copies).
+async fn offloaded(
+    c: &ClientShared,
+    op: &Op,
+    map: &Arc<Mapping>,
+    gate: &Arc<CancelGate>,
+    (src, dst, len): (usize, usize, u64),
+) -> Result<()> {
+    let mut done = 0u64;
+    while done < len {
+        c.alive()?;
+        let n = c.medium.segment().max(1).min(len - done);
+        let (medium, gate, map, local) =
+            (c.medium.clone(), gate.clone(), map.clone(), op.local().sub(0, len)?);
+        let at = done as usize;
+        let piece = tokio::task::spawn_blocking(move || {
+            let _alive = (map, local);
+            // SAFETY: `[src, src+len)` and `[dst, dst+len)` are the op's local slice and a range
+            // of the peer's opened region (checked by `at`), both kept alive by `_alive`; the
+            // peer holds its region for the op or lease until this copy ends.
+            gate.run(|| unsafe { medium.copy(src + at, dst + at, n as usize) })
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("{}: a copy thread failed: {e}", c.medium.name())))?;
+        match piece {
+            None => return Ok(()), // cancelled: the completion is gone
+            Some(r) => r?,
+        }
+        done += n;
+    }
     Ok(())
 }
 

@@ -83,4 +83,9 @@ pub trait Medium: Send + Sync + Debug + 'static {
     fn inline_bytes(&self) -> u64 {
         0
     }
+    /// Whether a copy holds its thread while a DMA runs (a GPU copy): the protocol then runs
+    /// each segment on a blocking thread instead of a runtime worker. CPU copies: false.
+    fn blocking(&self) -> bool {
+        false
+    }
 }
