@@ -524,10 +524,10 @@ impl Progress {
                 self.out.remove(&op.conn);
             }
         }
-        let _ = op.done.send(match op.error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        });
+        self.ended.push((op.done, op.error.map_or(Ok(()), Err)));
+        if self.ended.len() >= crate::progress::WAKE_BATCH {
+            self.deliver();
+        }
         if op.abandoned {
             self.graveyard.bury(op.work.into_local(), op.memh, op.rkey);
         }
