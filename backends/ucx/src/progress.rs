@@ -446,7 +446,7 @@ impl Progress {
     /// copies (16 ops of 1 MiB per submit moved 0.43-0.49 of `ucx_perftest`; grouped by 4,
     /// 0.60-0.70). Groups rather than one wake per turn keep the runtime's handling of the
     /// first completions overlapped with the copies of the later ones (one wake per turn: 64 KiB
-    /// ops fell from 0.34 to 0.26). An op's completion waits until three more end or its turn
+    /// ops fell from 0.34 to 0.25-0.30). An op's completion waits until three more end or its turn
     /// does (every runnable op gets one segment per turn), never longer.
     pub(crate) fn deliver(&mut self) {
         for (done, r) in self.ended.drain(..) {
