@@ -442,12 +442,12 @@ impl Progress {
     /// and at the end of every turn, rather than each between two copies. A completion wakes
     /// the runtime (an `eventfd` write and a thread switch when its workers sleep), and where
     /// copies run inline (UCX's shared-memory transports copy inside the call) one op after
-    /// another ends on this thread: woken once per op, the runtime took the core from the
-    /// copies (16 ops of 1 MiB per submit moved 0.43-0.49 of `ucx_perftest`; grouped by 4,
-    /// 0.60-0.70). Groups rather than one wake per turn keep the runtime's handling of the
-    /// first completions overlapped with the copies of the later ones (one wake per turn: 64 KiB
-    /// ops fell from 0.34 to 0.25-0.30). An op's completion waits until three more end or its turn
-    /// does (every runnable op gets one segment per turn), never longer.
+    /// another ends on this thread, so a wake per op sat between every two copies (16 ops of
+    /// 1 MiB per submit moved 0.43-0.51 of `ucx_perftest`; grouped by four, 0.60-0.70). Groups
+    /// rather than one wake per turn keep the runtime's handling of the first completions
+    /// overlapped with the later copies (one wake per turn: 64 KiB fell from 0.34 to
+    /// 0.25-0.30). An op's completion waits until three more ops end or its turn does (every
+    /// runnable op gets one segment per turn), never longer.
     pub(crate) fn deliver(&mut self) {
         for (done, r) in self.ended.drain(..) {
             let _ = done.send(r);
