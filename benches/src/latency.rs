@@ -2,7 +2,10 @@
 //! medium's round trip, samples interleaved in the same run. tcp: the raw-socket pair with the
 //! same stream count and completion semantics (`raw_tcp`: a request, the bytes, a one-byte
 //! answer). shm: a memcpy of the same bytes plus a wake-up round trip to another thread (what
-//! one op needs at least: the copy, and telling the other side). mem: the memcpy alone.
+//! one op needs at least: the copy, and telling the other side). mem: the memcpy alone. ucx: the
+//! peer is a child process, as `ucx_perftest`'s two are; ucx_perftest gives no per-op samples to
+//! interleave with, so each (size, op) runs its latency test at the median before tensorwire's
+//! samples and at the 99th percentile after them (see `ucx_perftest::Perftest::latency`).
 
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::time::Instant;
@@ -11,9 +14,11 @@ use serde::Serialize;
 use tensorwire_core::Error;
 
 use crate::Result;
+use crate::child_peer::ChildPair;
 use crate::memcpy::Memcpy;
 use crate::raw_tcp::RawTcp;
 use crate::transfer::EnginePair;
+use crate::ucx_perftest::Perftest;
 
 /// One latency figure.
 #[derive(Debug, Clone, Serialize)]
@@ -95,6 +100,75 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted.get(i).copied().unwrap_or(0.0)
 }
 
+/// (p50, p99) of `samples`, rounded to hundredths.
+fn summary(mut samples: Vec<f64>) -> (f64, f64) {
+    samples.sort_by(f64::total_cmp);
+    let r2 = |v: f64| (v * 100.0).round() / 100.0;
+    (r2(percentile(&samples, 0.5)), r2(percentile(&samples, 0.99)))
+}
+
+/// Times `samples` calls of `op`, in microseconds.
+async fn timed<F, Fut>(samples: usize, mut op: F) -> Result<Vec<f64>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let mut v = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let t = Instant::now();
+        op().await?;
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(v)
+}
+
+impl LatencyLine {
+    fn new(
+        backend: &str,
+        (write, size, samples): (bool, u64, usize),
+        ours: (f64, f64),
+        raw: (f64, f64),
+        what: &'static str,
+    ) -> LatencyLine {
+        LatencyLine {
+            latency: true,
+            backend: backend.to_string(),
+            op: if write { "write" } else { "read" },
+            size,
+            samples,
+            p50_us: ours.0,
+            p99_us: ours.1,
+            raw_p50_us: raw.0,
+            raw_p99_us: raw.1,
+            raw: what,
+        }
+    }
+}
+
+/// `samples` single ops of each size and direction on ucx, the peer in a child process, with
+/// ucx_perftest's latency tests at the median before them and at the 99th percentile after.
+async fn ucx(sizes: &[u64], ops: &[bool], samples: usize) -> Result<Vec<LatencyLine>> {
+    let perf = Perftest::new()?;
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let pair = ChildPair::new("ucx", max).await?;
+    let mut out = Vec::new();
+    for &size in sizes {
+        for &write in ops {
+            for _ in 0..10 {
+                pair.op(write, size, "ucx").await?;
+            }
+            let n = samples as u64;
+            let raw_p50 = perf.latency(write, size, n, 50.0).await?;
+            let ours = summary(timed(samples, || pair.op(write, size, "ucx")).await?);
+            let raw_p99 = perf.latency(write, size, n, 99.0).await?;
+            let (what, at) = (Perftest::latency_name(write), (write, size, samples));
+            out.push(LatencyLine::new("ucx", at, ours, (raw_p50, raw_p99), what));
+        }
+    }
+    pair.a.shutdown().await;
+    Ok(out)
+}
+
 /// `samples` single ops of each size and direction on `backend`, each followed by one raw op.
 pub async fn run(
     backend: &str,
@@ -103,6 +177,9 @@ pub async fn run(
     ops: &[bool],
     samples: usize,
 ) -> Result<Vec<LatencyLine>> {
+    if backend == "ucx" {
+        return ucx(sizes, ops, samples).await;
+    }
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let pair = EnginePair::new(backend, streams, max).await?;
     let (mut raw, what) = match backend {
@@ -113,7 +190,7 @@ pub async fn run(
             return Err(Error::Unsupported {
                 backend: "xfer",
                 what: format!(
-                    "--latency for {other} (tcp, shm, mem and rdma have a raw round trip)"
+                    "--latency for {other} (tcp, shm, mem, rdma and ucx have a raw round trip)"
                 ),
             }
             .into());
@@ -136,21 +213,8 @@ pub async fn run(
                 raw.op(write, size).await?;
                 rw.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            tw.sort_by(f64::total_cmp);
-            rw.sort_by(f64::total_cmp);
-            let r2 = |v: f64| (v * 100.0).round() / 100.0;
-            out.push(LatencyLine {
-                latency: true,
-                backend: backend.to_string(),
-                op: if write { "write" } else { "read" },
-                size,
-                samples,
-                p50_us: r2(percentile(&tw, 0.5)),
-                p99_us: r2(percentile(&tw, 0.99)),
-                raw_p50_us: r2(percentile(&rw, 0.5)),
-                raw_p99_us: r2(percentile(&rw, 0.99)),
-                raw: what,
-            });
+            let at = (write, size, samples);
+            out.push(LatencyLine::new(backend, at, summary(tw), summary(rw), what));
         }
     }
     Ok(out)

@@ -188,7 +188,7 @@ async fn run(args: Args) -> Result<()> {
         .await?;
         for l in lines {
             eprintln!(
-                "latency {} {} {}: p50 {:.1} us, p99 {:.1} us; {}: p50 {:.1} us, p99 {:.1} us",
+                "latency {} {} {}: p50 {:.1} us, p99 {:.1} us; {}: p50 {:.2} us, p99 {:.2} us",
                 l.backend,
                 l.op,
                 fmt_size(l.size),
