@@ -16,7 +16,8 @@ use tensorwire_core::backend::{Capabilities, RegionInfo};
 /// Largest export a grant carries besides its descriptor (a medium's handle codec).
 pub const MAX_SHARE_BYTES: usize = 4096;
 
-/// What peers get for a region, made once at registration.
+/// What peers get for a region, made once at registration; as a [`Grant`], what this process
+/// received from a peer with a grant (the same fields, filled from the wire).
 #[derive(Debug)]
 pub struct Export {
     /// Bytes that travel with the first grant of the region to a peer (at most
@@ -31,18 +32,8 @@ pub struct Export {
     pub writable: bool,
 }
 
-/// A peer's export as this process received it with a grant.
-#[derive(Debug)]
-pub struct Grant {
-    /// The export's bytes.
-    pub share: Vec<u8>,
-    /// The export's descriptor, if it had one.
-    pub fd: Option<OwnedFd>,
-    /// The region's length, as the peer's engine gave it.
-    pub len: u64,
-    /// Whether the peer lets this process write through the export.
-    pub writable: bool,
-}
+/// A peer's export as this process received it with a grant: what [`Medium::open`] opens.
+pub type Grant = Export;
 
 /// A peer's export opened in this process: the address of its first byte (in the address space
 /// the medium copies in: a CPU address, or a device address) and whatever keeps it open (closed
