@@ -46,8 +46,9 @@ impl Drop for Freed {
 #[derive(Debug, Default)]
 struct Inner {
     allocs: Mutex<BTreeMap<usize, Allocation>>,
-    /// Serialises copies: pages are made accessible only while one runs.
-    copying: Mutex<()>,
+    /// Copies running on each allocation (by base): its pages are accessible while any runs,
+    /// so copies of different ops run side by side, as a GPU's copy engines do.
+    copying: Mutex<BTreeMap<usize, usize>>,
     copies: AtomicUsize,
     pins: AtomicUsize,
     unpins: AtomicUsize,
@@ -114,19 +115,33 @@ impl FakeGpu {
     /// # Safety
     /// `[src, src+n)` readable and `[dst, dst+n)` writable (once accessible) for the call.
     pub unsafe fn copy_raw(&self, src: usize, dst: usize, n: usize) {
-        let _one = lock(&self.inner.copying);
-        let opened: Vec<(usize, usize)> = [dst, src]
+        let mut opened: Vec<(usize, usize)> = [dst, src]
             .into_iter()
             .filter_map(|a| self.find(a, n.max(1)).map(|(base, len, _)| (base, len)))
             .collect();
-        for &(base, len) in &opened {
-            Self::protect(base, len, libc::PROT_READ | libc::PROT_WRITE);
+        opened.dedup();
+        {
+            let mut running = lock(&self.inner.copying);
+            for &(base, len) in &opened {
+                let k = running.entry(base).or_insert(0);
+                if *k == 0 {
+                    Self::protect(base, len, libc::PROT_READ | libc::PROT_WRITE);
+                }
+                *k += 1;
+            }
         }
-        // SAFETY: the caller's contract, and any device side was just made accessible;
-        // `ptr::copy` allows overlap.
+        // SAFETY: the caller's contract, and any device side is accessible while this copy is
+        // counted on it; `ptr::copy` allows overlap.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+        let mut running = lock(&self.inner.copying);
         for (base, len) in opened {
-            Self::protect(base, len, libc::PROT_NONE);
+            if let Some(k) = running.get_mut(&base) {
+                *k -= 1;
+                if *k == 0 {
+                    running.remove(&base);
+                    Self::protect(base, len, libc::PROT_NONE);
+                }
+            }
         }
         self.inner.copies.fetch_add(1, Ordering::Relaxed);
     }
