@@ -2,7 +2,8 @@
 //! `cuPointerGetAttribute`, handles from `cuIpcGetMemHandle`, openings with
 //! `cuIpcOpenMemHandle` (lazy peer access, so a GPU reaches another's memory over NVLink or PCIe
 //! peer to peer) closed with `cuIpcCloseMemHandle`, and copies with `cuMemcpyAsync` on the
-//! thread's copy stream (unified addressing: the driver picks the path from the two addresses).
+//! thread's copy stream of the device whose memory they touch (unified addressing: the driver
+//! picks the path from the two addresses).
 
 use std::any::Any;
 use std::sync::Arc;
@@ -87,7 +88,15 @@ impl IpcDriver for CudaGpu {
     }
 
     unsafe fn copy(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+        // On the stream of the device whose memory is written, or else read (an opening of a
+        // peer's allocation is device memory of the GPU it lives on).
+        let device = |a: u64| {
+            self.attributes(a).ok().and_then(|(t, o, _, _)| {
+                (t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32).then_some(o as u32)
+            })
+        };
+        let ordinal = device(dst).or_else(|| device(src)).unwrap_or(0);
         // SAFETY: forwarded contract.
-        unsafe { self.inner.copy(src, dst, n) }
+        unsafe { self.inner.copy(src, dst, n, ordinal) }
     }
 }

@@ -1,11 +1,12 @@
 //! [`CudaGpu`]: the engine's GPU seam over the CUDA driver API. One retained primary context per
 //! device; every call first makes the right one current on the calling thread (copies run on the
-//! engine's blocking threads, which have none). Copies go on a non-blocking stream per thread.
+//! engine's blocking threads, which have none). Copies go on a non-blocking stream per thread
+//! and device.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, Result};
+use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, MemoryKind, Result};
 
 use crate::NAME;
 
@@ -173,30 +174,37 @@ impl Drop for ThreadStream {
 }
 
 thread_local! {
-    static STREAM: std::cell::RefCell<Option<ThreadStream>> = const { std::cell::RefCell::new(None) };
+    /// This thread's copy stream on each device, by ordinal.
+    static STREAMS: std::cell::RefCell<Vec<Option<ThreadStream>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Inner {
     /// Copies `n` bytes from `src` to `dst` (host or device addresses: unified addressing) on
-    /// this thread's copy stream, and returns once they are in place.
+    /// this thread's copy stream of device `ordinal` (the device whose memory it touches, so its
+    /// copy engines move the bytes), and returns once they are in place.
     ///
     /// # Safety
     /// Both ranges valid for `n` bytes during the call.
-    pub(crate) unsafe fn copy(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+    pub(crate) unsafe fn copy(&self, src: u64, dst: u64, n: usize, ordinal: u32) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        self.enter(0)?;
-        STREAM.with(|cell| {
-            let mut slot = cell.borrow_mut();
-            if slot.is_none() {
+        self.enter(ordinal)?;
+        STREAMS.with(|cell| {
+            let mut streams = cell.borrow_mut();
+            let at = ordinal as usize;
+            if streams.len() <= at {
+                streams.resize_with(at + 1, || None);
+            }
+            if streams[at].is_none() {
                 let mut s = std::ptr::null_mut();
                 let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-                // SAFETY: writes one stream handle, in device 0's primary context (current).
+                // SAFETY: writes one stream handle, in the device's primary context (current).
                 check(unsafe { sys::cuStreamCreate(&mut s, flags) }, "cuStreamCreate")?;
-                *slot = Some(ThreadStream(s));
+                streams[at] = Some(ThreadStream(s));
             }
-            let stream = slot.as_ref().map(|s| s.0).unwrap_or(std::ptr::null_mut());
+            let stream = streams[at].as_ref().map(|s| s.0).unwrap_or(std::ptr::null_mut());
             // SAFETY: the caller keeps both ranges valid for `n` bytes until the synchronize
             // below returns; the stream is this thread's own.
             check(unsafe { sys::cuMemcpyAsync(dst, src, n, stream) }, "cuMemcpyAsync")?;
@@ -239,6 +247,13 @@ impl Drop for Pinned {
     }
 }
 
+fn ordinal_of(s: &MemSlice) -> Option<u32> {
+    match s.kind() {
+        MemoryKind::Device { ordinal } => Some(ordinal),
+        _ => None,
+    }
+}
+
 impl DeviceCopier for CudaGpu {
     fn name(&self) -> &'static str {
         NAME
@@ -247,9 +262,10 @@ impl DeviceCopier for CudaGpu {
     fn copy(&self, dst: &MemSlice, src: &MemSlice) -> Result<()> {
         let n = usize::try_from(src.len())
             .map_err(|_| Error::InvalidArgument("cuda: copy larger than usize".into()))?;
+        let ordinal = ordinal_of(dst).or_else(|| ordinal_of(src)).unwrap_or(0);
         // SAFETY: both slices are live (their gates are held by the caller) and `n` bytes long
         // (checked by `copy_from`).
-        unsafe { self.inner.copy(src.ptr() as u64, dst.ptr() as u64, n) }
+        unsafe { self.inner.copy(src.ptr() as u64, dst.ptr() as u64, n, ordinal) }
     }
 }
 
