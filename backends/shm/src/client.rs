@@ -267,14 +267,18 @@ async fn granted(
     Asked { region, key, write, share: asked_share }: Asked,
 ) -> Result<Answer> {
     let leased = h.flags & LEASE != 0;
+    // Opened before the state is locked (a driver's open can take a while); still here, in the
+    // reader, so in frame order.
+    let unasked = !asked_share && (fd.is_some() || !share.is_empty());
+    let opened = asked_share.then(|| {
+        let grant = Grant { share, fd, len: h.len, writable: h.flags & WRITABLE != 0 };
+        Mapping::open(&*c.medium, grant).map(Arc::new)
+    });
     let map = {
         let mut s = c.state.lock();
-        let map = if asked_share {
-            let grant = Grant { share, fd, len: h.len, writable: h.flags & WRITABLE != 0 };
-            Mapping::open(&*c.medium, grant)
-                .map(Arc::new)
-                .inspect(|m| drop(s.maps.insert(region, m.clone())))
-        } else if fd.is_some() || !share.is_empty() {
+        let map = if let Some(opened) = opened {
+            opened.inspect(|m| drop(s.maps.insert(region, m.clone())))
+        } else if unasked {
             Err(Error::protocol("shm: an export nobody asked for came with a grant"))
         } else {
             s.maps.get(&region).cloned().ok_or_else(|| {
