@@ -666,9 +666,11 @@ impl Engine {
         lock(&self.shared.chunk_streams).clear();
     }
 
-    /// Number of registered regions.
+    /// Number of registered regions: the caller's (the engine's own staging bounces, made on
+    /// first use of device staging and kept for reuse, are not counted).
     pub fn region_count(&self) -> usize {
-        self.shared.regions.len()
+        let own = self.shared.staging.get().map_or(0, |p| p.made());
+        self.shared.regions.len().saturating_sub(own)
     }
 
     /// Looks up a registered region's remote view by id (for tests and diagnostics).

@@ -41,6 +41,8 @@ pub(crate) struct StagingPool {
     engine: Weak<EngineShared>,
     free: Mutex<Vec<Region>>,
     permits: Arc<Semaphore>,
+    /// Bounces made so far (each a registered region of the engine, kept until it drops).
+    made: std::sync::atomic::AtomicUsize,
 }
 
 impl StagingPool {
@@ -49,7 +51,13 @@ impl StagingPool {
             engine,
             free: Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(BOUNCES)),
+            made: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// Bounces made so far.
+    pub(crate) fn made(&self) -> usize {
+        self.made.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A bounce buffer (waits while all are in use).
@@ -68,7 +76,10 @@ impl StagingPool {
                     .engine
                     .upgrade()
                     .ok_or_else(|| Error::PeerClosed("local engine dropped".into()))?;
-                super::Engine { shared }.alloc_pinned(BOUNCE_BYTES, Permissions::NONE).await?
+                let r =
+                    super::Engine { shared }.alloc_pinned(BOUNCE_BYTES, Permissions::NONE).await?;
+                self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                r
             }
         };
         Ok(Bounce { region: Some(region), pool: Arc::downgrade(self), _permit: permit })
