@@ -9,15 +9,16 @@
 //! The exporting process is a random token drawn once per process, not its pid: two containers
 //! of one host can share a pid, and an address is only meaningful in the process that made it.
 
-use tensorwire_core::backend::kit::{Reader, Writer};
+use tensorwire_core::backend::kit::{Framing, Reader, Writer};
 use tensorwire_core::{Error, Result};
 
 /// Encoded length.
 pub const SHARE_LEN: usize = 108;
-const MAGIC: [u8; 2] = *b"TI";
-const VERSION: u8 = 1;
+/// The share's magic ("TI") and version.
+pub const FRAMING: Framing =
+    Framing { name: "cuda IPC share", magic: *b"TI", version: 1, max_payload: SHARE_LEN as u32 };
 /// A legacy IPC handle (`cuIpcGetMemHandle` / `cuIpcOpenMemHandle`).
-const KIND_LEGACY: u8 = 1;
+pub const KIND_LEGACY: u8 = 1;
 
 /// One exported device allocation (the whole allocation: the backend shares no other).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +39,8 @@ impl IpcShare {
     /// Encodes.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
-        w.raw(&MAGIC).u8(VERSION).u8(KIND_LEGACY).u64(self.process).raw(&self.uuid);
+        w.raw(&FRAMING.magic).u8(FRAMING.version).u8(KIND_LEGACY);
+        w.u64(self.process).raw(&self.uuid);
         w.u64(self.addr).u64(self.len).raw(&self.handle);
         w.finish()
     }
@@ -53,14 +55,10 @@ impl IpcShare {
             )));
         }
         let mut r = Reader::new(b, "cuda IPC share");
-        if r.raw(2)? != MAGIC {
-            return Err(Error::protocol("cuda: an IPC share with a bad magic"));
-        }
-        match (r.u8()?, r.u8()?) {
-            (VERSION, KIND_LEGACY) => {}
-            (v, k) => {
-                return Err(Error::protocol(format!("cuda: IPC share version {v}, kind {k}")));
-            }
+        FRAMING.check_prefix(r.raw(3)?)?;
+        match r.u8()? {
+            KIND_LEGACY => {}
+            k => return Err(Error::protocol(format!("cuda: IPC share of kind {k}"))),
         }
         let process = r.u64()?;
         let uuid = r.raw(16)?.try_into().map_err(|_| Error::protocol("cuda: uuid"))?;
@@ -114,7 +112,7 @@ mod tests {
 
         #[test]
         fn decoded_shares_round_trip(mut bytes in proptest::collection::vec(any::<u8>(), SHARE_LEN)) {
-            bytes[..4].copy_from_slice(&[b'T', b'I', VERSION, KIND_LEGACY]);
+            bytes[..4].copy_from_slice(&[b'T', b'I', FRAMING.version, KIND_LEGACY]);
             if let Ok(s) = IpcShare::decode(&bytes) {
                 prop_assert_eq!(s.encode(), bytes);
             }

@@ -118,11 +118,10 @@ pub fn dictionary(target: &str) -> Vec<Vec<u8>> {
             d
         }
         "connector_control" => vec![prefix(&control::FRAMING)],
-        "cuda_ipc_share" => vec![
-            tensorwire_cuda::ipc::IpcShare::decode(&cuda_share())
-                .map(|s| s.encode()[..4].to_vec())
-                .unwrap_or_default(),
-        ],
+        "cuda_ipc_share" => {
+            use tensorwire_cuda::ipc::{FRAMING, KIND_LEGACY};
+            vec![[prefix(&FRAMING), vec![KIND_LEGACY]].concat()]
+        }
         "queue_message" => vec![prefix(&queue::FRAMING)],
         "shm_header" => vec![prefix(&tensorwire_shm::wire::FRAMING)],
         "tcp_data_header" => vec![prefix(&tensorwire_tcp::wire::FRAMING)],
@@ -143,7 +142,7 @@ pub fn dictionary_file(tokens: &[Vec<u8>]) -> String {
     out
 }
 
-/// One well-formed cuda IPC share (a seed, and the source of its dictionary's prefix).
+/// One well-formed cuda IPC share (a seed).
 pub fn cuda_share() -> Vec<u8> {
     tensorwire_cuda::ipc::IpcShare {
         process: 0x1234_5678_9abc_def0,
