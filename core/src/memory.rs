@@ -45,6 +45,8 @@ pub struct MemoryKinds {
 impl MemoryKinds {
     /// Host and pinned host memory.
     pub const HOST: MemoryKinds = MemoryKinds { host: true, host_pinned: true, device: false };
+    /// Device memory only.
+    pub const DEVICE: MemoryKinds = MemoryKinds { host: false, host_pinned: false, device: true };
     /// Every kind.
     pub const ALL: MemoryKinds = MemoryKinds { host: true, host_pinned: true, device: true };
 

@@ -78,7 +78,7 @@ impl Medium for CudaIpc {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             local: MemoryKinds::ALL,
-            remote: MemoryKinds { host: false, host_pinned: false, device: true },
+            remote: MemoryKinds::DEVICE,
             read: true,
             write: true,
             notify: true,

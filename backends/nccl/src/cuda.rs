@@ -113,7 +113,7 @@ impl Nccl for CudaNccl {
     }
 
     fn memory(&self) -> MemoryKinds {
-        MemoryKinds { host: false, host_pinned: false, device: true }
+        MemoryKinds::DEVICE
     }
 
     fn unique_id(&self) -> Result<UniqueId> {
