@@ -91,7 +91,7 @@ impl IpcDriver for CudaGpu {
         // On the stream of the device whose memory is written, or else read (an opening of a
         // peer's allocation is device memory of the GPU it lives on).
         let device = |a: u64| {
-            self.attributes(a).ok().and_then(|(t, o, _, _)| {
+            self.placement(a).ok().and_then(|(t, o)| {
                 (t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32).then_some(o as u32)
             })
         };

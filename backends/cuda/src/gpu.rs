@@ -138,26 +138,55 @@ impl CudaGpu {
         check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
 
+    /// Where `addr` lives: (CUDA memory type, device ordinal).
+    pub(crate) fn placement(&self, addr: u64) -> Result<(u32, i32)> {
+        self.inner.enter(0)?;
+        let (mut mem_type, mut ordinal): (u32, i32) = (0, -1);
+        use sys::CUpointer_attribute::*;
+        // SAFETY: each out-pointer is a local of its attribute's type (memory type: u32,
+        // ordinal: int), as the driver documents.
+        unsafe {
+            pointer_attribute((&raw mut mem_type).cast(), CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)?;
+            pointer_attribute(
+                (&raw mut ordinal).cast(),
+                CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )?;
+        }
+        Ok((mem_type, ordinal))
+    }
+
     /// The device memory attributes of `addr`: (memory type, device ordinal, range start,
     /// range size).
     pub(crate) fn attributes(&self, addr: u64) -> Result<(u32, i32, u64, u64)> {
-        self.inner.enter(0)?;
-        let mut mem_type: u32 = 0;
-        let mut ordinal: i32 = -1;
-        let mut start: u64 = 0;
-        let mut size: usize = 0;
-        let get = |out: *mut std::ffi::c_void, a: sys::CUpointer_attribute| {
-            // SAFETY: `out` points at a local of the attribute's type (memory type: u32, ordinal:
-            // int, start: CUdeviceptr, size: size_t), as the driver documents.
-            check(unsafe { sys::cuPointerGetAttribute(out, a, addr) }, "cuPointerGetAttribute")
-        };
+        let (mem_type, ordinal) = self.placement(addr)?;
+        let (mut start, mut size): (u64, usize) = (0, 0);
         use sys::CUpointer_attribute::*;
-        get((&raw mut mem_type).cast(), CU_POINTER_ATTRIBUTE_MEMORY_TYPE)?;
-        get((&raw mut ordinal).cast(), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?;
-        get((&raw mut start).cast(), CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)?;
-        get((&raw mut size).cast(), CU_POINTER_ATTRIBUTE_RANGE_SIZE)?;
+        // SAFETY: each out-pointer is a local of its attribute's type (start: CUdeviceptr, size:
+        // size_t), as the driver documents.
+        unsafe {
+            pointer_attribute(
+                (&raw mut start).cast(),
+                CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                addr,
+            )?;
+            pointer_attribute((&raw mut size).cast(), CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr)?;
+        }
         Ok((mem_type, ordinal, start, size as u64))
     }
+}
+
+/// One `cuPointerGetAttribute` of `addr` (a context must be current).
+///
+/// # Safety
+/// `out` points at writable memory of the attribute's type.
+unsafe fn pointer_attribute(
+    out: *mut std::ffi::c_void,
+    a: sys::CUpointer_attribute,
+    addr: u64,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check(unsafe { sys::cuPointerGetAttribute(out, a, addr) }, "cuPointerGetAttribute")
 }
 
 /// A copy stream of this thread, created on first use: non-blocking, so a transfer never waits
