@@ -112,7 +112,7 @@ impl Medium for CudaIpc {
                 "cuda: not exported over IPC: the region is {} bytes at {:#x} of a {len}-byte \
                  allocation at {start:#x}, and a handle would open all of it",
                 region.len,
-                base - start.min(base),
+                base.saturating_sub(start),
             );
             return Ok(None);
         }
