@@ -1,6 +1,7 @@
 //! A peer engine in a child process, for media whose baseline runs as two processes
-//! (`ucx_perftest`) or whose path exists only between processes (CUDA IPC): the harness re-runs its own binary with [`PEER_ENV`] set; the child starts an
-//! engine with the backend under test, registers one readable and writable region, prints
+//! (`ucx_perftest`) or whose path exists only between processes (CUDA IPC): the harness re-runs
+//! its own binary with [`PEER_ENV`] set; the child starts an engine with the backend under test,
+//! registers one readable and writable region (device memory for cuda), prints
 //! `READY <control addr> <region id>` and serves until its stdin closes.
 
 use crate::Result;

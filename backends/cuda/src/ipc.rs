@@ -112,7 +112,8 @@ mod tests {
 
         #[test]
         fn decoded_shares_round_trip(mut bytes in proptest::collection::vec(any::<u8>(), SHARE_LEN)) {
-            bytes[..4].copy_from_slice(&[b'T', b'I', FRAMING.version, KIND_LEGACY]);
+            bytes[..2].copy_from_slice(&FRAMING.magic);
+            bytes[2..4].copy_from_slice(&[FRAMING.version, KIND_LEGACY]);
             if let Ok(s) = IpcShare::decode(&bytes) {
                 prop_assert_eq!(s.encode(), bytes);
             }

@@ -1,8 +1,8 @@
 //! The initiating side: one Unix stream to the peer's backend. The first op on a region (for an
 //! access) asks the peer to hold the region (Begin), opens the granted export through the medium
-//! (for shm: maps the memfd), and copies once between the local slice and the opening. The peer grants a lease: the whole region stays
-//! held for this connection, so later ops with the same key and access copy at once, with no
-//! message at all (a 4 KiB op is a memcpy and a completion). Without a lease an op releases the
+//! (for shm: maps the memfd), and copies once between the local slice and the opening. The peer
+//! grants a lease: the whole region stays held for this connection, so later ops with the same
+//! key and access copy at once, with no message at all (a 4 KiB op is a memcpy and a completion). Without a lease an op releases the
 //! region when its copy is over (End). A reader task matches grants to ops, and on the peer's
 //! Forget (the region is being deregistered) drops the mapping and ends the leases: once no copy
 //! of the region is in flight it answers Released, which lets the deregistration finish. It
