@@ -125,3 +125,30 @@ async fn a_region_the_driver_cannot_export_still_registers_for_the_next_backend(
     assert_eq!(r.backend, "tcp");
     assert!(dst.to_vec(0, 4096).unwrap() == pattern(4096, 3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_does_not_match_its_handle_is_refused() {
+    use tensorwire_cuda::CudaIpc;
+    use tensorwire_cuda::ipc::IpcShare;
+    use tensorwire_shm::{Grant, Medium};
+    let ipc = FakeIpc::new(FakeGpu::new());
+    let (_a, b, _s) = pair(&ipc, || vec![fake::cuda(&ipc)]).await;
+    let region = b.alloc_device(0, 1 << 20, Permissions::READ).await.unwrap();
+    let base = region.slice(0, 1).unwrap().ptr() as u64;
+    let medium = CudaIpc::new(ipc.clone());
+    let share = |len| {
+        let s = IpcShare { process: 1, uuid: [1; 16], addr: base, len, handle: [0; 64] };
+        s.encode()
+    };
+    let grant = |share: Vec<u8>, fd, len| Grant { share, fd, len, writable: false };
+    let protocol = |r: tensorwire_core::Result<_>, want: &str| match r {
+        Err(Error::Protocol(m)) => assert!(m.contains(want), "{m:?} does not say {want:?}"),
+        Err(e) => panic!("expected a protocol error saying {want:?}, got {e}"),
+        Ok(_) => panic!("a bad grant was opened ({want})"),
+    };
+    protocol(medium.open(grant(share(1 << 20), None, 4096)), "the grant names 4096");
+    let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+    protocol(medium.open(grant(share(1 << 20), Some(fd), 1 << 20)), "a descriptor came");
+    protocol(medium.open(grant(vec![0; 7], None, 1 << 20)), "an IPC share of 7 bytes");
+    assert_eq!(ipc.opened(), 0, "nothing was opened");
+}
