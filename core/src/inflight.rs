@@ -36,6 +36,14 @@ impl InflightGate {
         }
     }
 
+    /// Registers one more user on behalf of one already inside (a narrower window of a held
+    /// slice): it succeeds even on a closed gate, since the count cannot have drained while the
+    /// caller is inside.
+    pub(crate) fn join(&self) {
+        let prev = self.state.fetch_add(1, Ordering::AcqRel);
+        debug_assert!(prev & !CLOSED != 0, "join without a user inside");
+    }
+
     /// Releases one user; returns true when this was the last user of a closed gate.
     pub(crate) fn exit(&self) -> bool {
         let prev = self.state.fetch_sub(1, Ordering::AcqRel);

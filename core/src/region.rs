@@ -191,10 +191,16 @@ impl MemSlice {
     pub fn blob(&self, backend: &str) -> Option<&Bytes> {
         self.region.blobs.iter().find(|(n, _)| *n == backend).map(|(_, b)| b)
     }
-    /// A narrower window of this slice (`offset` relative to the slice).
+    /// A narrower window of this slice (`offset` relative to the slice). It fails only out of
+    /// bounds, never because deregistration started: this slice holds the region, and the window
+    /// holds it too (deregistration waits for both), so a transfer that resolved its range can
+    /// always finish, or drain, what it began.
     pub fn sub(&self, offset: u64, len: u64) -> Result<MemSlice> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.len => self.region.slice(self.offset + offset, len, "local"),
+            Some(end) if end <= self.len => {
+                self.region.gate.join();
+                Ok(MemSlice { region: self.region.clone(), offset: self.offset + offset, len })
+            }
             _ => Err(Error::OutOfBounds {
                 what: format!("slice of region {}", self.region.id.0),
                 offset,
@@ -550,6 +556,21 @@ mod tests {
         // SAFETY: `kept` holds the region (and its mapping) alive; 4096 bytes at `p`.
         unsafe { std::ptr::write_bytes(p, 7, 4096) };
         drop(kept);
+    }
+
+    #[test]
+    fn a_held_slice_narrows_after_deregistration_started() {
+        let r = region(Storage::Owned(Arc::new(HostMapping::new(4096).unwrap())), 4096);
+        let s = r.slice(0, 4096, "test").unwrap();
+        assert!(!r.gate.close(), "the slice holds deregistration");
+        assert!(r.slice(0, 8, "test").is_err(), "a new range is refused once closed");
+        let part = s.sub(4000, 96).expect("a window of a held slice");
+        assert_eq!((part.offset(), part.len()), (4000, 96));
+        assert!(s.sub(4000, 97).is_err(), "still bounds-checked");
+        drop(s);
+        assert!(!r.gate.is_drained(), "the window holds deregistration too");
+        drop(part);
+        assert!(r.gate.is_drained());
     }
 
     #[test]

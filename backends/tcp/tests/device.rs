@@ -1,13 +1,15 @@
 //! Device memory over tcp with a fake GPU (its memory is PROT_NONE outside the GPU's own copies,
 //! so any CPU access to it crashes): the engine stages local device memory through pinned
 //! bounces, the target stages its device regions; every combination moves the exact bytes,
-//! a staged READ dropped mid-way lands nothing after, and a notification sent after a staged
-//! WRITE arrives after its bytes.
+//! a staged READ dropped mid-way lands nothing after, a notification sent after a staged
+//! WRITE arrives after its bytes, and a device region deregistered while a staged WRITE lands in
+//! it ends that WRITE as an op (never by closing the stream).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_conformance::fake_gpu::FakeGpu;
+use tensorwire_conformance::faults::{Fault, FaultProxy};
 use tensorwire_conformance::{bounded, pattern};
 use tensorwire_core::{Engine, Error, MemoryKind, Permissions, Region, TransferOp};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
@@ -152,4 +154,43 @@ async fn device_memory_without_a_gpu_is_refused_with_the_reason() {
         .await
         .unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+}
+
+/// The target resolves the WRITE's range once, then stages it half a bounce (2 MiB) at a time;
+/// the proxy's throttle (4 MiB/s) keeps the first half arriving while deregistration closes the
+/// region's gate. The next half's window of the resolved range must still be made (the range holds
+/// the region until the WRITE ends), so the WRITE completes or is refused as deregistered, and
+/// deregistration finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregistering_a_device_region_mid_write_ends_the_op_not_the_stream() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let proxy = FaultProxy::start(port).await.unwrap();
+    let b_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
+    let b = Engine::builder()
+        .backend(TcpBackend::new(b_cfg).unwrap())
+        .gpu(FakeGpu::new())
+        .start()
+        .await
+        .unwrap();
+    let a_cfg = TcpConfig { streams: 1, ..TcpConfig::default() };
+    let a = Engine::builder().backend(TcpBackend::new(a_cfg).unwrap()).start().await.unwrap();
+    let len = 3u64 << 20;
+    let src = a.alloc(len, Permissions::NONE).await.unwrap();
+    src.write_bytes(0, &pattern(len as usize, 4)).unwrap();
+    let dst = b.alloc_device(0, len, Permissions::WRITE).await.unwrap();
+    let remote = dst.remote();
+    let s = a.connect(b.local_addr()).await.unwrap();
+    proxy.set(Fault::Throttle(4 << 20));
+    let mut hs = s.submit(vec![TransferOp::write(&src, 0, &remote, 0, len)]).await;
+    let h = hs.pop().unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await; // the first half is arriving
+    bounded("deregister", dst.deregister()).await.expect("deregister waits, then succeeds");
+    if let Err(e) = bounded("in-flight write", h).await {
+        assert!(matches!(e, Error::NotFound(_)), "the WRITE ends as an op, got: {e}");
+    }
+    proxy.set(Fault::None);
+    let e =
+        bounded("after", s.transfer(TransferOp::write(&src, 0, &remote, 0, 8))).await.unwrap_err();
+    assert!(matches!(e, Error::NotFound(_)), "{e}");
+    assert_eq!(b.region_count(), 0);
 }
