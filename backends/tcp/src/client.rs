@@ -132,7 +132,7 @@ struct StreamState {
     /// being received counts). Notifications do not: they are tiny, and a stream waiting for a
     /// notification's answer is free to move data.
     outstanding: AtomicUsize,
-    /// Signalled when this stream's work drops, and when another stream's rises from none.
+    /// Signalled when this stream's work drops, and when another stream's rises.
     room: Notify,
     /// Pieces taken by this stream, and their bytes (for the backend's stats).
     pieces: AtomicU64,
@@ -141,20 +141,22 @@ struct StreamState {
 
 impl StreamState {
     /// Waits until this stream should take another piece: at once when it has none outstanding;
-    /// with work outstanding, only while every other stream is busy too and fewer than `window`
-    /// bytes are outstanding here. Pieces so go to idle streams first: without that the first
-    /// writer to wake would take every piece of an op (READ requests are tiny), and the op would
-    /// run on one stream while the others idle.
+    /// with work outstanding, only while no other stream has fewer data pieces outstanding and
+    /// fewer than `window` bytes are outstanding here. Pieces so go to the least loaded stream:
+    /// without that the first writer to wake would take every piece of an op (READ requests are
+    /// tiny), and an op of four pieces on two streams could run three on one stream and one on
+    /// the other, which then idles for a third of the op.
     async fn wait_room(&self, window: u64, c: &ConnShared) {
         loop {
             let notified = self.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if c.is_dead().is_some() || self.outstanding.load(Ordering::Acquire) == 0 {
+            let mine = self.outstanding.load(Ordering::Acquire);
+            if c.is_dead().is_some() || mine == 0 {
                 return;
             }
-            let others_busy = self.others(c).all(|o| o.outstanding.load(Ordering::Acquire) > 0);
-            if others_busy && self.inflight.load(Ordering::Acquire) < window {
+            let least = self.others(c).all(|o| o.outstanding.load(Ordering::Acquire) >= mine);
+            if least && self.inflight.load(Ordering::Acquire) < window {
                 return;
             }
             notified.await;
@@ -166,9 +168,9 @@ impl StreamState {
         c.streams.iter().filter(move |o| !std::ptr::eq(*o, self))
     }
 
-    /// Counts a piece taken by this stream's writer (`data`: a READ or WRITE); the first data
-    /// piece makes the other streams' writers look again (they may have been waiting for this
-    /// stream to get busy).
+    /// Counts a piece taken by this stream's writer (`data`: a READ or WRITE); a data piece makes
+    /// the other streams' writers look again (they may have been waiting for this stream to be
+    /// as loaded as they are).
     fn took(&self, len: u64, data: bool, c: &ConnShared) {
         self.inflight.fetch_add(len, Ordering::AcqRel);
         if !data {
@@ -176,9 +178,8 @@ impl StreamState {
         }
         self.pieces.fetch_add(1, Ordering::Relaxed);
         self.bytes.fetch_add(len, Ordering::Relaxed);
-        if self.outstanding.fetch_add(1, Ordering::AcqRel) == 0 {
-            self.others(c).for_each(|o| o.room.notify_waiters());
-        }
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        self.others(c).for_each(|o| o.room.notify_waiters());
     }
 
     fn answered(&self, len: u64, data: bool) {

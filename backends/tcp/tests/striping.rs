@@ -4,7 +4,10 @@
 //! rule the first writer to wake took every piece). The data path runs through a proxy that holds
 //! each read 2 ms, so no piece is answered before the other stream's writer has run: the split
 //! is then exact, whatever the scheduler does (without the delay, a stream whose first piece is
-//! answered before the other writer wakes rightly takes the second too).
+//! answered before the other writer wakes rightly takes the second too). Beyond one piece per
+//! stream, the stream with the fewest pieces outstanding takes the next, so an op of four pieces
+//! runs two on each stream (it used to run three on one whenever that writer woke first, and the
+//! other stream idled for a third of the op).
 
 use std::time::Duration;
 
@@ -54,4 +57,31 @@ async fn every_op_of_a_mib_uses_both_streams() {
     }
     let (q0, q1) = (counter(&a, "stream0.pieces") - p0, counter(&a, "stream1.pieces") - p1);
     assert_eq!((q0, q1), (OPS, OPS), "WRITE pieces: stream0 {q0}, stream1 {q1}");
+}
+
+/// An op of four pieces on two streams: each stream takes two, whichever writer wakes first (a
+/// stream may take a second piece while the other works, not a third while the other has one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pieces_beyond_one_per_stream_are_shared_evenly() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let proxy = FaultProxy::start(port).await.unwrap();
+    proxy.set(Fault::Delay(Duration::from_millis(2)));
+    let b_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
+    let b = Engine::builder().backend(TcpBackend::new(b_cfg).unwrap()).start().await.unwrap();
+    let piece = 256u64 << 10;
+    let a_cfg = TcpConfig { streams: 2, piece_bytes: piece, ..TcpConfig::default() };
+    let a = Engine::builder().backend(TcpBackend::new(a_cfg).unwrap()).start().await.unwrap();
+    let len = 4 * piece;
+    let local = a.alloc(len, Permissions::NONE).await.unwrap();
+    let remote = b.alloc(len, Permissions::READ_WRITE).await.unwrap();
+    let data: Vec<u8> = (0..len as usize).map(|i| (i % 253) as u8).collect();
+    remote.write_bytes(0, &data).unwrap();
+    let session = a.connect(b.local_addr()).await.unwrap();
+    const OPS: u64 = 8;
+    for _ in 0..OPS {
+        session.transfer(TransferOp::read(&local, 0, &remote.remote(), 0, len)).await.unwrap();
+    }
+    assert!(local.to_vec(0, len).unwrap() == data, "READ bytes differ");
+    let (p0, p1) = (counter(&a, "stream0.pieces"), counter(&a, "stream1.pieces"));
+    assert_eq!((p0, p1), (2 * OPS, 2 * OPS), "READ pieces: stream0 {p0}, stream1 {p1}");
 }
