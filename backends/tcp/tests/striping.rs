@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use tensorwire_conformance::faults::{Fault, FaultProxy};
-use tensorwire_core::{Engine, Permissions, TransferOp};
+use tensorwire_core::{Engine, Permissions, Region, Session, TransferOp};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 const LEN: u64 = 1 << 20;
@@ -26,20 +26,32 @@ fn counter(e: &Engine, name: &str) -> u64 {
         .map_or(0, |(_, v)| v)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_op_of_a_mib_uses_both_streams() {
+/// An initiator with two streams of `piece_bytes` pieces, a target behind a proxy that holds each
+/// read 2 ms, a local and a remote region of `len` bytes (the remote one filled with a pattern,
+/// returned), and a session between them.
+async fn delayed_pair(
+    piece_bytes: u64,
+    len: u64,
+) -> (FaultProxy, Engine, Engine, Region, Region, Vec<u8>, Session) {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let proxy = FaultProxy::start(port).await.unwrap();
     proxy.set(Fault::Delay(Duration::from_millis(2)));
     let b_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
     let b = Engine::builder().backend(TcpBackend::new(b_cfg).unwrap()).start().await.unwrap();
-    let a_cfg = TcpConfig { streams: 2, ..TcpConfig::default() };
+    let a_cfg = TcpConfig { streams: 2, piece_bytes, ..TcpConfig::default() };
     let a = Engine::builder().backend(TcpBackend::new(a_cfg).unwrap()).start().await.unwrap();
-    let local = a.alloc(LEN, Permissions::NONE).await.unwrap();
-    let remote = b.alloc(LEN, Permissions::READ_WRITE).await.unwrap();
-    let data: Vec<u8> = (0..LEN as usize).map(|i| (i % 251) as u8).collect();
+    let local = a.alloc(len, Permissions::NONE).await.unwrap();
+    let remote = b.alloc(len, Permissions::READ_WRITE).await.unwrap();
+    let data: Vec<u8> = (0..len as usize).map(|i| (i % 251) as u8).collect();
     remote.write_bytes(0, &data).unwrap();
     let session = a.connect(b.local_addr()).await.unwrap();
+    (proxy, a, b, local, remote, data, session)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_op_of_a_mib_uses_both_streams() {
+    let (_proxy, a, _b, local, remote, data, session) =
+        delayed_pair(TcpConfig::default().piece_bytes, LEN).await;
 
     const OPS: u64 = 8;
     for _ in 0..OPS {
@@ -63,20 +75,9 @@ async fn every_op_of_a_mib_uses_both_streams() {
 /// stream may take a second piece while the other works, not a third while the other has one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pieces_beyond_one_per_stream_are_shared_evenly() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let proxy = FaultProxy::start(port).await.unwrap();
-    proxy.set(Fault::Delay(Duration::from_millis(2)));
-    let b_cfg = TcpConfig { listen: port, advertise: Some(proxy.addr()), ..TcpConfig::default() };
-    let b = Engine::builder().backend(TcpBackend::new(b_cfg).unwrap()).start().await.unwrap();
     let piece = 256u64 << 10;
-    let a_cfg = TcpConfig { streams: 2, piece_bytes: piece, ..TcpConfig::default() };
-    let a = Engine::builder().backend(TcpBackend::new(a_cfg).unwrap()).start().await.unwrap();
     let len = 4 * piece;
-    let local = a.alloc(len, Permissions::NONE).await.unwrap();
-    let remote = b.alloc(len, Permissions::READ_WRITE).await.unwrap();
-    let data: Vec<u8> = (0..len as usize).map(|i| (i % 253) as u8).collect();
-    remote.write_bytes(0, &data).unwrap();
-    let session = a.connect(b.local_addr()).await.unwrap();
+    let (_proxy, a, _b, local, remote, data, session) = delayed_pair(piece, len).await;
     const OPS: u64 = 8;
     for _ in 0..OPS {
         session.transfer(TransferOp::read(&local, 0, &remote.remote(), 0, len)).await.unwrap();
