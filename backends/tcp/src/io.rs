@@ -17,6 +17,9 @@ use tokio::net::TcpStream;
 /// Size of the drain buffer.
 const SCRATCH: usize = 64 << 10;
 
+/// The most a payload's receiver waits to have queued before it is woken (see [`LowWater`]).
+const LOW_WATER: usize = 512 << 10;
+
 /// Decides whether a stream that has made no progress for a while is dead.
 #[derive(Debug)]
 pub(crate) struct Watchdog {
@@ -152,8 +155,57 @@ pub(crate) enum Landed {
     Cancelled,
 }
 
+/// A socket's receive low-water mark (`SO_RCVLOWAT`) raised while a payload is received: the
+/// kernel then signals the socket readable once that many bytes are queued (or its buffer is under
+/// pressure, or the stream ends), not for every segment, so the receiver wakes and runs for large
+/// copies instead of competing with the sender's copies for a few kilobytes at a time. The mark
+/// goes back to one byte when the guard drops, and never exceeds what is still to come, so the
+/// bytes a peer has promised always reach it.
+struct LowWater<'a> {
+    sock: &'a TcpStream,
+    at: usize,
+}
+
+impl<'a> LowWater<'a> {
+    fn new(sock: &'a TcpStream) -> Self {
+        LowWater { sock, at: 1 }
+    }
+
+    /// Sets the mark to `n` bytes (at least 1). A socket that refuses keeps its mark: the receive
+    /// is then woken as often as without one, which is slower, never wrong.
+    fn set(&mut self, n: usize) {
+        let n = n.max(1);
+        if n == self.at {
+            return;
+        }
+        let v = libc::c_int::try_from(n).unwrap_or(libc::c_int::MAX);
+        // SAFETY: sets an int option on the open socket behind `self.sock`; `v` outlives the call.
+        let r = unsafe {
+            libc::setsockopt(
+                self.sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            self.at = n;
+        }
+    }
+}
+
+impl Drop for LowWater<'_> {
+    fn drop(&mut self) {
+        self.set(1);
+    }
+}
+
 /// Receives exactly `len` bytes into `[addr, addr+len)`. With a gate, each `recv` runs inside
 /// `gate.run`, so after a cancel returns nothing more lands; the remaining bytes are drained.
+/// While bytes are missing it waits for up to [`LOW_WATER`] of them at once ([`LowWater`]);
+/// a peer that sends less than that within a watchdog tick is waited for byte by byte after,
+/// so a slow peer still shows progress and a dead one is still found.
 ///
 /// # Safety
 /// `[addr, addr+len)` must stay writable until this future completes or is dropped, or (with a
@@ -168,12 +220,15 @@ pub(crate) async unsafe fn recv_into(
 ) -> Result<Landed> {
     let len = usize::try_from(len).map_err(|_| Error::protocol("tcp: payload exceeds usize"))?;
     let mut got = 0usize;
+    let mut mark = LowWater::new(sock);
+    let mut slow = false;
     dog.progress();
     while got < len {
         let res = match gate {
             Some(g) => match g.run(|| recv_once(sock, addr + got, len - got)) {
                 Some(r) => r,
                 None => {
+                    drop(mark);
                     drain(sock, (len - got) as u64, dog, what).await?;
                     return Ok(Landed::Cancelled);
                 }
@@ -185,6 +240,20 @@ pub(crate) async unsafe fn recv_into(
             Ok(n) => {
                 got += n;
                 dog.progress();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && !slow => {
+                mark.set((len - got).min(LOW_WATER));
+                match tokio::time::timeout(dog.tick(), sock.ready(Interest::READABLE)).await {
+                    Ok(r) => {
+                        r?;
+                    }
+                    Err(_) => {
+                        // Under the mark for a whole tick: a slow peer. Wake for every byte
+                        // from here on (setting the mark signals what is queued already).
+                        mark.set(1);
+                        slow = true;
+                    }
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 ready(sock, Interest::READABLE, dog, &|| true, what).await?;
@@ -244,4 +313,97 @@ pub(crate) async fn drain(
         left -= n as u64;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        (a, b)
+    }
+
+    fn low_water(sock: &TcpStream) -> libc::c_int {
+        let mut v: libc::c_int = 0;
+        let mut n = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: reads an int option of the open socket into `v`, `n` bytes long.
+        let r = unsafe {
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut n,
+            )
+        };
+        assert_eq!(r, 0);
+        v
+    }
+
+    /// A payload sent in parts 300 ms apart, each far below the low-water mark, lands whole with
+    /// a 400 ms stall bound: the receiver wakes for every byte once a tick (50 ms) passed under
+    /// the mark, so each part counts as progress (waiting for the mark, it would see none for
+    /// 900 ms and call the peer dead). The mark is back to one byte afterwards, so the next
+    /// header wakes its reader.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_payload_lands_and_the_mark_comes_back() {
+        let (mut tx, rx) = pair().await;
+        let len = 40_000usize;
+        let data: Vec<u8> = (0..len).map(|i| (i % 239) as u8).collect();
+        let sender = tokio::spawn({
+            let data = data.clone();
+            async move {
+                for (k, part) in data.chunks(len / 4).enumerate() {
+                    if k > 0 {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                    tx.write_all(part).await.unwrap();
+                }
+                tx.write_all(b"next").await.unwrap();
+                tx
+            }
+        });
+        let mut dog = Watchdog::new(Duration::from_millis(400));
+        let mut out = vec![0u8; len];
+        // SAFETY: `out` is writable for `len` bytes and outlives the call.
+        let landed =
+            unsafe { recv_into(&rx, out.as_mut_ptr() as usize, len as u64, None, &mut dog, "t") }
+                .await
+                .unwrap();
+        assert_eq!(landed, Landed::All);
+        assert!(out == data);
+        assert_eq!(low_water(&rx), 1);
+        let mut next = [0u8; 4];
+        assert!(recv_buf(&rx, &mut next, &mut dog, &|| true, "t").await.unwrap());
+        assert_eq!(&next, b"next");
+        drop(sender.await.unwrap());
+    }
+
+    /// A payload that arrives at once lands with the mark raised, and the mark is reset.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_large_payload_lands_with_the_mark_raised() {
+        let (mut tx, rx) = pair().await;
+        let len = 3 * LOW_WATER + 123;
+        let data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+        let sender = tokio::spawn({
+            let data = data.clone();
+            async move {
+                tx.write_all(&data).await.unwrap();
+                tx
+            }
+        });
+        let mut dog = Watchdog::new(Duration::from_secs(10));
+        let mut out = vec![0u8; len];
+        // SAFETY: `out` is writable for `len` bytes and outlives the call.
+        unsafe { recv_into(&rx, out.as_mut_ptr() as usize, len as u64, None, &mut dog, "t") }
+            .await
+            .unwrap();
+        assert!(out == data);
+        assert_eq!(low_water(&rx), 1);
+        drop(sender.await.unwrap());
+    }
 }
