@@ -58,19 +58,42 @@ pub async unsafe fn gated_copy_with(
     alive: impl Fn() -> Result<()>,
     copy: impl Fn(usize, usize, usize) -> Result<()>,
 ) -> Result<Copied> {
+    let copy = &copy;
+    by_segments(len, segment, alive, |at, n| async move {
+        let r = match gate.run(|| copy(src + at, dst + at, n)) {
+            None => Copied::Cancelled,
+            Some(r) => r.map(|()| Copied::All)?,
+        };
+        if ((at + n) as u64) < len {
+            tokio::task::yield_now().await;
+        }
+        Ok(r)
+    })
+    .await
+}
+
+/// The segment loop of the gated copies: `step(at, n)` for each segment of at most `segment`
+/// bytes of `len`, in order, with `alive()` checked before each; a step that says
+/// [`Copied::Cancelled`] ends it. For copiers that [`gated_copy_with`] cannot call in place
+/// (one that blocks its thread for a DMA runs each step on a blocking thread).
+pub async fn by_segments<F, Fut>(
+    len: u64,
+    segment: u64,
+    alive: impl Fn() -> Result<()>,
+    mut step: F,
+) -> Result<Copied>
+where
+    F: FnMut(usize, usize) -> Fut,
+    Fut: std::future::Future<Output = Result<Copied>>,
+{
     let mut done = 0u64;
     while done < len {
         alive()?;
         let n = segment.max(1).min(len - done);
-        let at = done as usize;
-        match gate.run(|| copy(src + at, dst + at, n as usize)) {
-            None => return Ok(Copied::Cancelled),
-            Some(r) => r?,
+        if step(done as usize, n as usize).await? == Copied::Cancelled {
+            return Ok(Copied::Cancelled);
         }
         done += n;
-        if done < len {
-            tokio::task::yield_now().await;
-        }
     }
     Ok(Copied::All)
 }

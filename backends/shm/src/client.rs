@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tensorwire_core::backend::kit::{CancelGate, decode_error, gated_copy_with, spawn_cancellable};
+use tensorwire_core::backend::kit::{
+    CancelGate, Copied, by_segments, decode_error, gated_copy_with, spawn_cancellable,
+};
 use tensorwire_core::backend::{Completion, Connection, Direction, Op};
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::net::UnixStream;
@@ -415,29 +417,28 @@ async fn offloaded(
     gate: &Arc<CancelGate>,
     (src, dst, len): (usize, usize, u64),
 ) -> Result<()> {
-    let mut done = 0u64;
-    while done < len {
-        c.alive()?;
-        let n = c.medium.segment().max(1).min(len - done);
-        let (medium, gate, map, local) =
-            (c.medium.clone(), gate.clone(), map.clone(), op.local().sub(0, len)?);
-        let at = done as usize;
-        let piece = tokio::task::spawn_blocking(move || {
-            let _alive = (map, local);
-            // SAFETY: `[src, src+len)` and `[dst, dst+len)` are the op's local slice and a range
-            // of the peer's opened region (checked by `at`), both kept alive by `_alive`; the
-            // peer holds its region for the op or lease until this copy ends.
-            gate.run(|| unsafe { medium.copy(src + at, dst + at, n as usize) })
-        })
-        .await
-        .map_err(|e| Error::Internal(format!("{}: a copy thread failed: {e}", c.medium.name())))?;
-        match piece {
-            None => return Ok(()), // cancelled: the completion is gone
-            Some(r) => r?,
+    let step = |at: usize, n: usize| {
+        let (medium, gate, map) = (c.medium.clone(), gate.clone(), map.clone());
+        let local = op.local().sub(0, len);
+        async move {
+            let alive = (map, local?);
+            let name = medium.name();
+            let piece = tokio::task::spawn_blocking(move || {
+                let _alive = alive;
+                // SAFETY: `[src, src+len)` and `[dst, dst+len)` are the op's local slice and a
+                // range of the peer's opened region (checked by `at`), both kept alive by
+                // `_alive`; the peer holds its region for the op or lease until this copy ends.
+                gate.run(|| unsafe { medium.copy(src + at, dst + at, n) })
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("{name}: a copy thread failed: {e}")))?;
+            match piece {
+                None => Ok(Copied::Cancelled), // the completion is gone
+                Some(r) => r.map(|()| Copied::All),
+            }
         }
-        done += n;
-    }
-    Ok(())
+    };
+    by_segments(len, c.medium.segment(), || c.alive(), step).await.map(drop)
 }
 
 impl Connection for ShmConnection {
