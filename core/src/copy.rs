@@ -60,14 +60,14 @@ pub async unsafe fn gated_copy_with(
 ) -> Result<Copied> {
     let copy = &copy;
     by_segments(len, segment, alive, |at, n| async move {
-        let r = match gate.run(|| copy(src + at, dst + at, n)) {
-            None => Copied::Cancelled,
-            Some(r) => r.map(|()| Copied::All)?,
-        };
+        match gate.run(|| copy(src + at, dst + at, n)) {
+            None => return Ok(Copied::Cancelled),
+            Some(r) => r?,
+        }
         if ((at + n) as u64) < len {
             tokio::task::yield_now().await;
         }
-        Ok(r)
+        Ok(Copied::All)
     })
     .await
 }

@@ -2,11 +2,11 @@
 //! access) asks the peer to hold the region (Begin), opens the granted export through the medium
 //! (for shm: maps the memfd), and copies once between the local slice and the opening. The peer
 //! grants a lease: the whole region stays held for this connection, so later ops with the same
-//! key and access copy at once, with no message at all (a 4 KiB op is a memcpy and a completion). Without a lease an op releases the
-//! region when its copy is over (End). A reader task matches grants to ops, and on the peer's
-//! Forget (the region is being deregistered) drops the mapping and ends the leases: once no copy
-//! of the region is in flight it answers Released, which lets the deregistration finish. It
-//! fails everything when the peer goes away.
+//! key and access copy at once, with no message at all (a 4 KiB op is a memcpy and a
+//! completion). Without a lease an op releases the region when its copy is over (End). A reader
+//! task matches grants to ops, and on the peer's Forget (the region is being deregistered) drops
+//! the mapping and ends the leases: once no copy of the region is in flight it answers Released,
+//! which lets the deregistration finish. It fails everything when the peer goes away.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;

@@ -15,6 +15,7 @@
 //! with the same bounces ([`crate::BackendHost::bounce`]).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -42,7 +43,7 @@ pub(crate) struct StagingPool {
     free: Mutex<Vec<Region>>,
     permits: Arc<Semaphore>,
     /// Bounces made so far (each a registered region of the engine, kept until it drops).
-    made: std::sync::atomic::AtomicUsize,
+    made: AtomicUsize,
 }
 
 impl StagingPool {
@@ -51,13 +52,13 @@ impl StagingPool {
             engine,
             free: Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(BOUNCES)),
-            made: std::sync::atomic::AtomicUsize::new(0),
+            made: AtomicUsize::new(0),
         }
     }
 
     /// Bounces made so far.
     pub(crate) fn made(&self) -> usize {
-        self.made.load(std::sync::atomic::Ordering::Relaxed)
+        self.made.load(Ordering::Relaxed)
     }
 
     /// A bounce buffer (waits while all are in use).
@@ -78,7 +79,7 @@ impl StagingPool {
                     .ok_or_else(|| Error::PeerClosed("local engine dropped".into()))?;
                 let r =
                     super::Engine { shared }.alloc_pinned(BOUNCE_BYTES, Permissions::NONE).await?;
-                self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.made.fetch_add(1, Ordering::Relaxed);
                 r
             }
         };
