@@ -11,7 +11,7 @@ use std::time::Duration;
 use tensorwire_conformance::fake_gpu::FakeGpu;
 use tensorwire_conformance::faults::{Fault, FaultProxy};
 use tensorwire_conformance::{bounded, pattern};
-use tensorwire_core::{Engine, Error, MemoryKind, Permissions, Region, TransferOp};
+use tensorwire_core::{Engine, Error, MemoryKind, Missing, Permissions, Region, TransferOp};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 async fn engine(gpu: Option<Arc<FakeGpu>>) -> Engine {
@@ -186,11 +186,14 @@ async fn deregistering_a_device_region_mid_write_ends_the_op_not_the_stream() {
     tokio::time::sleep(Duration::from_millis(150)).await; // the first half is arriving
     bounded("deregister", dst.deregister()).await.expect("deregister waits, then succeeds");
     if let Err(e) = bounded("in-flight write", h).await {
-        assert!(matches!(e, Error::NotFound(_)), "the WRITE ends as an op, got: {e}");
+        assert!(
+            matches!(e, Error::NotFound(Missing::Deregistered(_))),
+            "the WRITE ends as an op, got: {e}"
+        );
     }
     proxy.set(Fault::None);
     let e =
         bounded("after", s.transfer(TransferOp::write(&src, 0, &remote, 0, 8))).await.unwrap_err();
-    assert!(matches!(e, Error::NotFound(_)), "{e}");
+    assert!(matches!(e, Error::NotFound(Missing::Deregistered(_))), "{e}");
     assert_eq!(b.region_count(), 0);
 }
