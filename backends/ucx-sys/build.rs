@@ -30,6 +30,7 @@ const USED: &[&str] = &[
     "ucp_rkey_buffer_release",
     "ucp_rkey_destroy",
     "ucp_rkey_pack",
+    "ucp_rkey_ptr",
     "ucp_worker_arm",
     "ucp_worker_create",
     "ucp_worker_destroy",

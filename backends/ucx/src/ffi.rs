@@ -591,6 +591,25 @@ pub(crate) struct RemoteKey {
     h: sys::ucp_rkey_h,
 }
 
+impl RemoteKey {
+    /// Where the peer's `[raddr, raddr+len)` is mapped in this process, when UCX reaches it
+    /// through shared memory (`ucp_rkey_ptr`: memory the peer allocated through UCX, a
+    /// shared-memory transport between the two) and maps it in one piece (its first and last
+    /// byte `len - 1` apart); `None` otherwise. Valid while this key lives.
+    pub(crate) fn mapped(&self, raddr: u64, len: u64) -> Option<usize> {
+        let first = self.ptr(raddr)?;
+        let last = self.ptr(raddr.checked_add(len.checked_sub(1)?)?)?;
+        (last.checked_sub(first)? as u64 == len - 1).then_some(first)
+    }
+
+    fn ptr(&self, raddr: u64) -> Option<usize> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: live key; UCX only computes an address (or fails) into the out-pointer.
+        let s = unsafe { sys::ucp_rkey_ptr(self.h, raddr, &mut p) };
+        (s == sys::UCS_OK && !p.is_null()).then_some(p as usize)
+    }
+}
+
 impl Drop for RemoteKey {
     fn drop(&mut self) {
         // SAFETY: `h` came from ucp_ep_rkey_unpack and is destroyed once; no request uses it

@@ -17,6 +17,11 @@
 //!   back (Released) once its ops on it are flushed; deregistration waits for that. UCX itself
 //!   does not bound what a modified peer does with a packed key on tcp or shared-memory transports
 //!   (CMA lets any same-user process write anywhere): trust peers as you trust UCX's.
+//! - **Copies in `submit`.** Where UCX maps a leased region into this process (memory the peer
+//!   allocated through UCX, over a shared-memory transport: `ucp_rkey_ptr`), ops on it of up to
+//!   1 MiB per `submit` call are copied by the caller, with no UCX call and no thread crossing
+//!   (see `mapped`); the progress thread withdraws such a lease's view before the lease can go
+//!   back, and a caller copies only while the view is listed.
 //! - **Notifications** are active messages, sent once every op submitted before them completed,
 //!   and acknowledged (a full queue at the peer is an error at the sender).
 //! - **Progress.** One thread per backend owns every UCX object (worker in single-thread mode) and
@@ -44,6 +49,8 @@ mod ffi;
 pub mod gate;
 #[cfg(feature = "ucx")]
 mod inbound;
+#[cfg(feature = "ucx")]
+mod mapped;
 #[cfg(feature = "ucx")]
 mod outbound;
 #[cfg(feature = "ucx")]

@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 
 use crate::ffi::{self, Endpoint, MemHandle, RemoteKey, Rma, Started};
 use crate::gate::OpGate;
+use crate::mapped::Mapped;
 use crate::progress::{Graveyard, INBOUND, Progress, Submitted, Token};
 use crate::wire::{Kind, LEASE, Msg, WRITE};
 
@@ -296,6 +297,8 @@ impl Progress {
         let mut idle = Vec::new();
         for write in [false, true] {
             if let Some(l) = c.leases.get_mut(&(msg.region, write)) {
+                // No new op copies into it from here on, and none still does.
+                self.mapped.remove(msg.conn, (msg.region, write));
                 l.revoked = true;
                 if l.users == 0 {
                     idle.push(write);
@@ -303,7 +306,7 @@ impl Progress {
             }
         }
         for write in idle {
-            release(&mut self.tokens, c, msg.conn, (msg.region, write));
+            release(&mut self.tokens, &self.mapped, c, msg.conn, (msg.region, write));
         }
     }
 
@@ -343,6 +346,10 @@ impl Progress {
                         revoked: false,
                     };
                     c.leases.insert((op.region, op.write), lease);
+                    if let Some(base) = k.mapped(msg.offset, msg.len) {
+                        let of = (op.region, op.write);
+                        self.mapped.add(msg.conn, of, base, msg.len, op.work.remote().key);
+                    }
                 }),
                 None => Err(Error::protocol("ucx: a lease that does not cover its op")),
             }
@@ -367,7 +374,7 @@ impl Progress {
                 if leased && !op.leased {
                     // Granted, yet unusable here: give the region back at once.
                     op.granted = false;
-                    release(&mut self.tokens, c, msg.conn, (op.region, op.write));
+                    release(&mut self.tokens, &self.mapped, c, msg.conn, (op.region, op.write));
                 }
                 self.pump(id);
             }
@@ -512,7 +519,7 @@ impl Progress {
                     l.revoked && l.users == 0
                 });
                 if done == Some(true) && c.dead.is_none() {
-                    release(&mut self.tokens, c, op.conn, of);
+                    release(&mut self.tokens, &self.mapped, c, op.conn, of);
                 }
             } else if op.granted && c.dead.is_none() {
                 let end = Msg::new(Kind::End, op.conn, op.req);
@@ -596,6 +603,8 @@ impl Progress {
         if !force {
             self.say_bye(conn);
         }
+        // Ops that follow go to this thread (and fail), none copies into a lease any more.
+        self.mapped.remove_conn(conn);
         let Some(c) = self.out.get_mut(&conn) else { return };
         if c.dead.is_some() {
             return;
@@ -657,7 +666,14 @@ impl Progress {
 
 /// The connection's unpacked key for `region`, unpacking `blob` the first time.
 /// Gives a revoked, unused lease back to the peer.
-fn release(tokens: &mut crate::progress::Tokens, c: &mut OutConn, conn: u64, of: (RegionId, bool)) {
+fn release(
+    tokens: &mut crate::progress::Tokens,
+    mapped: &Mapped,
+    c: &mut OutConn,
+    conn: u64,
+    of: (RegionId, bool),
+) {
+    mapped.remove(conn, of);
     c.leases.remove(&of);
     let m = Msg {
         flags: if of.1 { WRITE } else { 0 },

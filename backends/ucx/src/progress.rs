@@ -24,6 +24,7 @@ use crate::exit::InUcx;
 use crate::ffi::{self, Endpoint, Event, MemHandle, RemoteKey, Started, Worker};
 use crate::gate::OpGate;
 use crate::inbound::InConn;
+use crate::mapped::Mapped;
 use crate::outbound::{OpState, OutConn};
 use crate::wire::Msg;
 
@@ -110,6 +111,8 @@ pub(crate) struct Handle {
     /// both are done with it (a closed number could be reused by another thread's socket).
     wake: Arc<OwnedFd>,
     closed: AtomicBool,
+    /// The leases callers copy into themselves.
+    pub(crate) mapped: Arc<Mapped>,
 }
 
 impl Handle {
@@ -162,11 +165,13 @@ pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
     let thread_wake = wake.clone();
     let (tx, rx) = sync_channel(QUEUE);
     let (ready_tx, ready_rx) = sync_channel(1);
+    let mapped = Arc::new(Mapped::default());
+    let thread_mapped = mapped.clone();
     // Detached: it ends after Shutdown (or when every handle is gone) and owns all it uses.
     let _thread = std::thread::Builder::new().name("tensorwire-ucx".into()).spawn(move || {
         // Held for every UCX call, from ucp_init to the context's destruction (see `exit`).
         let mut inside = crate::exit::enter();
-        let p = match Progress::new(cfg) {
+        let p = match Progress::new(cfg, thread_mapped) {
             Ok(p) => p,
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
@@ -189,7 +194,7 @@ pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
         }
         Err(_) => return Err(Error::protocol("ucx: the progress thread ended during startup")),
     };
-    let handle = Handle { tx, wake, closed: AtomicBool::new(false) };
+    let handle = Handle { tx, wake, closed: AtomicBool::new(false), mapped };
     Ok((Arc::new(handle), address))
 }
 
@@ -296,6 +301,8 @@ pub(crate) struct Progress {
     /// The worker's address, sent in every Hello.
     pub(crate) address: Vec<u8>,
     pub(crate) host: Option<Arc<dyn BackendHost>>,
+    /// Leases whose region is mapped here, which callers copy into themselves (see `mapped`).
+    pub(crate) mapped: Arc<Mapped>,
     /// Local registrations; ops and holds keep their own `Rc`, so unmapping waits for them.
     pub(crate) regions: HashMap<RegionId, Rc<MemHandle>>,
     /// Their lengths (a lease covers the whole region).
@@ -321,7 +328,7 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
-    fn new(cfg: UcxConfig) -> Result<Progress> {
+    fn new(cfg: UcxConfig, mapped: Arc<Mapped>) -> Result<Progress> {
         let ctx = ffi::Context::new(&cfg.options)?;
         let worker = Worker::new(&ctx)?;
         let address = worker.address()?;
@@ -330,6 +337,7 @@ impl Progress {
             worker,
             address,
             host: None,
+            mapped,
             regions: HashMap::new(),
             lengths: HashMap::new(),
             out: HashMap::new(),
@@ -632,6 +640,7 @@ impl Progress {
                 hold.bury(&mut self.graveyard);
             }
         }
+        self.mapped.clear();
         self.out.clear();
         self.regions.clear();
         self.lengths.clear();
