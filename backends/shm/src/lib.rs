@@ -250,3 +250,37 @@ impl Backend for ShmBackend {
         self.inner.close();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use tensorwire_core::{Engine, Error, Permissions, TransferOp};
+
+    use super::ShmBackend;
+    use crate::server::SHARE_UNASKED;
+
+    /// A grant that carries an export the client did not ask for (it has the region mapped
+    /// already) is refused: the op fails, and the descriptor is not mapped over the one in use.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_export_nobody_asked_for_is_refused() {
+        let a = Engine::builder().backend(ShmBackend::new().unwrap()).start().await.unwrap();
+        let b = Engine::builder().backend(ShmBackend::new().unwrap()).start().await.unwrap();
+        let local = a.alloc(1 << 16, Permissions::NONE).await.unwrap();
+        let peer = b.alloc(1 << 16, Permissions::READ_WRITE).await.unwrap();
+        local.write_bytes(0, &[5u8; 4096]).unwrap();
+        let s = a.connect(b.local_addr()).await.unwrap();
+        // Opens the region (asking for its export) and leases it for WRITE.
+        let r = s.transfer(TransferOp::write(&local, 0, &peer.remote(), 0, 4096)).await.unwrap();
+        assert_eq!(r.backend, "shm");
+        // The READ lease's Begin does not ask for the export again; the server now sends it.
+        SHARE_UNASKED.store(true, Ordering::SeqCst);
+        let e = s.transfer(TransferOp::read(&local, 0, &peer.remote(), 0, 4096)).await;
+        SHARE_UNASKED.store(false, Ordering::SeqCst);
+        match e {
+            Err(Error::Protocol(m)) => assert!(m.contains("nobody asked for"), "{m}"),
+            other => panic!("an unasked export was accepted: {other:?}"),
+        }
+        assert_eq!(peer.to_vec(0, 4096).unwrap(), vec![5u8; 4096], "the WRITE landed");
+    }
+}

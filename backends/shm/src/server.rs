@@ -24,6 +24,20 @@ use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, LEASE, WANT_SHARE, WRITABL
 /// Most ops one peer may hold open at once.
 const MAX_HELD: usize = 1 << 16;
 
+/// Test hook: every server in the process sends the region's export with every grant, asked for
+/// or not (a peer that misbehaves), so the client's refusal can be tested.
+#[cfg(test)]
+pub(crate) static SHARE_UNASKED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+fn share_wanted(h: &Header) -> bool {
+    #[cfg(test)]
+    if SHARE_UNASKED.load(std::sync::atomic::Ordering::SeqCst) {
+        return true;
+    }
+    h.flags & WANT_SHARE != 0
+}
+
 /// One accepted peer connection.
 #[derive(Debug)]
 pub(crate) struct ServerConn {
@@ -131,7 +145,7 @@ async fn serve_inner(
                     }
                 }
                 let (mut fd, mut body) = (None, &[][..]);
-                if h.flags & WANT_SHARE != 0 {
+                if share_wanted(&h) {
                     g.flags |= if share.writable { WRITABLE } else { 0 };
                     if let Some(d) = &share.fd {
                         g.flags |= HAS_FD;
