@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use tensorwire_core::backend::kit::copy_bytes;
 use tensorwire_core::backend::{Direction, Op};
 use tensorwire_core::{AccessKey, RegionId};
 
@@ -104,9 +105,9 @@ impl Mapped {
         // this call; `[remote, remote+len)` lies inside the leased region's mapping (checked
         // against the view's length), which stays mapped while the view is listed, and the read
         // guard keeps it listed until the copy is over; the peer holds its region for the lease,
-        // which was granted for this access and key. `copy` allows the two to overlap (a peer in
-        // this process).
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+        // which was granted for this access and key. `copy_bytes` allows the two to overlap (a
+        // peer in this process).
+        unsafe { copy_bytes(src, dst, len as usize) };
         drop(views);
         self.copied.fetch_add(1, Ordering::Relaxed);
         Some(())
