@@ -362,6 +362,12 @@ fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>
     if len == 0 || len > *budget {
         return None;
     }
+    if c.writer.peer_gone() {
+        // The peer shut down (it hangs up before its shutdown returns) or died, and our reader
+        // may not have seen it yet: the op must not land in memory it no longer serves.
+        c.kill(Error::PeerClosed("shm: the peer closed the connection".into()));
+        return None;
+    }
     let write = op.dir() == Direction::Write;
     let l = entered(c, op)?;
     *budget -= len;

@@ -79,7 +79,11 @@ struct Inner {
 impl Inner {
     fn close(&self) {
         self.serving.close();
-        self.served.take();
+        // Peers see the end now, not once the aborted serving tasks drop their streams: a peer's
+        // op that copies in `submit` checks for it first, so none lands after shutdown returned.
+        for conn in self.served.take() {
+            conn.writer.hang_up();
+        }
         for c in self.clients.take() {
             c.kill(self.serving.closed_error());
         }

@@ -73,3 +73,25 @@ async fn deregistration_revokes_a_lease_in_use() {
     }
     assert!(refused > 0, "ops after the deregistration were refused");
 }
+
+/// An op on a lease right after the peer's shutdown returned (before this side's reader can have
+/// seen the stream end) is refused, not copied into memory the peer no longer serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_copy_lands_after_the_peer_shut_down() {
+    for round in 0..20 {
+        let a = Engine::builder().backend(ShmBackend::new().unwrap()).start().await.unwrap();
+        let b = Engine::builder().backend(ShmBackend::new().unwrap()).start().await.unwrap();
+        let src = a.alloc(LEN, Permissions::NONE).await.unwrap();
+        let dst = b.alloc(LEN, Permissions::READ_WRITE).await.unwrap();
+        let s = a.connect(b.local_addr()).await.unwrap();
+        let remote = dst.remote();
+        s.transfer(TransferOp::write(&src, 0, &remote, 0, OP)).await.unwrap(); // leased from here
+        s.transfer(TransferOp::write(&src, 0, &remote, 0, OP)).await.unwrap(); // copied in submit
+        b.shutdown().await;
+        let e = s.transfer(TransferOp::write(&src, 0, &remote, 0, OP)).await.unwrap_err();
+        assert!(e.is_peer_failure(), "round {round}: {e}");
+        let e = s.transfer(TransferOp::read(&src, 0, &remote, 0, OP)).await.unwrap_err();
+        assert!(e.is_peer_failure(), "round {round}: {e}");
+        a.shutdown().await;
+    }
+}
