@@ -156,7 +156,11 @@ impl Progress {
     /// A peer's lease is over (its ops on it are flushed): the region goes back.
     pub(crate) fn released(&mut self, msg: &Msg<'_>) {
         if let Some(c) = self.inb.get_mut(&msg.conn) {
-            c.leases.remove(&(msg.region, msg.flags & WRITE != 0));
+            let had = c.leases.remove(&(msg.region, msg.flags & WRITE != 0)).is_some();
+            if had && c.leases.is_empty() && self.stopping.is_some() {
+                // Shutting down: its last lease is back (see `begin_shutdown`).
+                self.say_bye_as_target(msg.conn);
+            }
         }
     }
 

@@ -11,7 +11,8 @@
 //!
 //! The progress thread owns the list: it adds a view when a lease is granted on a mapped region
 //! and removes it, under the write lock, before the lease can end: when the peer revokes it
-//! (Forget), when it is released, when the connection fails or closes, and at shutdown. A caller
+//! (Forget; a peer that shuts down first takes back every lease this way before its Bye), when
+//! it is released, when the connection fails or closes, and at shutdown. A caller
 //! copies only under the read lock, so once a view is gone no copy into it is running, the lease
 //! (holding the remote key, which keeps the mapping) is given back only after that, and the peer
 //! unmaps its region only after the lease came back. An op the list cannot take (no view, another

@@ -612,18 +612,38 @@ impl Progress {
             self.say_bye(c);
             self.kill(c, Error::PeerClosed("local ucx backend shut down".into()));
         }
+        // A peer holding leases is asked for them back first (Forget) and told Bye once it gave
+        // them all back (see `released`): it may copy into leased regions without asking (see
+        // `mapped`), and must have stopped before this shutdown returns.
         let ids: Vec<u64> = self.inb.keys().copied().collect();
         for id in ids {
-            let bye = Msg { flags: crate::wire::TARGET, ..Msg::new(crate::wire::Kind::Bye, id, 0) };
-            if let Some(c) = self.inb.get(&id) {
-                let _ = self.tokens.send(&c.ep, id | INBOUND, &bye);
+            let leased: std::collections::BTreeSet<RegionId> = match self.inb.get(&id) {
+                Some(c) => c.leases.keys().map(|(r, _)| *r).collect(),
+                None => continue,
+            };
+            if leased.is_empty() {
+                self.say_bye_as_target(id);
             }
+            for region in leased {
+                let m = Msg { region, ..Msg::new(crate::wire::Kind::Forget, id, 0) };
+                if let Some(c) = self.inb.get(&id) {
+                    let _ = self.tokens.send(&c.ep, id | INBOUND, &m);
+                }
+            }
+        }
+    }
+
+    /// Tells a peer connected to this backend that it shuts down (best effort).
+    pub(crate) fn say_bye_as_target(&mut self, id: u64) {
+        let bye = Msg { flags: crate::wire::TARGET, ..Msg::new(crate::wire::Kind::Bye, id, 0) };
+        if let Some(c) = self.inb.get(&id) {
+            let _ = self.tokens.send(&c.ep, id | INBOUND, &bye);
         }
     }
 
     /// Shutdown waits (bounded) for peers to release the regions they hold, and for its own ops.
     fn shutdown_done(&self) -> bool {
-        let held = self.inb.values().any(|c| !c.holds.is_empty());
+        let held = self.inb.values().any(|c| !c.holds.is_empty() || !c.leases.is_empty());
         let past = self.stopping.is_some_and(|d| Instant::now() >= d);
         past || (!held && self.ops.is_empty())
     }

@@ -176,3 +176,31 @@ async fn deregistering_while_callers_copy_ends_the_copies_cleanly() {
     ra.deregister().await.unwrap();
     finish(a, b, (ma, mb)).await;
 }
+
+/// Once the peer's shutdown returned, no op is copied into its mapped region any more: its
+/// shutdown takes the leases back first (Forget, then Bye once they are released), so an op
+/// right after it goes to the progress thread and fails as a peer failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_copy_lands_after_the_peer_shut_down() {
+    for round in 0..10 {
+        let Pair { ua, a, b, ma, mb, ra, rb, .. } = pair("sm,self", 1 << 20).await;
+        let s = a.connect(b.local_addr()).await.unwrap();
+        let remote = rb.remote();
+        s.transfer(TransferOp::write(&ra, 0, &remote, 0, 4096)).await.unwrap(); // the lease
+        let before = ua.ops_copied_in_submit();
+        s.transfer(TransferOp::write(&ra, 0, &remote, 0, 4096)).await.unwrap();
+        assert_eq!(ua.ops_copied_in_submit(), before + 1, "round {round}: copied in submit");
+        let t = std::time::Instant::now();
+        b.shutdown().await;
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "round {round}: shutdown waited");
+        let e = s.transfer(TransferOp::write(&ra, 0, &remote, 0, 4096)).await.unwrap_err();
+        assert!(e.is_peer_failure(), "round {round}: {e}");
+        let e = s.transfer(TransferOp::read(&ra, 0, &remote, 0, 4096)).await.unwrap_err();
+        assert!(e.is_peer_failure(), "round {round}: {e}");
+        assert_eq!(ua.ops_copied_in_submit(), before + 1, "round {round}: nothing copied after");
+        drop(s);
+        ra.deregister().await.unwrap();
+        let _ = rb.deregister().await;
+        finish(a, b, (ma, mb)).await;
+    }
+}
