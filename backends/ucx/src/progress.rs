@@ -615,21 +615,15 @@ impl Progress {
         // A peer holding leases is asked for them back first (Forget) and told Bye once it gave
         // them all back (see `released`): it may copy into leased regions without asking (see
         // `mapped`), and must have stopped before this shutdown returns.
-        let ids: Vec<u64> = self.inb.keys().copied().collect();
-        for id in ids {
-            let leased: std::collections::BTreeSet<RegionId> = match self.inb.get(&id) {
-                Some(c) => c.leases.keys().map(|(r, _)| *r).collect(),
-                None => continue,
-            };
-            if leased.is_empty() {
-                self.say_bye_as_target(id);
-            }
-            for region in leased {
-                let m = Msg { region, ..Msg::new(crate::wire::Kind::Forget, id, 0) };
-                if let Some(c) = self.inb.get(&id) {
-                    let _ = self.tokens.send(&c.ep, id | INBOUND, &m);
-                }
-            }
+        let unleased: Vec<u64> =
+            self.inb.iter().filter(|(_, c)| c.leases.is_empty()).map(|(&id, _)| id).collect();
+        for id in unleased {
+            self.say_bye_as_target(id);
+        }
+        let leased: std::collections::BTreeSet<RegionId> =
+            self.inb.values().flat_map(|c| c.leases.keys().map(|(r, _)| *r)).collect();
+        for region in leased {
+            self.forget(region); // each peer leasing it, once
         }
     }
 
