@@ -36,8 +36,21 @@ where
     Ok((bytes * n) as f64 / secs / 1e9)
 }
 
-/// Runs `runs` interleaved samples of `a` (tensorwire) and `b` (the baseline), each moving `bytes`
-/// per call, alternating which goes first; returns both sample lists in GB/s.
+/// Turns each side takes within one run of [`interleaved`]: each turn lasts
+/// `budget.min_time / TURNS` (and at least one op).
+pub const TURNS: u32 = 10;
+
+/// Runs `runs` interleaved runs of `a` (tensorwire) and `b` (the baseline), each moving `bytes`
+/// per call; returns each run's GB/s of both sides.
+///
+/// Within a run the two take turns of `budget.min_time / TURNS` (at least one op each), the one
+/// that goes first alternating from turn to turn, until each has run for `budget.min_time`; a
+/// side's sample is its bytes over its time in that run. So both sides of a run see the same
+/// stretch of a shared machine, and a run's ratio is not swayed by the machine being busier
+/// while one side had the whole of a 200 ms sample than while the other had its own (on the
+/// shared 2-core machine, 5-run medians of whole back-to-back samples swung by 0.3 between
+/// sweeps). Each side makes one untimed op first in every run (faults pages in, opens lazy
+/// connections, wakes the peer's threads).
 pub async fn interleaved<A, FA, B, FB>(
     runs: usize,
     budget: Budget,
@@ -51,18 +64,58 @@ where
     B: FnMut() -> FB,
     FB: Future<Output = Result<()>>,
 {
+    let turn = budget.min_time / TURNS;
     let (mut xs, mut ys) = (Vec::new(), Vec::new());
     for run in 0..runs.max(1) {
-        // Alternate which goes first, so neither always gets the warmer caches.
-        if run % 2 == 0 {
-            ys.push(gbps(budget, bytes, &mut b).await?);
-            xs.push(gbps(budget, bytes, &mut a).await?);
-        } else {
-            xs.push(gbps(budget, bytes, &mut a).await?);
-            ys.push(gbps(budget, bytes, &mut b).await?);
+        a().await?;
+        b().await?;
+        let (mut ta, mut tb) = (Tally::default(), Tally::default());
+        let mut k = run;
+        while ta.time < budget.min_time || tb.time < budget.min_time {
+            // Alternate which goes first, so neither always gets the warmer caches.
+            if k % 2 == 0 {
+                tb.turn(turn, budget.max_iters, &mut b).await?;
+                ta.turn(turn, budget.max_iters, &mut a).await?;
+            } else {
+                ta.turn(turn, budget.max_iters, &mut a).await?;
+                tb.turn(turn, budget.max_iters, &mut b).await?;
+            }
+            k += 1;
         }
+        xs.push(ta.gbps(bytes));
+        ys.push(tb.gbps(bytes));
     }
     Ok((xs, ys))
+}
+
+/// What one side of an [`interleaved`] run has done so far.
+#[derive(Debug, Default)]
+struct Tally {
+    ops: u64,
+    time: Duration,
+}
+
+impl Tally {
+    /// Runs ops for one turn of about `turn` (at least one op, at most `max_ops` in the run).
+    async fn turn<F, Fut>(&mut self, turn: Duration, max_ops: u64, iter: &mut F) -> Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<()>>,
+    {
+        let start = Instant::now();
+        let mut n = 0u64;
+        while n == 0 || (start.elapsed() < turn && self.ops + n < max_ops.max(1)) {
+            iter().await?;
+            n += 1;
+        }
+        self.ops += n;
+        self.time += start.elapsed();
+        Ok(())
+    }
+
+    fn gbps(&self, bytes: u64) -> f64 {
+        (bytes * self.ops) as f64 / self.time.as_secs_f64().max(1e-9) / 1e9
+    }
 }
 
 /// Median of `v` (mean of the middle two for even lengths); 0 for an empty slice.
@@ -118,6 +171,40 @@ mod tests {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(&[]), 0.0);
+    }
+
+    /// Both sides of a run take turns, and each side's sample is its own bytes over its own time.
+    #[tokio::test]
+    async fn interleaved_runs_take_turns_and_time_each_side_apart() {
+        use std::sync::{Arc, Mutex};
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let budget = Budget { min_time: Duration::from_millis(40), max_iters: 1000 };
+        let side = |name: char, ms: u64| {
+            let order = order.clone();
+            move || {
+                let order = order.clone();
+                async move {
+                    order.lock().unwrap().push(name);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    Ok(())
+                }
+            }
+        };
+        let (xs, ys) = interleaved(3, budget, 1000, side('a', 1), side('b', 5)).await.unwrap();
+        assert_eq!((xs.len(), ys.len()), (3, 3));
+        for (x, y) in xs.iter().zip(&ys) {
+            // a's ops take a fifth of b's time: a faster rate, whatever the turns.
+            assert!(x > y, "a {x} b {y}");
+            assert!(
+                *x <= 0.001 && *y <= 0.001 / 5.0,
+                "at most 1000 bytes per ms (a), per 5 ms (b)"
+            );
+        }
+        // The sides take turns within each run (each side needs two turns of at least 4 ms to
+        // reach 40 ms, however slow its ops), not one block each.
+        let o = order.lock().unwrap();
+        let switches = o.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(switches >= 3 * 4, "{switches} switches in {} ops", o.len());
     }
 
     #[tokio::test]

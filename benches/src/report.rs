@@ -19,7 +19,8 @@ pub struct Line {
     pub baseline: String,
     /// Median baseline GB/s.
     pub baseline_gbps: f64,
-    /// gbps / baseline_gbps.
+    /// The median over runs of each run's tensorwire GB/s over its baseline GB/s (both sides of a
+    /// run share its stretch of the machine: see `measure::interleaved`).
     pub ratio: f64,
     /// Interleaved runs behind the medians.
     pub runs: usize,
@@ -66,6 +67,12 @@ impl Line {
         baseline_samples: Vec<f64>,
     ) -> Line {
         let (g, b) = (crate::measure::median(&samples), crate::measure::median(&baseline_samples));
+        let ratios: Vec<f64> = samples
+            .iter()
+            .zip(&baseline_samples)
+            .filter(|(_, b)| **b > 0.0)
+            .map(|(g, b)| g / b)
+            .collect();
         Line {
             backend: backend.into(),
             op: op.into(),
@@ -74,7 +81,7 @@ impl Line {
             gbps: g,
             baseline: baseline.into(),
             baseline_gbps: b,
-            ratio: if b > 0.0 { g / b } else { 0.0 },
+            ratio: crate::measure::median(&ratios),
             runs: samples.len(),
             samples,
             baseline_samples,
@@ -104,5 +111,27 @@ impl Line {
         self.samples = self.samples.iter().copied().map(round3).collect();
         self.baseline_samples = self.baseline_samples.iter().copied().map(round3).collect();
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ratio_pairs_each_run_with_its_own_baseline() {
+        // Runs' ratios 2, 1 and 3: their median is 2 (the medians' ratio would be 4 / 3).
+        let l = Line::from_samples(
+            "tcp",
+            "read",
+            4096,
+            2,
+            "x",
+            vec![2.0, 4.0, 9.0],
+            vec![1.0, 4.0, 3.0],
+        );
+        assert_eq!((l.gbps, l.baseline_gbps, l.ratio), (4.0, 3.0, 2.0));
+        let none = Line::from_samples("tcp", "read", 4096, 2, "x", vec![1.0], vec![0.0]);
+        assert_eq!(none.ratio, 0.0, "a baseline that moved nothing gives no ratio");
     }
 }

@@ -294,7 +294,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     let _ = writeln!(md, "# tensorwire bench report\n");
     let _ = writeln!(
         md,
-        "Machine: {} cores. Every line is the median of {} interleaved runs of tensorwire and its baseline measured in the same process run (tcp: a plain tokio socket pair with the same streams; shm and mem: memcpy; store: memcpy or a raw tcp engine transfer; connector: a raw engine READ). Ratio = tensorwire / baseline.\n",
+        "Machine: {} cores. Every line is the median of {} runs of tensorwire and its baseline measured in the same process run, taking turns within each run (tcp: a plain tokio socket pair with the same streams; shm and mem: memcpy; store: memcpy or a raw tcp engine transfer; connector: a raw engine READ). Ratio = the median of each run's tensorwire / baseline.\n",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         a.runs
     );

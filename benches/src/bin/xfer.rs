@@ -5,8 +5,9 @@
 //! cargo run --release -p tensorwire-benches --bin xfer -- --store remote --sizes 64M
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend shm --latency
 //! ```
-//! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs, then a
-//! summary line. Progress goes to stderr.
+//! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs and the
+//! median of the runs' ratios (`measure::interleaved` says how a run interleaves), then a summary
+//! line. Progress goes to stderr.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
