@@ -17,7 +17,9 @@
 //! [`ConnectorError::ProducerGone`] or a timeout, never a hang.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -740,24 +742,45 @@ struct Subscription {
 /// Where a subscription stands, as far as its consumer knows.
 enum Verdict {
     /// Its `notify` is under way; it answers whether the producer accepted it.
-    Pending(tokio::task::JoinHandle<bool>),
+    Pending(Sending),
     /// Accepted or not.
     Known(bool),
     /// Ended: `Done` is on its way, or was never owed.
     Ended,
 }
 
+/// A subscription's `notify`, answering whether the producer accepted it.
+enum Sending {
+    /// Driven by the consume that waits for it (an unchunked payload's, next to its read): no
+    /// task to spawn and wake for a message of a few bytes.
+    Inline(Pin<Box<dyn Future<Output = bool> + Send>>),
+    /// On its own task (a chunked payload's consume waits for announcements meanwhile).
+    Spawned(tokio::task::JoinHandle<bool>),
+}
+
+impl Sending {
+    async fn verdict(&mut self) -> bool {
+        match self {
+            Sending::Inline(send) => send.await,
+            Sending::Spawned(task) => task.await.unwrap_or(false),
+        }
+    }
+}
+
 impl Subscription {
+    /// Sends the subscription; with `inline`, only as far as the caller polls [`Self::accepted`]
+    /// (its send goes on its own task once the subscription ends first).
     fn start(
         inner: &Arc<Inner>,
         session: &Session,
         payload: u64,
         hold: Duration,
         to: ToFetch,
+        inline: bool,
     ) -> Subscription {
         let bytes = Bytes::from(Control::Subscribe { payload, hold_ms: hold_ms(hold) }.encode());
         let s = session.clone();
-        let sent = tokio::spawn(async move {
+        let send = async move {
             match s.notify_unordered(bytes).await {
                 Ok(()) => true,
                 Err(tensorwire_core::Error::NotFound(_)) => false, // a Gone follows
@@ -766,20 +789,26 @@ impl Subscription {
                     false
                 }
             }
-        });
+        };
+        let sending = if inline {
+            Sending::Inline(Box::pin(send))
+        } else {
+            Sending::Spawned(tokio::spawn(send))
+        };
         Subscription {
             inner: inner.clone(),
             session: session.clone(),
             engine: session.peer(),
             payload,
-            verdict: Verdict::Pending(sent),
+            verdict: Verdict::Pending(sending),
         }
     }
 
-    /// Whether the producer accepted the subscription (waits for its verdict).
+    /// Whether the producer accepted the subscription (waits for its verdict). Cancel-safe: a
+    /// send interrupted here goes on where it was at the next call, or in [`Self::end`].
     async fn accepted(&mut self) -> bool {
         let ok = match &mut self.verdict {
-            Verdict::Pending(sent) => sent.await.unwrap_or(false),
+            Verdict::Pending(sending) => sending.verdict().await,
             Verdict::Known(ok) => return *ok,
             Verdict::Ended => return false,
         };
@@ -791,7 +820,9 @@ impl Subscription {
     /// waits for it. A refused one is owed no `Done`.
     fn end(&mut self, consumed: bool) {
         let verdict = match std::mem::replace(&mut self.verdict, Verdict::Ended) {
-            Verdict::Pending(sent) => Some(sent),
+            Verdict::Pending(mut sending) => {
+                Some(tokio::spawn(async move { sending.verdict().await }))
+            }
             Verdict::Known(true) => None,
             Verdict::Known(false) | Verdict::Ended => return,
         };
@@ -852,9 +883,10 @@ async fn consume_p2p(
     let wait = inner.cfg.wait_timeout;
     let hold = hold_for(wait, dst.plan.len());
     let held_until = tokio::time::Instant::now() + hold;
-    // Sent now, with the first reads; declared before them, so dropped after them (the `Done`
-    // on the way out is ordered after the reads' cancellation).
-    let subscription = Subscription::start(inner, &s, payload, hold, tx);
+    // Sent with the first reads (an unchunked payload's send is driven beside its read, a chunked
+    // one's on its own task); declared before them, so dropped after them (the `Done` on the way
+    // out is ordered after the reads' cancellation).
+    let subscription = Subscription::start(inner, &s, payload, hold, tx, r.chunking.is_none());
     let p = P2pRead { s, remote, base, payload, dst, wait, hold, held_until, rx };
     match r.chunking {
         None => p.whole(subscription, r.checksum, out, report).await,
@@ -919,8 +951,24 @@ impl P2pRead<'_> {
         report: bool,
     ) -> Result<()> {
         let reads = self.submit(0).await?;
-        self.landed(reads).await?;
-        if !subscription.accepted().await {
+        // The read and the subscription's send, driven together: the verdict usually comes first.
+        let landed = {
+            let landed = self.landed(reads);
+            tokio::pin!(landed);
+            let mut verdict = None;
+            loop {
+                tokio::select! {
+                    biased;
+                    r = &mut landed => break r.map(|()| verdict),
+                    ok = subscription.accepted(), if verdict.is_none() => verdict = Some(ok),
+                }
+            }
+        };
+        let accepted = match landed? {
+            Some(ok) => ok,
+            None => subscription.accepted().await,
+        };
+        if !accepted {
             let why = format!("payload {}: subscription refused", self.payload);
             let e = tensorwire_core::Error::NotFound(tensorwire_core::Missing::Other(why));
             return Err(read_failed(e, self.payload, &mut self.rx, self.wait).await);
@@ -932,8 +980,11 @@ impl P2pRead<'_> {
                 return Err(ConnectorError::Checksum { what, expected, actual });
             }
         }
-        let _ = out.send(self.dst.view(0)).await;
+        // The report first: the consume ends with the view, and the caller's `all` returns once
+        // this task has ended (the view sent first left the report's set-up between them, about
+        // 20 us of a 4 MiB handoff). The bytes are in and checked either way.
         subscription.end(report);
+        let _ = out.send(self.dst.view(0)).await;
         Ok(())
     }
 

@@ -2,7 +2,7 @@
 //! the payload in the middle of a read (the read's bytes come back through a proxy throttled to
 //! 64 KiB/s, so it cannot end while the test looks), the buffer stays, the read completes with
 //! the right bytes, and only then is the buffer given back. A consumer that comes after the
-//! retirement is told so.
+//! retirement is told so. An unchunked payload's subscription arrives while its read is under way.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -113,4 +113,39 @@ async fn a_read_that_outlives_its_hold_fails() {
         "a read past its hold: {e}"
     );
     proxy.set(Fault::None);
+}
+
+/// An unchunked payload's subscription is sent beside its read, not after it: the producer holds
+/// the buffer for the consumer while the read still crawls through the throttled proxy, and once
+/// the read is in (right bytes) the consumer's `Done` gives the buffer back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchunked_payloads_subscription_arrives_during_its_read() {
+    let (proxy, producer, consumer) = pair(Duration::from_secs(30)).await;
+    let len = 1u64 << 20;
+    let meta = TensorMeta::contiguous(DType::U8, &[len]);
+    let src = Arc::new(producer.engine().alloc(len, Permissions::READ).await.unwrap());
+    let data: Vec<u8> =
+        (0..len as u32).map(|i| (i.wrapping_mul(2_246_822_519) >> 13) as u8).collect();
+    src.write_bytes(0, &data).unwrap();
+    let payload = StagePayload {
+        request: 3,
+        kind: PayloadKind::Latent,
+        region: src,
+        offset: 0,
+        meta: meta.clone(),
+        chunking: None,
+        lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
+    };
+    let publication = producer.publish(payload, None).unwrap();
+    proxy.set(Fault::Throttle(64 << 10));
+    let dst = Arc::new(consumer.engine().alloc(len, Permissions::NONE).await.unwrap());
+    let reading = consumer.consume(&publication.reference, dst.clone(), 0, Some(&meta)).unwrap();
+    let reading = tokio::spawn(reading.all());
+    until("the subscription arrives", || producer.readers() == 1).await;
+    assert!(!reading.is_finished(), "the throttled read ended already");
+
+    proxy.set(Fault::None);
+    assert_eq!(reading.await.unwrap().unwrap().len(), 1);
+    assert!(dst.to_vec(0, len).unwrap() == data, "bytes differ");
+    until("the buffer is given back", || producer.held() == 0 && producer.readers() == 0).await;
 }
