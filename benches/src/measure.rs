@@ -26,14 +26,9 @@ where
     Fut: Future<Output = Result<()>>,
 {
     iter().await?; // warm-up: faults pages in, opens lazy connections
-    let start = Instant::now();
-    let mut n = 0u64;
-    while n < budget.max_iters.max(1) && (n == 0 || start.elapsed() < budget.min_time) {
-        iter().await?;
-        n += 1;
-    }
-    let secs = start.elapsed().as_secs_f64().max(1e-9);
-    Ok((bytes * n) as f64 / secs / 1e9)
+    let mut t = Tally::default();
+    t.turn(budget.min_time, budget.max_iters, &mut iter).await?;
+    Ok(t.gbps(bytes))
 }
 
 /// Turns each side takes within one run of [`interleaved`]: each turn lasts
@@ -48,8 +43,8 @@ pub const TURNS: u32 = 10;
 /// side's sample is its bytes over its time in that run. So both sides of a run see the same
 /// stretch of a shared machine, and a run's ratio is not swayed by the machine being busier
 /// while one side had the whole of a 200 ms sample than while the other had its own (on the
-/// shared 2-core machine, 5-run medians of whole back-to-back samples swung by 0.3 between
-/// sweeps). Each side makes one untimed op first in every run (faults pages in, opens lazy
+/// shared 2-core machine, 5-run medians of whole back-to-back samples swung by up to 0.36
+/// between sweeps). Each side makes one untimed op first in every run (faults pages in, opens lazy
 /// connections, wakes the peer's threads).
 pub async fn interleaved<A, FA, B, FB>(
     runs: usize,

@@ -86,10 +86,10 @@ impl Default for TcpConfig {
 /// in flight, so while the receiver copies one piece out of its socket the sender is already
 /// copying the next one in, and both ends' copies run at once. With one piece per stream, a
 /// receiver on a busy host starts only after the sender's whole send, and the two copies run one
-/// after the other (4 MiB pieces made 4-16 MiB READs 10-30% slower). Smaller pieces cost more headers and
-/// wake-ups than they gain: 256 KiB pieces were slower than 512 KiB at 1 and 4 MiB, and 1 MiB
-/// pieces slower at 4 MiB (README "tcp piece size"). 512 KiB is also the receive low-water mark,
-/// so a piece lands in one wake-up.
+/// after the other (4 MiB pieces made 4-16 MiB READs 10-30% slower). Smaller pieces cost more
+/// headers and wake-ups than they gain: 256 KiB pieces were slower than 512 KiB at 1 and 4 MiB,
+/// and 1 MiB pieces slower at 4 MiB (README "tcp piece size"). 512 KiB is also the receive
+/// low-water mark, so a piece lands in one wake-up.
 pub const DEFAULT_PIECE: u64 = 512 << 10;
 
 /// One stream per core, between 2 and 8: a single stream is bound by one core's copy speed.
