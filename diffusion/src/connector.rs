@@ -820,9 +820,7 @@ impl Subscription {
     /// waits for it. A refused one is owed no `Done`.
     fn end(&mut self, consumed: bool) {
         let verdict = match std::mem::replace(&mut self.verdict, Verdict::Ended) {
-            Verdict::Pending(mut sending) => {
-                Some(tokio::spawn(async move { sending.verdict().await }))
-            }
+            Verdict::Pending(sending) => Some(sending),
             Verdict::Known(true) => None,
             Verdict::Known(false) | Verdict::Ended => return,
         };
@@ -833,7 +831,7 @@ impl Subscription {
         let msg = Bytes::from(Control::Done { payload, consumed }.encode());
         tokio::spawn(async move {
             let accepted = match verdict {
-                Some(sent) => sent.await.unwrap_or(false),
+                Some(mut sending) => sending.verdict().await,
                 None => true,
             };
             if !accepted {
