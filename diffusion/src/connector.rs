@@ -804,6 +804,11 @@ impl Subscription {
         }
     }
 
+    /// Whether its send is still waiting for the producer's verdict.
+    fn pending(&self) -> bool {
+        matches!(self.verdict, Verdict::Pending(_))
+    }
+
     /// Whether the producer accepted the subscription (waits for its verdict). Cancel-safe: a
     /// send interrupted here goes on where it was at the next call, or in [`Self::end`].
     async fn accepted(&mut self) -> bool {
@@ -950,23 +955,18 @@ impl P2pRead<'_> {
     ) -> Result<()> {
         let reads = self.submit(0).await?;
         // The read and the subscription's send, driven together: the verdict usually comes first.
-        let landed = {
+        {
             let landed = self.landed(reads);
             tokio::pin!(landed);
-            let mut verdict = None;
             loop {
                 tokio::select! {
                     biased;
-                    r = &mut landed => break r.map(|()| verdict),
-                    ok = subscription.accepted(), if verdict.is_none() => verdict = Some(ok),
+                    r = &mut landed => break r,
+                    _ = subscription.accepted(), if subscription.pending() => {}
                 }
             }
-        };
-        let accepted = match landed? {
-            Some(ok) => ok,
-            None => subscription.accepted().await,
-        };
-        if !accepted {
+        }?;
+        if !subscription.accepted().await {
             let why = format!("payload {}: subscription refused", self.payload);
             let e = tensorwire_core::Error::NotFound(tensorwire_core::Missing::Other(why));
             return Err(read_failed(e, self.payload, &mut self.rx, self.wait).await);
