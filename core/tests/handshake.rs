@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use tensorwire_core::wire::frame::{CONTROL, FrameHeader};
 use tensorwire_core::{
     ClusterSecret, Engine, EngineConfig, Error, Missing, Permissions, TransferOp,
 };
@@ -71,9 +72,10 @@ async fn garbage_and_silent_clients_do_not_hurt_the_endpoint() {
     junk.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(5), junk.read_to_end(&mut buf)).await.unwrap();
-    // An oversized frame header.
+    // An oversized frame header (this build's prefix, so the length check is what refuses it).
     let mut big = tokio::net::TcpStream::connect(b.local_addr()).await.unwrap();
-    big.write_all(&[b'T', b'W', 1, 3, 0xff, 0xff, 0xff, 0x7f]).await.unwrap();
+    let oversized = FrameHeader { kind: 3, len: 0x7fff_ffff };
+    big.write_all(&CONTROL.header(oversized)).await.unwrap();
     // A client that says nothing is dropped after the handshake timeout.
     let mut silent = tokio::net::TcpStream::connect(b.local_addr()).await.unwrap();
     let n = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut [0u8; 1])).await;
