@@ -69,6 +69,15 @@ where
     completion
 }
 
+/// An op's completion that also waits for a notice sent beside it: the notice's failure (the
+/// peer's refusal) wins over the op's result. Dropping it cancels both.
+pub fn after_notice(notice: Completion, op: Completion) -> Completion {
+    Box::pin(async move {
+        let (notice, op) = tokio::join!(notice, op);
+        notice.and(op)
+    })
+}
+
 /// A completion that is already resolved (an op rejected before it started).
 pub fn ready(result: Result<()>) -> Completion {
     Box::pin(std::future::ready(result))

@@ -17,9 +17,7 @@
 //! [`ConnectorError::ProducerGone`] or a timeout, never a hang.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -728,9 +726,10 @@ async fn reports_sent(inner: &Inner, engine: EngineId, payload: u64) {
 /// holding the payload's buffer for this consumer, and ended exactly once by `Done` (counting
 /// the consumer with the report, or not however else the consume ends), in the background after
 /// the subscription itself and ordered after the consume's reads (a cancelled read has ended by
-/// then). Its verdict is known once its `notify` returns: a refused subscription is followed by
-/// the producer's Gone (which says why); one that could not be delivered ends the fetch through
-/// `to`.
+/// then). A chunked payload's goes on its own: its verdict is known once its `notify` returns
+/// (a refused one is followed by the producer's Gone, which says why; one that could not be
+/// delivered ends the fetch through `to`). An unchunked payload's rides with the read, which
+/// succeeds only if the producer accepted it.
 struct Subscription {
     inner: Arc<Inner>,
     session: Session,
@@ -741,46 +740,42 @@ struct Subscription {
 
 /// Where a subscription stands, as far as its consumer knows.
 enum Verdict {
-    /// Its `notify` is under way; it answers whether the producer accepted it.
-    Pending(Sending),
-    /// Accepted or not.
-    Known(bool),
+    /// Its `notify` is under way, on its own task; it answers whether the producer accepted it.
+    Pending(tokio::task::JoinHandle<bool>),
+    /// It rides with the read, whose outcome is its verdict: until the read succeeded, the
+    /// producer may or may not have it (a `Done` then ends it either way).
+    Riding,
+    /// Accepted.
+    Accepted,
     /// Ended: `Done` is on its way, or was never owed.
     Ended,
 }
 
-/// A subscription's `notify`, answering whether the producer accepted it.
-enum Sending {
-    /// Driven by the consume that waits for it (an unchunked payload's, next to its read): no
-    /// task to spawn and wake for a message of a few bytes.
-    Inline(Pin<Box<dyn Future<Output = bool> + Send>>),
-    /// On its own task (a chunked payload's consume waits for announcements meanwhile).
-    Spawned(tokio::task::JoinHandle<bool>),
-}
-
-impl Sending {
-    async fn verdict(&mut self) -> bool {
-        match self {
-            Sending::Inline(send) => send.await,
-            Sending::Spawned(task) => task.await.unwrap_or(false),
+impl Subscription {
+    fn new(inner: &Arc<Inner>, session: &Session, payload: u64, verdict: Verdict) -> Subscription {
+        Subscription {
+            inner: inner.clone(),
+            session: session.clone(),
+            engine: session.peer(),
+            payload,
+            verdict,
         }
     }
-}
 
-impl Subscription {
-    /// Sends the subscription; with `inline`, only as far as the caller polls [`Self::accepted`]
-    /// (its send goes on its own task once the subscription ends first).
+    fn message(payload: u64, hold: Duration) -> Bytes {
+        Bytes::from(Control::Subscribe { payload, hold_ms: hold_ms(hold) }.encode())
+    }
+
+    /// Sends the subscription on its own task (the consume waits for announcements meanwhile).
     fn start(
         inner: &Arc<Inner>,
         session: &Session,
         payload: u64,
         hold: Duration,
         to: ToFetch,
-        inline: bool,
     ) -> Subscription {
-        let bytes = Bytes::from(Control::Subscribe { payload, hold_ms: hold_ms(hold) }.encode());
-        let s = session.clone();
-        let send = async move {
+        let (bytes, s) = (Self::message(payload, hold), session.clone());
+        let send = tokio::spawn(async move {
             match s.notify_unordered(bytes).await {
                 Ok(()) => true,
                 Err(tensorwire_core::Error::NotFound(_)) => false, // a Gone follows
@@ -789,45 +784,36 @@ impl Subscription {
                     false
                 }
             }
-        };
-        let sending = if inline {
-            Sending::Inline(Box::pin(send))
-        } else {
-            Sending::Spawned(tokio::spawn(send))
-        };
-        Subscription {
-            inner: inner.clone(),
-            session: session.clone(),
-            engine: session.peer(),
-            payload,
-            verdict: Verdict::Pending(sending),
+        });
+        Self::new(inner, session, payload, Verdict::Pending(send))
+    }
+
+    /// A subscription that rides with the read (returned with the message to carry): the read
+    /// succeeds only if the producer accepted it.
+    fn riding(
+        inner: &Arc<Inner>,
+        session: &Session,
+        payload: u64,
+        hold: Duration,
+    ) -> (Subscription, Bytes) {
+        (Self::new(inner, session, payload, Verdict::Riding), Self::message(payload, hold))
+    }
+
+    /// The read it rode with succeeded: the producer accepted it.
+    fn confirmed(&mut self) {
+        if matches!(self.verdict, Verdict::Riding) {
+            self.verdict = Verdict::Accepted;
         }
     }
 
-    /// Whether its send is still waiting for the producer's verdict.
-    fn pending(&self) -> bool {
-        matches!(self.verdict, Verdict::Pending(_))
-    }
-
-    /// Whether the producer accepted the subscription (waits for its verdict). Cancel-safe: a
-    /// send interrupted here goes on where it was at the next call, or in [`Self::end`].
-    async fn accepted(&mut self) -> bool {
-        let ok = match &mut self.verdict {
-            Verdict::Pending(sending) => sending.verdict().await,
-            Verdict::Known(ok) => return *ok,
-            Verdict::Ended => return false,
-        };
-        self.verdict = Verdict::Known(ok);
-        ok
-    }
-
     /// Ends the subscription, in the background; a later consume or release of the payload
-    /// waits for it. A refused one is owed no `Done`.
+    /// waits for it. A refused one is owed no `Done`; one whose verdict is unknown gets one (a
+    /// producer that refused it refuses that too).
     fn end(&mut self, consumed: bool) {
         let verdict = match std::mem::replace(&mut self.verdict, Verdict::Ended) {
-            Verdict::Pending(sending) => Some(sending),
-            Verdict::Known(true) => None,
-            Verdict::Known(false) | Verdict::Ended => return,
+            Verdict::Pending(send) => Some(send),
+            Verdict::Accepted | Verdict::Riding => None,
+            Verdict::Ended => return,
         };
         let key = (self.engine, self.payload);
         let (done, pending) = tokio::sync::watch::channel(false);
@@ -836,7 +822,7 @@ impl Subscription {
         let msg = Bytes::from(Control::Done { payload, consumed }.encode());
         tokio::spawn(async move {
             let accepted = match verdict {
-                Some(mut sending) => sending.verdict().await,
+                Some(send) => send.await.unwrap_or(false),
                 None => true,
             };
             if !accepted {
@@ -886,14 +872,19 @@ async fn consume_p2p(
     let wait = inner.cfg.wait_timeout;
     let hold = hold_for(wait, dst.plan.len());
     let held_until = tokio::time::Instant::now() + hold;
-    // Sent with the first reads (an unchunked payload's send is driven beside its read, a chunked
-    // one's on its own task); declared before them, so dropped after them (the `Done` on the way
-    // out is ordered after the reads' cancellation).
-    let subscription = Subscription::start(inner, &s, payload, hold, tx, r.chunking.is_none());
+    // An unchunked payload's subscription rides with its read; a chunked one's goes first, on
+    // its own task. Declared before the reads, so dropped after them (the `Done` on the way out
+    // is ordered after the reads' cancellation).
     let p = P2pRead { s, remote, base, payload, dst, wait, hold, held_until, rx };
     match r.chunking {
-        None => p.whole(subscription, r.checksum, out, report).await,
-        Some(_) => p.chunked(subscription, out, report).await,
+        None => {
+            let (subscription, notice) = Subscription::riding(inner, &p.s, payload, hold);
+            p.whole(subscription, notice, r.checksum, out, report).await
+        }
+        Some(_) => {
+            let subscription = Subscription::start(inner, &p.s, payload, hold, tx);
+            p.chunked(subscription, out, report).await
+        }
     }
 }
 
@@ -911,8 +902,8 @@ struct P2pRead<'a> {
 }
 
 impl P2pRead<'_> {
-    /// Submits the reads of chunk `index`.
-    async fn submit(&self, index: u32) -> Result<Vec<TransferHandle>> {
+    /// Submits the reads of chunk `index`, the first with `notice` when there is one.
+    async fn submit(&self, index: u32, notice: Option<Bytes>) -> Result<Vec<TransferHandle>> {
         let chunk =
             self.dst.plan.chunk(index).map_err(|e| ConnectorError::Internal(e.to_string()))?;
         let (dst, remote, base) = (&self.dst, self.remote, self.base);
@@ -923,7 +914,10 @@ impl P2pRead<'_> {
                 TransferOp::read(dst.region, dst.offset + b.offset, remote, base + b.offset, b.len)
             })
             .collect();
-        Ok(self.s.submit(ops).await)
+        Ok(match notice {
+            Some(n) => self.s.submit_with_notice(n, ops).await,
+            None => self.s.submit(ops).await,
+        })
     }
 
     /// Waits for `reads`; then they must have ended within the producer's hold.
@@ -940,37 +934,25 @@ impl P2pRead<'_> {
         Ok(())
     }
 
-    /// An unchunked payload is complete at publish: its read starts with the subscription. The
-    /// producer accepts the subscription only if it still serves the payload when it arrives; a
-    /// payload no longer served is never served again, so it was served throughout every read
-    /// before, and the subscription holds it for the reads after. An accepted subscription so
-    /// confirms the bytes without a round trip after the read; a refused one is followed by a
-    /// Gone that says why. `Done` goes in the background.
+    /// An unchunked payload is complete at publish: its subscription rides with its read (the
+    /// producer's backend delivers it before serving the read where it can, beside it where it
+    /// cannot), and the read succeeds only if the producer accepted it. The producer accepts the
+    /// subscription only if it still serves the payload when it arrives; a payload no longer
+    /// served is never served again, so it was served throughout every read before, and the
+    /// subscription holds it for the reads after. A read that succeeded so confirms its bytes
+    /// without a round trip after it; a refused subscription fails the read, and a Gone says
+    /// why. `Done` goes in the background.
     async fn whole(
         mut self,
         mut subscription: Subscription,
+        notice: Bytes,
         checksum: Option<u32>,
         out: &mpsc::Sender<Result<ChunkView>>,
         report: bool,
     ) -> Result<()> {
-        let reads = self.submit(0).await?;
-        // The read and the subscription's send, driven together: the verdict usually comes first.
-        {
-            let landed = self.landed(reads);
-            tokio::pin!(landed);
-            loop {
-                tokio::select! {
-                    biased;
-                    r = &mut landed => break r,
-                    _ = subscription.accepted(), if subscription.pending() => {}
-                }
-            }
-        }?;
-        if !subscription.accepted().await {
-            let why = format!("payload {}: subscription refused", self.payload);
-            let e = tensorwire_core::Error::NotFound(tensorwire_core::Missing::Other(why));
-            return Err(read_failed(e, self.payload, &mut self.rx, self.wait).await);
-        }
+        let reads = self.submit(0, Some(notice)).await?;
+        self.landed(reads).await?;
+        subscription.confirmed();
         if let Some(expected) = checksum {
             let actual = self.dst.crc(0)?;
             if actual != expected {
@@ -1002,7 +984,7 @@ impl P2pRead<'_> {
             for step in std::mem::take(&mut steps) {
                 match step {
                     FetchStep::Read(index) => {
-                        let reads = self.submit(index).await?;
+                        let reads = self.submit(index, None).await?;
                         reads_of.insert(index, reads);
                     }
                     FetchStep::Yield(index) => {

@@ -115,7 +115,7 @@ async fn a_read_that_outlives_its_hold_fails() {
     proxy.set(Fault::None);
 }
 
-/// An unchunked payload's subscription is sent beside its read, not after it: the producer holds
+/// An unchunked payload's subscription rides with its read, not after it: the producer holds
 /// the buffer for the consumer while the read still crawls through the throttled proxy, and once
 /// the read is in (right bytes) the consumer's `Done` gives the buffer back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

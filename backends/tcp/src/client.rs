@@ -16,7 +16,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_core::backend::kit::{CancelGate, CompletionSender, decode_error, gated, ready};
+use tensorwire_core::backend::kit::{
+    CancelGate, CompletionSender, MAX_NOTIFY_WIRE, after_notice, decode_error, gated, ready,
+};
 use tensorwire_core::backend::{Completion, Connection, Direction, Op};
 use tensorwire_core::{AccessKey, Error, RegionId, Result};
 use tokio::net::TcpStream;
@@ -75,7 +77,8 @@ impl OpState {
 #[derive(Debug)]
 enum What {
     Write,
-    Read,
+    /// With the notice the server delivers before serving it (the op's first piece only).
+    Read(Option<Bytes>),
     Notify(Bytes),
 }
 
@@ -103,7 +106,7 @@ impl Piece {
     fn kind(&self) -> Kind {
         match self.what {
             What::Write => Kind::WriteReq,
-            What::Read => Kind::ReadReq,
+            What::Read(_) => Kind::ReadReq,
             What::Notify(_) => Kind::Notify,
         }
     }
@@ -391,9 +394,14 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
                 }
                 body = (p.addr, p.len as usize);
             }
-            What::Read => {
+            What::Read(notice) => {
                 if c.cfg.checksum {
                     h = h.with_crc(0); // asks the server for a checksum
+                }
+                if let Some(b) = notice {
+                    // Bounded by MAX_NOTIFY_WIRE in `submit_noticed`.
+                    h = h.with_notice(b.len() as u32);
+                    body = (b.as_ptr() as usize, b.len());
                 }
             }
             What::Notify(b) => body = (b.as_ptr() as usize, b.len()),
@@ -402,7 +410,7 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
         let parts = [(hb.as_ptr() as usize, hb.len()), body];
         // Keep the payload alive past the send: the piece moves into `pending` below.
         let notify_body = match &p.what {
-            What::Notify(b) => Some(b.clone()),
+            What::Notify(b) | What::Read(Some(b)) => Some(b.clone()),
             _ => None,
         };
         let keep = p.op.clone();
@@ -460,7 +468,7 @@ fn matches(req: &What, resp: Kind) -> bool {
     matches!(
         (req, resp),
         (What::Write, Kind::WriteAck)
-            | (What::Read, Kind::ReadResp)
+            | (What::Read(_), Kind::ReadResp)
             | (What::Notify(_), Kind::NotifyAck)
     )
 }
@@ -512,7 +520,7 @@ async fn reader(c: Arc<ConnShared>, i: usize) {
             ans.finish(&p.op, Err(decode_error(&body).unwrap_or_else(|e| e)));
             continue;
         }
-        if let What::Read = p.what {
+        if let What::Read(_) = p.what {
             if h.len != p.len {
                 let e = Error::protocol(format!(
                     "tcp: READ answered with {} bytes, asked {}",
@@ -557,15 +565,14 @@ fn check_read(p: &Piece, h: &DataHeader, want: bool) -> Result<()> {
     if actual == expected { Ok(()) } else { Err(Error::Checksum { what, expected, actual }) }
 }
 
-impl Connection for TcpConnection {
-    fn broken(&self) -> Option<Error> {
-        self.shared.is_dead()
-    }
-
-    fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
+impl TcpConnection {
+    /// The ops' completions; with `notice`, the first op (a READ) carries it in its first piece.
+    fn submit_with(&self, ops: Vec<Op>, mut notice: Option<Bytes>) -> Vec<Completion> {
         let c = &self.shared;
         ops.into_iter()
             .map(|op| {
+                // Only the first op carries it; an op refused here sends none.
+                let mut notice = notice.take();
                 if let Some(e) = c.is_dead() {
                     return ready(Err(e));
                 }
@@ -587,9 +594,9 @@ impl Connection for TcpConnection {
                     done: Mutex::new(Some(tx)),
                     _op: Some(op),
                 });
-                let what = || match dir {
+                let mut what = || match dir {
                     Direction::Write => What::Write,
-                    Direction::Read => What::Read,
+                    Direction::Read => What::Read(notice.take()),
                 };
                 let pieces = cuts
                     .into_iter()
@@ -607,6 +614,32 @@ impl Connection for TcpConnection {
                 completion
             })
             .collect()
+    }
+}
+
+impl Connection for TcpConnection {
+    fn broken(&self) -> Option<Error> {
+        self.shared.is_dead()
+    }
+
+    fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
+        self.submit_with(ops, None)
+    }
+
+    /// A notice rides in the first READ piece's request (the server delivers it before serving
+    /// the READ, and answers a refusal as the READ's error); before a WRITE it goes beside.
+    fn submit_noticed(&self, notice: Bytes, ops: Vec<Op>) -> Vec<Completion> {
+        let rides = ops.first().is_some_and(|op| op.dir() == Direction::Read)
+            && notice.len() <= MAX_NOTIFY_WIRE;
+        if rides {
+            return self.submit_with(ops, Some(notice));
+        }
+        let sent = self.notify(notice);
+        let mut done = self.submit(ops);
+        if let Some(first) = done.first_mut() {
+            *first = after_notice(sent, std::mem::replace(first, ready(Ok(()))));
+        }
+        done
     }
 
     fn notify(&self, msg: Bytes) -> Completion {

@@ -135,6 +135,13 @@ async fn serve_read(
     h: &DataHeader,
     dog: &mut Watchdog,
 ) -> Result<()> {
+    // A notice comes first: delivered before the READ is served, its refusal is the READ's answer.
+    if h.notice > 0 {
+        let notice = recv_message(sock, u64::from(h.notice), dog, "READ notice").await?;
+        if let Err(e) = host.deliver(notice) {
+            return respond(sock, Kind::ReadResp, h.id, Err(e), dog).await;
+        }
+    }
     let slice = match host.resolve(h.range(), Access::Read) {
         Ok(s) if !s.kind().is_host() => return read_device(sock, host, &s, h, dog).await,
         Ok(s) => s,
@@ -285,10 +292,21 @@ async fn serve_notify(
     h: &DataHeader,
     dog: &mut Watchdog,
 ) -> Result<()> {
-    let mut body = vec![0u8; h.len as usize]; // bounded by MAX_NOTIFY_WIRE in decode
-    if !body.is_empty() && !io::recv_buf(sock, &mut body, dog, &|| true, "notification").await? {
-        return Err(Error::PeerClosed("tcp: stream ended inside a notification".into()));
-    }
-    let r = host.deliver(Bytes::from(body));
+    let body = recv_message(sock, h.len, dog, "notification").await?;
+    let r = host.deliver(body);
     respond(sock, Kind::NotifyAck, h.id, r, dog).await
+}
+
+/// The `len` bytes of a notification (bounded by MAX_NOTIFY_WIRE in decode).
+async fn recv_message(
+    sock: &TcpStream,
+    len: u64,
+    dog: &mut Watchdog,
+    what: &'static str,
+) -> Result<Bytes> {
+    let mut body = vec![0u8; len as usize];
+    if !body.is_empty() && !io::recv_buf(sock, &mut body, dog, &|| true, what).await? {
+        return Err(Error::PeerClosed(format!("tcp: stream ended inside a {what}")));
+    }
+    Ok(Bytes::from(body))
 }

@@ -5,11 +5,12 @@
 //! ```text
 //! 0..2 magic "TD"   2 version   3 kind   4 status   5 flags   6..8 zero
 //! 8..16 request id  16..24 region  24..40 access key  40..48 offset  48..56 len
-//! 56..60 crc32c     60..64 zero
+//! 56..60 crc32c     60..64 notice length (ReadReq; zero otherwise)
 //! ```
-//! `len` is the op's byte count. Payload that follows: WriteReq: `len` bytes; ReadResp (ok): `len`
-//! bytes; Notify: `len` bytes; any response with status Err: `len` bytes of encoded error; nothing
-//! otherwise.
+//! `len` is the op's byte count. Payload that follows: WriteReq: `len` bytes; ReadReq: its notice
+//! (an engine notification the server delivers before serving the READ, whose refusal fails the
+//! READ); ReadResp (ok): `len` bytes; Notify: `len` bytes; any response with status Err: `len`
+//! bytes of encoded error; nothing otherwise. Version 2 added the READ's notice.
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
@@ -20,7 +21,7 @@ pub const HEADER_LEN: usize = 64;
 pub const MAX_PIECE: u64 = 16 << 20;
 /// The data protocol's magic ("TD"), version and largest payload.
 pub const FRAMING: Framing =
-    Framing { name: "tcp data", magic: *b"TD", version: 1, max_payload: MAX_PIECE as u32 };
+    Framing { name: "tcp data", magic: *b"TD", version: 2, max_payload: MAX_PIECE as u32 };
 /// Preamble each side sends first on a new stream.
 pub const PREAMBLE: [u8; 8] = [b'T', b'W', b'D', b'A', b'T', b'A', FRAMING.version, 0];
 
@@ -91,6 +92,8 @@ pub struct DataHeader {
     pub offset: u64,
     /// Byte count (see the module docs).
     pub len: u64,
+    /// Bytes of notice that follow a ReadReq (zero on every other kind).
+    pub notice: u32,
     /// crc32c of the piece when `flags & FLAG_CRC`.
     pub crc: u32,
 }
@@ -105,7 +108,7 @@ impl DataHeader {
         offset: u64,
         len: u64,
     ) -> Self {
-        DataHeader { kind, ok: true, flags: 0, id, region, key, offset, len, crc: 0 }
+        DataHeader { kind, ok: true, flags: 0, id, region, key, offset, len, notice: 0, crc: 0 }
     }
 
     /// The remote bytes a request names.
@@ -124,8 +127,15 @@ impl DataHeader {
             key: AccessKey::from_bits(0),
             offset: 0,
             len,
+            notice: 0,
             crc: 0,
         }
+    }
+
+    /// A READ request followed by `len` bytes of notice.
+    pub fn with_notice(mut self, len: u32) -> Self {
+        self.notice = len;
+        self
     }
 
     /// With a checksum.
@@ -143,7 +153,7 @@ impl DataHeader {
     /// Bytes of payload following this header on the stream.
     pub fn payload_len(&self) -> u64 {
         match (self.kind, self.ok) {
-            (Kind::ReadReq, _) => 0,
+            (Kind::ReadReq, _) => u64::from(self.notice),
             (Kind::WriteAck | Kind::NotifyAck, true) => 0,
             _ => self.len,
         }
@@ -155,7 +165,7 @@ impl DataHeader {
         w.raw(&FRAMING.magic).u8(FRAMING.version).u8(self.kind.tag());
         w.u8(u8::from(!self.ok)).u8(self.flags).u16(0);
         w.u64(self.id).u64(self.region.0).u128(self.key.to_bits()).u64(self.offset).u64(self.len);
-        w.u32(self.crc).u32(0);
+        w.u32(self.crc).u32(self.notice);
         w.finish_fixed()
     }
 
@@ -187,9 +197,20 @@ impl DataHeader {
             offset: r.u64()?,
             len: r.u64()?,
             crc: r.u32()?,
+            notice: r.u32()?,
         };
-        if flags & !FLAG_CRC != 0 || reserved != 0 || r.u32()? != 0 {
+        if flags & !FLAG_CRC != 0 || reserved != 0 {
             return Err(Error::protocol("tcp data: unknown flags or non-zero reserved bytes"));
+        }
+        match hdr.kind {
+            Kind::ReadReq => {
+                let n = u64::from(hdr.notice);
+                FRAMING.check_len("READ notice length", n, MAX_NOTIFY_WIRE as u64)?;
+            }
+            _ if hdr.notice != 0 => {
+                return Err(Error::protocol(format!("tcp data: a notice on a {kind:?}")));
+            }
+            _ => {}
         }
         let limit = match (kind, ok) {
             (_, false) => MAX_ERROR_BYTES as u64,
@@ -242,8 +263,18 @@ mod tests {
         bad[4] = 1; // error status on a request
         assert!(DataHeader::decode(&bad).is_err());
         let mut v = h.encode();
-        v[2] = 2;
-        assert!(DataHeader::decode(&v).unwrap_err().to_string().contains("version 2"));
+        v[2] = FRAMING.version + 1;
+        let other = format!("version {}", FRAMING.version + 1);
+        assert!(DataHeader::decode(&v).unwrap_err().to_string().contains(&other));
+        // A READ's notice: its length is the payload that follows, bounded; no other kind has one.
+        let n = MAX_NOTIFY_WIRE as u32;
+        let r = DataHeader::request(Kind::ReadReq, 2, RegionId(3), key, 0, 4096).with_notice(n);
+        assert_eq!(DataHeader::decode(&r.encode()).unwrap(), r);
+        assert_eq!(r.payload_len(), u64::from(n));
+        let long = r.with_notice(n + 1);
+        assert!(matches!(DataHeader::decode(&long.encode()), Err(Error::Capacity { .. })));
+        let w = DataHeader::request(Kind::WriteReq, 2, RegionId(3), key, 0, 16).with_notice(1);
+        assert!(DataHeader::decode(&w.encode()).unwrap_err().to_string().contains("notice"));
         assert!(check_preamble(&PREAMBLE).is_ok());
         assert!(check_preamble(b"GET / HT").is_err());
     }
@@ -260,6 +291,7 @@ mod tests {
             bytes[2] = FRAMING.version;
             if let Ok(h) = DataHeader::decode(&bytes) {
                 prop_assert!(h.payload_len() <= MAX_PIECE);
+                prop_assert!(h.kind == Kind::ReadReq || h.notice == 0);
                 prop_assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
             }
         }

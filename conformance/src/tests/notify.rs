@@ -102,3 +102,76 @@ pub async fn notification_handler_verdicts(f: &dyn PairFactory) {
     let n = bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap();
     assert_eq!(&n.payload[..], b"take", "without a handler everything is queued");
 }
+
+/// `submit_with_notice`: the notice has reached the peer's handler once the first op completed
+/// (READ or WRITE first); a refusal fails that op, and only that op, with the handler's error; a
+/// passed notice is queued; an oversized one fails the ops and sends nothing; and the session
+/// stays usable throughout.
+pub async fn notice_with_ops(f: &dyn PairFactory) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tensorwire_core::{Handled, Missing};
+    let (pair, s) = connected(f).await;
+    let taken = Arc::new(AtomicUsize::new(0));
+    let seen = taken.clone();
+    pair.b.set_notification_handler(Some(Arc::new(move |n| match &n.payload[..] {
+        b"take" => {
+            seen.fetch_add(1, SeqCst);
+            Handled::Taken
+        }
+        b"refuse" => Handled::Refused(Error::NotFound(Missing::Other("refused here".into()))),
+        _ => Handled::Pass,
+    })));
+    let len = 1u64 << 20;
+    let data = pattern(len as usize, 31);
+    let theirs = crate::alloc(f, &pair.b, len, Permissions::READ_WRITE).await.unwrap();
+    theirs.write_bytes(0, &data).unwrap();
+    let mine = crate::alloc(f, &pair.a, len, Permissions::NONE).await.unwrap();
+    let remote = theirs.remote();
+    let half = len / 2;
+    let reads =
+        || vec![0, half].into_iter().map(|at| TransferOp::read(&mine, at, &remote, at, half));
+    let notice = |b: &'static [u8]| Bytes::from_static(b);
+
+    for (first_is_read, round) in [(true, 1), (false, 2)] {
+        let mut ops: Vec<TransferOp> = reads().collect();
+        if !first_is_read {
+            ops.insert(0, TransferOp::write(&mine, 0, &remote, 0, 16)); // writes back what it read
+        }
+        let n = ops.len();
+        for h in s.submit_with_notice(notice(b"take"), ops).await {
+            bounded("op with a taken notice", h).await.unwrap();
+        }
+        assert_eq!(taken.load(SeqCst), round, "the notice was delivered by the first op's end");
+        assert!(mine.to_vec(0, len).unwrap() == data, "the ops moved their bytes");
+
+        let mut ops: Vec<TransferOp> = reads().collect();
+        if !first_is_read {
+            ops.insert(0, TransferOp::write(&mine, 0, &remote, 0, 16));
+        }
+        let mut hs = s.submit_with_notice(notice(b"refuse"), ops).await.into_iter();
+        let e = bounded("op with a refused notice", hs.next().unwrap()).await.unwrap_err();
+        assert!(matches!(e, Error::NotFound(_)), "a refusal is the handler's error: {e}");
+        assert!(e.to_string().contains("refused here"), "the refusal keeps its reason: {e}");
+        assert_eq!(hs.len(), n - 1);
+        for h in hs {
+            bounded("the refused op's batchmates", h).await.unwrap();
+        }
+    }
+
+    let hs = s.submit_with_notice(notice(b"pass"), reads().collect()).await;
+    for h in hs {
+        bounded("op with a passed notice", h).await.unwrap();
+    }
+    let n = bounded("recv", pair.b.recv_notification(WAIT)).await.unwrap();
+    assert_eq!((n.from, &n.payload[..]), (pair.a.id(), &b"pass"[..]), "a passed notice is queued");
+
+    let too_big = Bytes::from(vec![1u8; MAX_NOTIFY_BYTES + 1]);
+    for h in s.submit_with_notice(too_big, reads().collect()).await {
+        let e = bounded("op with an oversized notice", h).await.unwrap_err();
+        assert!(matches!(e, Error::Capacity { .. }), "oversized notice: {e}");
+    }
+    let none = pair.b.recv_notification(Duration::from_millis(50)).await;
+    assert!(matches!(none, Err(Error::Timeout { .. })), "an oversized notice went out: {none:?}");
+    bounded("read", s.transfer(reads().next().unwrap())).await.unwrap();
+}

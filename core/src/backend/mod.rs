@@ -18,6 +18,10 @@
 //!   permission, bounds, deregistration) and the returned `MemSlice` is held while the bytes move.
 //! - [`Connection::notify`] delivers its message to the peer's [`BackendHost::deliver`]; the engine
 //!   calls it only once every earlier op on the connection has ended.
+//! - [`Connection::submit_noticed`] delivers its notice at the latest by the time the first op's
+//!   completion resolves, and fails that op with the peer's refusal. The default sends it beside
+//!   the ops with [`Connection::notify`]; a backend that can carry it in the first op's request
+//!   (tcp) delivers it before serving that request, and saves the message and its answer.
 //! - A peer that goes away fails pending ops with `Error::PeerClosed` (or the engine's timeout
 //!   fires).
 
@@ -278,6 +282,21 @@ pub trait Connection: Send + Sync + Debug + 'static {
     /// Sends a small message to the peer's [`BackendHost::deliver`]; resolves once it was
     /// delivered (or refused, with the peer's error). The engine orders it after earlier ops.
     fn notify(&self, msg: Bytes) -> Completion;
+    /// [`Connection::submit`] with `notice` for the peer's [`BackendHost::deliver`]: the first
+    /// op's completion resolves only once the notice was delivered, and fails with the peer's
+    /// refusal (or the notice's own failure) even when its bytes moved. Unordered: the notice
+    /// waits for no earlier op. The default sends it beside the ops with [`Connection::notify`];
+    /// a backend that can carry it in the first op's request delivers it before serving that
+    /// request (one message instead of two, and no answer of its own).
+    fn submit_noticed(&self, notice: Bytes, ops: Vec<Op>) -> Vec<Completion> {
+        let sent = self.notify(notice);
+        let mut done = self.submit(ops);
+        if let Some(first) = done.first_mut() {
+            let op = std::mem::replace(first, crate::completion::ready(Ok(())));
+            *first = crate::completion::after_notice(sent, op);
+        }
+        done
+    }
     /// Why this connection can carry nothing more (a stream failed, the peer went away), or
     /// `None` while it works. The engine then opens a new connection for later transfers, so a
     /// healed network or a restarted peer needs no restart here. The default: never broken.

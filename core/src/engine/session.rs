@@ -387,11 +387,42 @@ impl Session {
     /// gets a handle that resolves to its error; its batchmates are unaffected). Ops progress whether
     /// or not their handles are polled.
     pub async fn submit(&self, ops: Vec<TransferOp>) -> Vec<TransferHandle> {
+        self.submit_inner(ops, None).await
+    }
+
+    /// [`Session::submit`] with a notification (at most
+    /// [`crate::wire::envelope::MAX_NOTIFY_BYTES`]) for the peer, which receives it as
+    /// [`Session::notify_unordered`] sends it; the first op's handle resolves only once it was
+    /// delivered, and fails with the peer's refusal (a [`crate::Handled::Refused`]) even when
+    /// the op's bytes moved. A backend that can carry the notice in the op's request (tcp, for
+    /// a READ) delivers it before serving that request (the op's first piece), with no message
+    /// of its own; the others send it beside the op. Nothing is sent when the first op is
+    /// refused before it starts.
+    pub async fn submit_with_notice(
+        &self,
+        notice: Bytes,
+        ops: Vec<TransferOp>,
+    ) -> Vec<TransferHandle> {
+        self.submit_inner(ops, Some(notice)).await
+    }
+
+    async fn submit_inner(
+        &self,
+        ops: Vec<TransferOp>,
+        notice: Option<Bytes>,
+    ) -> Vec<TransferHandle> {
         let engine = match self.engine() {
             Ok(e) => e,
             Err(e) => return ops.iter().map(|_| TransferHandle::failed(e.clone())).collect(),
         };
         let peer = self.descriptor();
+        let mut notice = match notice.map(|n| Envelope { from: engine.id, msg: Message::User(n) }) {
+            Some(env) => match env.encode() {
+                Ok(b) => Some(b),
+                Err(e) => return ops.iter().map(|_| TransferHandle::failed(e.clone())).collect(),
+            },
+            None => None,
+        };
         let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
         // backend index -> (op index, prepared op)
         let mut groups: HashMap<usize, Vec<(usize, Prepared)>> = HashMap::new();
@@ -431,7 +462,11 @@ impl Session {
                         offset: p.offset,
                         ticket: c.fence.ticket(),
                     };
-                    let done = crate::completion::spawn_cancellable(move |gate| staged.run(gate));
+                    let mut done =
+                        crate::completion::spawn_cancellable(move |gate| staged.run(gate));
+                    if let Some(n) = notice.take_if(|_| i == 0) {
+                        done = crate::completion::after_notice(c.conn.notify(n), done);
+                    }
                     handles[i] =
                         Some(TransferHandle::running(&engine, backend.name(), &ops[i], vec![done]));
                     continue;
@@ -444,7 +479,13 @@ impl Session {
                     Err(e) => handles[i] = Some(TransferHandle::failed(e)),
                 }
             }
-            let mut done: std::vec::IntoIter<Completion> = c.conn.submit(all).into_iter();
+            // The notice rides with the first op, when that op is in this batch.
+            let first = counts.first().is_some_and(|&(i, n)| i == 0 && n > 0);
+            let done = match notice.take_if(|_| first) {
+                Some(n) => c.conn.submit_noticed(n, all),
+                None => c.conn.submit(all),
+            };
+            let mut done: std::vec::IntoIter<Completion> = done.into_iter();
             for (i, n) in counts {
                 let pieces: Vec<Completion> = done.by_ref().take(n).collect();
                 if pieces.len() != n {

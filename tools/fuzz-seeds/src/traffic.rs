@@ -71,6 +71,11 @@ async fn engines(c: &mut Corpus, secret: Option<ClusterSecret>) -> Result<()> {
     session.transfer(TransferOp::write(&src, 0, &dst.remote(), 0, 4096)).await?;
     session.transfer(TransferOp::read(&src, 0, &dst.remote(), 4096, 1000)).await?;
     session.notify(Bytes::from_static(b"step 3 done")).await?;
+    // A READ carrying a notice in its request (what a connector's subscription rides in).
+    let read = TransferOp::read(&src, 0, &dst.remote(), 8192, 2000);
+    for h in session.submit_with_notice(Bytes::from_static(b"subscribe"), vec![read]).await {
+        h.await?;
+    }
 
     // Refused on the peer: a wrong key, and a region deregistered after the descriptor was seen.
     let mut wrong = dst.remote();
