@@ -71,11 +71,20 @@ where
 
 /// An op's completion that also waits for a notice sent beside it: the notice's failure (the
 /// peer's refusal) wins over the op's result. Dropping it cancels both.
-pub fn after_notice(notice: Completion, op: Completion) -> Completion {
+pub(crate) fn after_notice(notice: Completion, op: Completion) -> Completion {
     Box::pin(async move {
         let (notice, op) = tokio::join!(notice, op);
         notice.and(op)
     })
+}
+
+/// The completions of a batch whose notice went beside it (`sent`, the notice's completion): the
+/// first op's also waits for the notice, as [`crate::backend::Connection::submit_noticed`] needs.
+pub fn notice_beside(sent: Completion, mut done: Vec<Completion>) -> Vec<Completion> {
+    if let Some(first) = done.first_mut() {
+        *first = after_notice(sent, std::mem::replace(first, ready(Ok(()))));
+    }
+    done
 }
 
 /// A completion that is already resolved (an op rejected before it started).

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_core::backend::kit::{
-    CancelGate, CompletionSender, MAX_NOTIFY_WIRE, after_notice, decode_error, gated, ready,
+    CancelGate, CompletionSender, MAX_NOTIFY_WIRE, decode_error, gated, notice_beside, ready,
 };
 use tensorwire_core::backend::{Completion, Connection, Direction, Op};
 use tensorwire_core::{AccessKey, Error, RegionId, Result};
@@ -634,12 +634,7 @@ impl Connection for TcpConnection {
         if rides {
             return self.submit_with(ops, Some(notice));
         }
-        let sent = self.notify(notice);
-        let mut done = self.submit(ops);
-        if let Some(first) = done.first_mut() {
-            *first = after_notice(sent, std::mem::replace(first, ready(Ok(()))));
-        }
-        done
+        notice_beside(self.notify(notice), self.submit(ops))
     }
 
     fn notify(&self, msg: Bytes) -> Completion {

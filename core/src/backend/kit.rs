@@ -2,7 +2,7 @@
 //!
 //! - completions: [`spawn_cancellable`] (an op run as a task whose completion cancels it on
 //!   drop), [`gated`] (a completion resolved from the backend's own I/O tasks), [`ready`],
-//!   [`after_notice`] (an op's completion that also waits for a notice sent beside it);
+//!   [`notice_beside`] (a batch's completions whose first also waits for a notice sent beside);
 //! - [`CancelGate`]: "no byte lands after the completion's drop returns", for CPU copies;
 //! - [`gated_copy`]: the segmented CPU copy of memory-to-memory backends ([`gated_copy_with`]
 //!   for another copier, [`copy_bytes`] for one CPU copy);
@@ -19,7 +19,7 @@
 
 pub use super::serving::{Serving, WeakList};
 pub use crate::cancel::CancelGate;
-pub use crate::completion::{CompletionSender, after_notice, gated, ready, spawn_cancellable};
+pub use crate::completion::{CompletionSender, gated, notice_beside, ready, spawn_cancellable};
 pub use crate::copy::{Copied, SEGMENT, by_segments, copy_bytes, gated_copy, gated_copy_with};
 pub use crate::engine::staging::{BOUNCE_BYTES, Bounce, copy_blocking};
 pub use crate::memory::ShareableMemory;

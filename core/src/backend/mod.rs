@@ -289,13 +289,7 @@ pub trait Connection: Send + Sync + Debug + 'static {
     /// a backend that can carry it in the first op's request delivers it before serving that
     /// request (one message instead of two, and no answer of its own).
     fn submit_noticed(&self, notice: Bytes, ops: Vec<Op>) -> Vec<Completion> {
-        let sent = self.notify(notice);
-        let mut done = self.submit(ops);
-        if let Some(first) = done.first_mut() {
-            let op = std::mem::replace(first, crate::completion::ready(Ok(())));
-            *first = crate::completion::after_notice(sent, op);
-        }
-        done
+        crate::completion::notice_beside(self.notify(notice), self.submit(ops))
     }
     /// Why this connection can carry nothing more (a stream failed, the peer went away), or
     /// `None` while it works. The engine then opens a new connection for later transfers, so a
