@@ -157,9 +157,25 @@ fn plan_of(meta: &TensorMeta, chunking: Option<Chunking>) -> Result<ChunkPlan> {
                 "a scalar payload has nothing to hand off".into(),
             ));
         }
-        None => ChunkPlan::new(meta, 0, 1),
+        // One chunk along dimension 0 needs the whole tensor dense: say so in those words.
+        None => ChunkPlan::new(meta, 0, 1).map_err(|e| match e {
+            tensorwire_core::Error::InvalidTensor(_) => {
+                tensorwire_core::Error::InvalidTensor(format!(
+                    "an unchunked payload must be contiguous: shape {:?} has strides {:?} \
+                     (elements), row-major is {:?}; publish a contiguous copy",
+                    meta.shape,
+                    meta.strides,
+                    tensorwire_core::tensor::row_major_strides(&meta.shape)
+                ))
+            }
+            e => e,
+        }),
     };
-    plan.map_err(|e| ConnectorError::Mismatch(e.to_string()))
+    plan.map_err(|e| match e {
+        tensorwire_core::Error::InvalidTensor(m) => ConnectorError::InvalidTensor(m),
+        tensorwire_core::Error::InvalidArgument(m) => ConnectorError::InvalidArgument(m),
+        e => ConnectorError::Transport(e),
+    })
 }
 
 fn fits(region: &Region, offset: u64, plan: &ChunkPlan) -> Result<()> {
@@ -396,6 +412,12 @@ impl DiffusionConnector {
             }
         });
         Ok(Consumption { rx, task })
+    }
+
+    /// Whether `p`'s payload is still served here (its lease has not ended, nor was it
+    /// retired); a store payload is served until it went to the store.
+    pub fn serves(&self, p: &Publication) -> bool {
+        self.inner.publisher.lock().buffer(p.id).is_some()
     }
 
     /// Drops a p2p payload now (its lease notwithstanding); subscribers are told it is gone.

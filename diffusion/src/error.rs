@@ -41,6 +41,10 @@ pub enum ConnectorError {
     /// The payload is not the tensor the consumer expects (dtype or shape).
     #[error("payload mismatch: {0}")]
     Mismatch(String),
+    /// The tensor's layout cannot be handed off as asked (an unchunked payload that is not
+    /// contiguous, a chunk dimension whose inner dimensions are not dense).
+    #[error("invalid tensor: {0}")]
+    InvalidTensor(String),
     /// The destination cannot hold the payload.
     #[error("destination region {region}: offset {offset} + {needed} bytes exceeds its {len}")]
     DestinationTooSmall {

@@ -271,6 +271,30 @@ async fn errors_are_distinct_and_bounded() {
     drop(p);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchunked_payload_that_is_not_contiguous_is_an_invalid_tensor() {
+    let c = cluster(Mode::P2p, Duration::from_secs(2)).await;
+    // A [4, 3] u16 tensor seen transposed: shape [3, 4], strides [1, 3].
+    let meta = TensorMeta { strides: vec![1, 3], ..TensorMeta::contiguous(DType::U16, &[3, 4]) };
+    let buf = Arc::new(c.denoise.engine().alloc(24, Permissions::READ).await.unwrap());
+    let payload = |chunking| StagePayload {
+        request: 1,
+        kind: PayloadKind::Feature,
+        region: buf.clone(),
+        offset: 0,
+        meta: meta.clone(),
+        chunking,
+        lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
+    };
+    let e = c.denoise.publish(payload(None), None).unwrap_err();
+    let ConnectorError::InvalidTensor(m) = &e else { panic!("expected InvalidTensor, got {e}") };
+    assert!(m.contains("contiguous") && m.contains("[1, 3]") && m.contains("[4, 1]"), "{m}");
+    assert!(!m.contains("chunking"), "{m}");
+    // Chunked along a dimension whose inner dimensions are not dense: the chunk plan's words.
+    let e = c.denoise.publish(payload(Some(Chunking { dim: 0, count: 3 })), None).unwrap_err();
+    assert!(matches!(&e, ConnectorError::InvalidTensor(m) if m.contains("chunking")), "{e}");
+}
+
 /// A stage worker that dies mid-stage leaves its input for the retry: `consume_held` reads
 /// without reporting, a second consumer (the retry, on another engine) reads the same bytes,
 /// and `release` (from a connector that never read it, too) ends the lease.

@@ -304,7 +304,10 @@ fn store_request(u: &mut Unstructured<'_>) -> Result<()> {
 fn store_response(u: &mut Unstructured<'_>) -> Result<()> {
     let r = match u.int_in_range(0..=5u8)? {
         0 => Response::Done,
-        1 => Response::Pool(RegionId(u.arbitrary()?)),
+        1 => {
+            let (ip, port): ([u8; 4], u16) = u.arbitrary()?;
+            Response::Pool { region: RegionId(u.arbitrary()?), engine: SocketAddr::from((ip, port)) }
+        }
         2 => Response::Reserved { ticket: u.arbitrary()?, offset: u.arbitrary()? },
         3 => {
             let [ticket, offset, len] = u.arbitrary()?;

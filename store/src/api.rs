@@ -77,6 +77,9 @@ pub trait Store: Send + Sync + Debug {
     async fn get_into(&self, key: &[u8], dst: &Region, offset: u64) -> Result<(TensorMeta, u64)>;
     /// Whether `key` is stored (in the pool or the spill tier).
     async fn exists(&self, key: &[u8]) -> Result<bool>;
+    /// The object's metadata (so its length, [`TensorMeta::nbytes`]) without moving its bytes
+    /// to the caller.
+    async fn meta(&self, key: &[u8]) -> Result<TensorMeta>;
     /// Removes `key`; false if it was not there.
     async fn remove(&self, key: &[u8]) -> Result<bool>;
     /// Adds a pin: a pinned object is never evicted. Pins count.

@@ -89,6 +89,8 @@ pub struct EmbeddedStore {
     /// The engine's cluster secret and opt-out, which a store node serving this store applies.
     pub(crate) secret: Option<ClusterSecret>,
     pub(crate) insecure: bool,
+    /// The engine's control address, which a store node tells its clients.
+    pub(crate) engine_addr: std::net::SocketAddr,
 }
 
 impl EmbeddedStore {
@@ -135,6 +137,7 @@ impl EmbeddedStore {
             cfg,
             secret: engine.config().cluster_secret.clone(),
             insecure: engine.config().insecure,
+            engine_addr: engine.local_addr(),
         }))
     }
 
@@ -460,6 +463,12 @@ impl Store for EmbeddedStore {
     async fn exists(&self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
         self.run(|st| Ok(Step::Done(st.exists(key))))
+    }
+
+    async fn meta(&self, key: &[u8]) -> Result<TensorMeta> {
+        let o = self.open(key, false)?;
+        self.close(o.ticket, key);
+        Ok(o.meta)
     }
 
     async fn remove(&self, key: &[u8]) -> Result<bool> {

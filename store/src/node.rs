@@ -150,7 +150,9 @@ async fn serve_conn(
 
 async fn handle(store: &EmbeddedStore, req: Request, held: &mut Held) -> Result<Response> {
     match req {
-        Request::Hello => return Ok(Response::Pool(store.pool().id)),
+        Request::Hello => {
+            return Ok(Response::Pool { region: store.pool().id, engine: store.engine_addr });
+        }
         Request::Auth { region, key } => {
             let pool = store.pool();
             if region != pool.id || key != pool.key {

@@ -159,12 +159,30 @@ impl RemoteStore {
         node_engine: SocketAddr,
         node_rpc: SocketAddr,
     ) -> Result<RemoteStore> {
-        let session = engine.connect(node_engine).await?;
+        RemoteStore::dial(engine, Some(node_engine), node_rpc).await
+    }
+
+    /// [`RemoteStore::connect`] given only the node's RPC address: the node tells where its
+    /// engine listens (an engine listening on every interface is dialled at the RPC's IP).
+    pub async fn connect_node(engine: &Engine, node_rpc: SocketAddr) -> Result<RemoteStore> {
+        RemoteStore::dial(engine, None, node_rpc).await
+    }
+
+    async fn dial(
+        engine: &Engine,
+        node_engine: Option<SocketAddr>,
+        node_rpc: SocketAddr,
+    ) -> Result<RemoteStore> {
         let rpc = Rpc::connect(engine, node_rpc).await?;
-        let pool_id = match rpc.call(Request::Hello).await? {
-            Response::Pool(id) => id,
+        let (pool_id, told) = match rpc.call(Request::Hello).await? {
+            Response::Pool { region, engine } => (region, engine),
             r => return Err(unexpected(r)),
         };
+        let node_engine = node_engine.unwrap_or(match told.ip().is_unspecified() {
+            true => SocketAddr::new(node_rpc.ip(), told.port()),
+            false => told,
+        });
+        let session = engine.connect(node_engine).await?;
         let pool = session.remote_region(pool_id).map_err(|_| {
             StoreError::Engine(Error::AccessDenied(format!(
                 "store node pool region {} is not visible to this engine (is the store shared?)",
@@ -202,8 +220,8 @@ impl RemoteStore {
         }
         let fresh = Rpc::connect(&self.engine, self.node_rpc).await?;
         match fresh.call(Request::Hello).await? {
-            Response::Pool(id) if id == self.pool.id => {}
-            Response::Pool(_) => {
+            Response::Pool { region, .. } if region == self.pool.id => {}
+            Response::Pool { .. } => {
                 return Err(StoreError::Engine(Error::PeerClosed(format!(
                     "store node {}: it restarted (its pool changed); connect again",
                     self.node_rpc
@@ -354,6 +372,12 @@ impl Store for RemoteStore {
     async fn exists(&self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
         self.flag(Request::Exists { key: key.to_vec() }).await
+    }
+
+    async fn meta(&self, key: &[u8]) -> Result<TensorMeta> {
+        let (ticket, _, _, meta) = self.open(key).await?;
+        self.done(Request::Close { ticket }).await?;
+        Ok(meta)
     }
 
     async fn remove(&self, key: &[u8]) -> Result<bool> {

@@ -5,6 +5,8 @@
 //! by engine READ/WRITE straight between client regions and the node's pool. Every decoder is
 //! total (proptest below, a cargo-fuzz target).
 
+use std::net::SocketAddr;
+
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{AccessKey, Error, RegionId, Result, TensorMeta};
@@ -14,15 +16,17 @@ use crate::error::{self, MAX_STORE_ERROR_BYTES, StoreError};
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 64 << 10;
+/// Longest socket address in text ("[ffff:...]:65535" is 47 bytes).
+const MAX_ADDR: usize = 64;
 /// The store RPC's framing.
 pub const FRAMING: Framing =
-    Framing { name: "store rpc", magic: *b"TR", version: 2, max_payload: MAX_PAYLOAD };
+    Framing { name: "store rpc", magic: *b"TR", version: 3, max_payload: MAX_PAYLOAD };
 
 /// A request (field names say what the variant documentation describes).
 #[allow(missing_docs)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Request {
-    /// Which region is the pool?
+    /// Which region is the pool, and where is the node's engine?
     Hello,
     /// Proof of the pool's access key (learned through the engine handshake).
     Auth { region: RegionId, key: AccessKey },
@@ -57,8 +61,9 @@ pub enum Request {
 pub enum Response {
     /// Done.
     Done,
-    /// The pool region.
-    Pool(RegionId),
+    /// The pool region and the control address of the node's engine (an unspecified IP means
+    /// the address the client reached the RPC on).
+    Pool { region: RegionId, engine: SocketAddr },
     /// A reservation.
     Reserved { ticket: u64, offset: u64 },
     /// An open read.
@@ -190,8 +195,8 @@ impl Response {
             Response::Done => {
                 w.u8(0);
             }
-            Response::Pool(id) => {
-                w.u8(1).u64(id.0);
+            Response::Pool { region, engine } => {
+                w.u8(1).u64(region.0).str(&engine.to_string());
             }
             Response::Reserved { ticket, offset } => {
                 w.u8(2).u64(*ticket).u64(*offset);
@@ -230,7 +235,14 @@ impl Response {
         let mut r = Reader::new(payload, "store response");
         let resp = match r.u8()? {
             0 => Response::Done,
-            1 => Response::Pool(RegionId(r.u64()?)),
+            1 => {
+                let region = RegionId(r.u64()?);
+                let engine = r.str(MAX_ADDR, "engine address")?;
+                let engine = engine.parse().map_err(|_| {
+                    Error::protocol(format!("store rpc: bad engine address {engine:?}"))
+                })?;
+                Response::Pool { region, engine }
+            }
             2 => Response::Reserved { ticket: r.u64()?, offset: r.u64()? },
             3 => Response::Opened {
                 ticket: r.u64()?,
@@ -282,6 +294,8 @@ mod tests {
         }
         let resps = [
             Response::Done,
+            Response::Pool { region: RegionId(3), engine: "10.0.0.5:7000".parse().unwrap() },
+            Response::Pool { region: RegionId(3), engine: "[::]:7000".parse().unwrap() },
             Response::Opened { ticket: 1, offset: 4096, len: 12, meta },
             Response::Stats(StoreStats { capacity: 1, used: 2, ..StoreStats::default() }),
         ];
@@ -296,6 +310,10 @@ mod tests {
         let e = StoreError::not_found(b"k");
         let back = Response::decode(ERR, &error::encode(&e)).unwrap().unwrap_err();
         assert!(matches!(back, StoreError::NotFound { .. }));
+        // A Pool answer whose address does not parse is refused, not guessed at.
+        let mut w = Writer::new();
+        w.u8(1).u64(3).str("not an address");
+        assert!(Response::decode(OK, &w.finish()).is_err());
     }
 
     proptest! {

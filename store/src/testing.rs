@@ -104,6 +104,21 @@ pub async fn exists_and_remove(f: &dyn StoreFactory) {
     assert_eq!(s.stats().await.unwrap().used, 0, "removed objects free their blocks");
     let batch = s.exists_batch(&[b"a", b"k"]).await;
     assert!(batch.iter().all(|r| matches!(r, Ok(false))));
+    assert!(matches!(s.meta(b"k").await, Err(StoreError::NotFound { key }) if key.0 == b"k"));
+}
+
+/// `meta` says what an object is without moving its bytes, and leaves no read open.
+pub async fn meta_without_bytes(f: &dyn StoreFactory) {
+    let t = f.make(cfg(8 << 20)).await;
+    let s = &t.store;
+    let m = TensorMeta::contiguous(DType::F32, &[3, 5]);
+    s.put(b"m", &m, &[7; 60], Retention::Normal).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(bounded("meta", s.meta(b"m")).await.unwrap(), m);
+    }
+    assert!(s.remove(b"m").await.unwrap(), "a meta query holds nothing that blocks a remove");
+    assert_eq!(s.stats().await.unwrap().used, 0);
+    assert!(matches!(s.meta(b"").await, Err(StoreError::InvalidArgument(_))));
 }
 
 /// Each bad input gets its own error, and leaves nothing behind.
@@ -366,6 +381,7 @@ macro_rules! __each_store_test {
     ($f:expr) => {
         $crate::__one_store_test!($f, exact_bytes);
         $crate::__one_store_test!($f, exists_and_remove);
+        $crate::__one_store_test!($f, meta_without_bytes);
         $crate::__one_store_test!($f, bad_inputs);
         $crate::__one_store_test!($f, lru_eviction);
         $crate::__one_store_test!($f, pinning_and_retention);

@@ -1,5 +1,5 @@
 //! The store suite against the embedded store and against a store node reached over tcp (with a
-//! cluster secret on both engines and the node).
+//! cluster secret on both engines and the node), dialled by its RPC address alone.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -56,8 +56,9 @@ impl StoreFactory for Remote {
         let listen = "127.0.0.1:0".parse().unwrap();
         let node = StoreNode::serve(backing.clone(), listen).await.unwrap();
         let client = tcp_engine().await;
-        let remote =
-            RemoteStore::connect(&client, node_engine.local_addr(), node.addr()).await.unwrap();
+        // The node's RPC address alone: the node tells where its engine is (`abandon_put` below
+        // gives both addresses).
+        let remote = RemoteStore::connect_node(&client, node.addr()).await.unwrap();
         StoreUnderTest {
             store: Arc::new(remote),
             client,

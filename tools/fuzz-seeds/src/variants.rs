@@ -313,7 +313,7 @@ fn store_rpc(c: &mut Corpus) {
         StoreStats { capacity: 1 << 30, used: 1 << 20, objects: 3, ..StoreStats::default() };
     let responses = [
         Response::Done,
-        Response::Pool(RegionId(1)),
+        Response::Pool { region: RegionId(1), engine: "127.0.0.1:7000".parse().unwrap() },
         Response::Reserved { ticket: 1, offset: 4096 },
         Response::Opened { ticket: 2, offset: 8192, len: 1 << 20, meta },
         Response::Flag(true),
