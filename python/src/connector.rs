@@ -289,12 +289,21 @@ impl Publication {
         }
     }
 
-    /// Stops serving the payload now (consumers see the producer gone).
-    fn retire(&self) {
+    /// Stops serving the payload now (consumers see the producer gone); True if it was still
+    /// served (not consumed, expired or retired before).
+    fn retire(&self) -> bool {
         let p = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(p) = p.as_ref() {
-            self.conn.retire(p);
-        }
+        let Some(p) = p.as_ref() else { return false };
+        let served = self.conn.serves(p);
+        self.conn.retire(p);
+        served
+    }
+
+    /// Whether the payload is still served (not consumed, expired or retired).
+    #[getter]
+    fn served(&self) -> bool {
+        let p = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        p.as_ref().is_some_and(|p| self.conn.serves(p))
     }
 }
 
@@ -344,10 +353,11 @@ pub(crate) fn describe_handle<'py>(py: Python<'py>, handle: &[u8]) -> PyResult<B
     d.set_item("nbytes", r.meta.nbytes().unwrap_or(0))?;
     d.set_item("chunk_dim", r.chunking.map(|c| c.dim))?;
     d.set_item("num_chunks", r.chunking.map_or(1, |c| c.count))?;
-    let via = match r.source {
-        Source::Store { .. } => "store",
-        Source::P2p { .. } => "p2p",
+    let (via, key) = match &r.source {
+        Source::Store { key } => ("store", Some(PyBytes::new(py, key))),
+        Source::P2p { .. } => ("p2p", None),
     };
     d.set_item("source", via)?;
+    d.set_item("store_key", key)?;
     Ok(d)
 }

@@ -3,16 +3,17 @@
 //! buffers or raw addresses (the Mooncake-style API); a region's `descriptor()` is what a peer
 //! needs to reach it, handed over out of band.
 
-use std::net::SocketAddr;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::{EngineConfig, MemoryKind, RemoteRegion, TransferOp};
+use tensorwire_core::{Backend, EngineConfig, MemoryKind, RemoteRegion, TransferOp};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 use crate::dlpack::{Tensor, perms};
@@ -36,11 +37,46 @@ pub(crate) fn secret(file: Option<PathBuf>) -> Res<Option<ClusterSecret>> {
     Ok(file.map(|p| ClusterSecret::from_file(&p)).transpose()?)
 }
 
-/// A transfer engine with a tcp backend. Every method that waits releases the GIL and takes a
-/// `timeout` in seconds.
+/// The backends this package can build, in the order an engine prefers them.
+const BACKENDS: &[&str] = &["shm", "rdma", "ucx", "tcp"];
+
+/// Builds the backend `name` for an engine listening on `ip`. "rdma" needs a device and this
+/// package built with the `verbs` feature, "ucx" the `ucx` feature; without, they are
+/// `Unsupported` (never the in-process software NIC, which cannot reach another process).
+fn backend(name: &str, ip: IpAddr, tcp: &TcpConfig, insecure: bool) -> Res<Arc<dyn Backend>> {
+    Ok(match name {
+        "tcp" => TcpBackend::new(tcp.clone())?,
+        "shm" => tensorwire_shm::ShmBackend::new()?,
+        "ucx" => tensorwire_ucx::new_backend(tensorwire_ucx::UcxConfig::default())?,
+        "rdma" => {
+            if !tensorwire_rdma::host_has_rdma_device() {
+                return Err(tensorwire_core::Error::Unsupported {
+                    backend: "rdma",
+                    what: "this host has no RDMA device (/sys/class/infiniband is empty)".into(),
+                }
+                .into());
+            }
+            let listen = SocketAddr::new(ip, 0);
+            let cfg = tensorwire_rdma::RdmaConfig { listen, insecure, ..Default::default() };
+            tensorwire_rdma::RdmaBackend::new(cfg, tensorwire_rdma::ibverbs_provider()?)?
+        }
+        other => {
+            return Err(Failure::invalid(format!(
+                "unknown backend {other:?}: this package has {BACKENDS:?}"
+            )));
+        }
+    })
+}
+
+/// Bytes moved by completed transfers, by the backend that moved them.
+type Moved = Arc<Mutex<BTreeMap<&'static str, u64>>>;
+
+/// A transfer engine with a tcp backend (or the backends named). Every method that waits
+/// releases the GIL and takes a `timeout` in seconds.
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct Engine {
     pub(crate) inner: tensorwire_core::Engine,
+    moved: Moved,
 }
 
 #[pymethods]
@@ -48,8 +84,11 @@ impl Engine {
     /// Starts an engine whose control endpoint listens on `listen` ("host:port"; port 0 or no
     /// port picks a free one). On an address other hosts can reach it needs `secret_file` (see
     /// `tensorwire secret new`) or `insecure=True`. `checksum` adds a crc32c to every piece.
+    /// `backends` names the transports ("tcp", "shm", "rdma", "ucx"), preferred in that list's
+    /// order; one that cannot run here raises `UnsupportedError` saying why.
     #[new]
-    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, checksum = false, streams = 0, timeout = 30.0))]
+    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, checksum = false, streams = 0, backends = vec!["tcp".to_string()], timeout = 30.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         listen: &str,
@@ -57,6 +96,7 @@ impl Engine {
         insecure: bool,
         checksum: bool,
         streams: usize,
+        backends: Vec<String>,
         timeout: f64,
     ) -> PyResult<Engine> {
         let listen = addr(listen).raise(py)?;
@@ -66,13 +106,30 @@ impl Engine {
         if streams > 0 {
             tcp.streams = streams;
         }
+        if backends.is_empty() {
+            return Err(Failure::invalid("an engine needs at least one backend").into_py(py));
+        }
         let config = EngineConfig { listen, cluster_secret, insecure, ..EngineConfig::default() };
         let t = seconds(timeout).raise(py)?;
         let inner = wait(py, t, "starting the engine", async move {
-            let tcp = TcpBackend::new(tcp)?;
-            Ok(tensorwire_core::Engine::builder().backend(tcp).config(config).start().await?)
+            let mut b = tensorwire_core::Engine::builder();
+            for name in &backends {
+                b = b.backend(backend(name, listen.ip(), &tcp, insecure)?);
+            }
+            Ok(b.config(config).start().await?)
         })?;
-        Ok(Engine { inner })
+        Ok(Engine { inner, moved: Moved::default() })
+    }
+
+    /// The backends' names, in order of preference.
+    #[getter]
+    fn backends(&self) -> Vec<&'static str> {
+        self.inner.backends().iter().map(|b| b.name()).collect()
+    }
+
+    /// Bytes moved by this engine's completed `Session` transfers, by backend name.
+    fn moved(&self) -> BTreeMap<&'static str, u64> {
+        self.moved.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// The control address peers connect to ("ip:port").
@@ -156,7 +213,7 @@ impl Engine {
         let inner = wait(py, seconds(timeout).raise(py)?, "connecting", async move {
             Ok(engine.connect(a).await?)
         })?;
-        Ok(Session { inner })
+        Ok(Session { inner, moved: self.moved.clone() })
     }
 
     /// The next notification from any peer: (sender engine id, payload).
@@ -213,6 +270,19 @@ impl Region {
     #[getter]
     fn length(&self, py: Python<'_>) -> PyResult<u64> {
         Ok(self.get().raise(py)?.len())
+    }
+
+    /// The address of the region's first byte in this process (host memory only), for APIs
+    /// that name memory by address (Mooncake's); valid while the region is registered.
+    #[getter]
+    fn address(&self, py: Python<'_>) -> PyResult<usize> {
+        let r = self.get().raise(py)?;
+        if !r.kind().is_host() {
+            let what = format!("a {:?} region has no host address", r.kind());
+            return Err(Failure::new("UnsupportedError", what).into_py(py));
+        }
+        let s = r.slice(0, r.len()).map_err(Failure::from).raise(py)?;
+        Ok(s.ptr() as usize)
     }
 
     /// Region id on its engine.
@@ -276,6 +346,7 @@ type Op<'a> = (PyRef<'a, Region>, u64, Vec<u8>, u64, u64);
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct Session {
     inner: tensorwire_core::Session,
+    moved: Moved,
 }
 
 impl Session {
@@ -290,11 +361,18 @@ impl Session {
                 TransferOp::read(&local, lo, &remote, ro, len)
             });
         }
-        let s = self.inner.clone();
+        let (s, moved) = (self.inner.clone(), self.moved.clone());
         wait(py, seconds(timeout).raise(py)?, "a transfer", async move {
             let mut bytes = 0;
             for h in s.submit(built).await {
-                bytes += h.await?.bytes;
+                let backend = h.backend();
+                let n = h.await?.bytes;
+                *moved
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry(backend)
+                    .or_default() += n;
+                bytes += n;
             }
             Ok(bytes)
         })

@@ -99,6 +99,7 @@ impl From<ConnectorError> for Failure {
             ConnectorError::LeaseEnded { end: LeaseEnd::Consumed, .. } => "LeaseConsumedError",
             ConnectorError::LeaseEnded { .. } => "LeaseExpiredError",
             ConnectorError::Mismatch(_) => "MismatchError",
+            ConnectorError::InvalidTensor(_) => "InvalidTensorError",
             ConnectorError::DestinationTooSmall { .. } => "DestinationTooSmallError",
             ConnectorError::Checksum { .. } => "ChecksumError",
             ConnectorError::ProducerGone(_) => "ProducerGoneError",

@@ -83,21 +83,26 @@ impl Store {
         Ok(Store { inner: s.clone(), embedded: Some(s), engine: engine.inner.clone() })
     }
 
-    /// A client of the store node whose engine listens on `node_engine` and RPC on `node_rpc`.
+    /// A client of the store node whose RPC listens on `node_rpc` (the node tells where its
+    /// engine listens; `node_engine` overrides that).
     #[staticmethod]
-    #[pyo3(signature = (engine, node_engine, node_rpc, *, timeout = 30.0))]
+    #[pyo3(signature = (engine, node_rpc, *, node_engine = None, timeout = 30.0))]
     fn connect(
         py: Python<'_>,
         engine: &Engine,
-        node_engine: &str,
         node_rpc: &str,
+        node_engine: Option<&str>,
         timeout: f64,
     ) -> PyResult<Store> {
-        let (ne, nr) = (addr(node_engine).raise(py)?, addr(node_rpc).raise(py)?);
+        let nr = addr(node_rpc).raise(py)?;
+        let ne = node_engine.map(addr).transpose().raise(py)?;
         let e = engine.inner.clone();
         let s =
             wait(py, seconds(timeout).raise(py)?, "connecting to the store node", async move {
-                Ok(RemoteStore::connect(&e, ne, nr).await?)
+                Ok(match ne {
+                    Some(ne) => RemoteStore::connect(&e, ne, nr).await?,
+                    None => RemoteStore::connect_node(&e, nr).await?,
+                })
             })?;
         Ok(Store { inner: Arc::new(s), embedded: None, engine: engine.inner.clone() })
     }
@@ -249,6 +254,26 @@ impl Store {
     #[pyo3(signature = (key, *, timeout = 30.0))]
     fn exists(&self, py: Python<'_>, key: Key, timeout: f64) -> PyResult<bool> {
         self.keyed(py, key, timeout, "a lookup", |s, k| async move { s.exists(&k).await })
+    }
+
+    /// The object's length in bytes (its bytes do not move).
+    #[pyo3(signature = (key, *, timeout = 30.0))]
+    fn size(&self, py: Python<'_>, key: Key, timeout: f64) -> PyResult<u64> {
+        let m = self.keyed(py, key, timeout, "a lookup", |s, k| async move { s.meta(&k).await })?;
+        m.nbytes().map_err(Failure::from).raise(py)
+    }
+
+    /// One consumer of `key` is done (see `set_lease`); True when it was the last and the object
+    /// is gone.
+    #[pyo3(signature = (key, *, timeout = 30.0))]
+    fn consumed(&self, py: Python<'_>, key: Key, timeout: f64) -> PyResult<bool> {
+        self.keyed(
+            py,
+            key,
+            timeout,
+            "a consumed report",
+            |s, k| async move { s.consumed(&k).await },
+        )
     }
 
     /// Adds a pin (a pinned object is never evicted; pins count).

@@ -1,9 +1,10 @@
 """tensorwire: tensor transport and orchestration for disaggregated diffusion serving.
 
 - ``tensorwire.diffusion``: the RFC's ``DiffusionConnector`` / ``StagePayload`` API.
-- ``tensorwire.mooncake``: ``TransferEngine`` and ``MooncakeDistributedStore`` with Mooncake's
-  method names (``TransferEngine`` is also importable from here).
-- ``tensorwire.omni``: ``TensorwireConnector``, shaped like vLLM-Omni's ``OmniConnectorBase``.
+- ``tensorwire.mooncake``: ``TransferEngine`` and ``MooncakeDistributedStore`` keeping Mooncake's
+  contracts (return codes, never raising for a failed transfer or a missing key; also importable
+  from here).
+- ``tensorwire.omni``: ``TensorwireConnector``, keeping vLLM-Omni's ``OmniConnectorBase`` contract.
 - ``tensorwire.orchestrator``: the orchestrator service, stage workers, submitters.
 - The native classes (``Engine``, ``Region``, ``Session``, ``Store``, ``StoreNode``,
   ``Connector``, ...) and every exception class (``tensorwire.errors``).

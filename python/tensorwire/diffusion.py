@@ -99,6 +99,7 @@ class PayloadHandle:
     chunk_dim = property(lambda self: self._info["chunk_dim"])
     num_chunks = property(lambda self: self._info["num_chunks"])
     source = property(lambda self: self._info["source"], doc='"p2p" or "store"')
+    store_key = property(lambda self: self._info["store_key"], doc="the store key of a store payload")
 
     def _controls(self) -> "_native.Publication":
         if self._publication is None:
@@ -117,9 +118,15 @@ class PayloadHandle:
         """Store mode: returns once the payload is in the store (the tensor may change after)."""
         self._controls().wait_stored(timeout=timeout)
 
-    def retire(self) -> None:
-        """Stop serving the payload now (its consumers see the producer gone)."""
-        self._controls().retire()
+    def retire(self) -> bool:
+        """Stop serving the payload now (its consumers see the producer gone); True if it was
+        still served (not consumed, expired or retired before)."""
+        return self._controls().retire()
+
+    @property
+    def served(self) -> bool:
+        """Whether the payload is still served by its producer (this handle's connector)."""
+        return self._controls().served
 
     def __repr__(self) -> str:
         return (f"PayloadHandle(request_id={self.request_id}, kind={self.kind!r}, dtype={self.dtype!r}, "
@@ -151,7 +158,8 @@ class DiffusionConnector:
     payload goes through a store, the producer's tensor is free once stored) or ``"auto"`` (p2p
     when ``publish`` is told a consumer has credit, else the store).
     ``store_config``: ``{"capacity": bytes}`` for a store in this process, or
-    ``{"node_engine": "host:port", "node_rpc": "host:port"}`` for a store node.
+    ``{"address": "host:port"}`` for a store node (its RPC address; ``node_engine`` may name its
+    engine's address where the node's own answer would not reach it).
     ``te_config``: the engine's settings: ``listen`` ("host:port"), ``secret_file``,
     ``insecure``, ``checksum``. ``checksum`` (here) verifies every chunk's crc32c.
     """
@@ -230,9 +238,11 @@ def _make_store(engine: "_native.Engine", cfg: Optional[dict]) -> Optional["_nat
     if not cfg:
         return None
     cfg = dict(cfg)
-    if "node_rpc" in cfg:
-        return _native.Store.connect(engine, cfg.pop("node_engine"), cfg.pop("node_rpc"), **cfg)
+    address, rpc = cfg.pop("address", None), cfg.pop("node_rpc", None)
+    rpc = address or rpc
+    if rpc is not None:
+        return _native.Store.connect(engine, rpc, node_engine=cfg.pop("node_engine", None), **cfg)
     if "capacity" in cfg:
         return _native.Store.embedded(engine, cfg.pop("capacity"), **cfg)
     raise _errors().InvalidArgumentError(
-        "store_config needs {'capacity': bytes} or {'node_engine': addr, 'node_rpc': addr}")
+        "store_config needs {'capacity': bytes} or {'address': the store node's RPC address}")

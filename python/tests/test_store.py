@@ -12,7 +12,7 @@ def stores(store_node):
     """The embedded store and a remote client of it."""
     node_engine, embedded, node = store_node
     client = tw.Engine()
-    remote = tw.Store.connect(client, node_engine.address, node.address)
+    remote = tw.Store.connect(client, node.address)
     yield embedded, remote
     client.shutdown()
 

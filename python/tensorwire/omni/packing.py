@@ -1,0 +1,157 @@
+"""Nested Python data with tensors inside, cut into raw byte buffers (the tensors) and a pickled
+skeleton (everything else, with a :class:`Slot` where each tensor was).
+
+A torch tensor or a numpy array travels as its bytes (a flat ``uint8`` view, no copy when it is
+already contiguous host memory) plus a :class:`Slot` naming its framework, dtype, shape and
+device, so :func:`restore` gives back the same framework, dtype (every dtype the framework has:
+bfloat16, the float8 kinds, bool, complex, ...), shape and device. A non-contiguous tensor is
+made contiguous here (one copy, at put); a device tensor is copied to host memory (this package
+moves host memory) and back to its device at :func:`restore` where that device exists. Tensors
+that cannot be viewed as bytes (sparse, quantized, empty, numpy object arrays) stay in the
+skeleton and are pickled with it.
+"""
+
+import pickle
+import sys
+from typing import Any, Callable, List, Optional, Tuple
+
+__all__ = ["Slot", "buffer_for", "pack", "restore", "slots", "unpack"]
+
+
+class Slot:
+    """Where a tensor was: its index among the buffers and what it was."""
+
+    __slots__ = ("index", "framework", "dtype", "shape", "device")
+
+    def __init__(self, index: int, framework: str, dtype: Any, shape: Tuple[int, ...], device: str):
+        self.index = index
+        self.framework = framework
+        self.dtype = dtype
+        self.shape = shape
+        self.device = device
+
+    def __getstate__(self) -> tuple:
+        return (self.index, self.framework, self.dtype, self.shape, self.device)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.index, self.framework, self.dtype, self.shape, self.device = state
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index}, {self.framework}, {self.dtype}, {self.shape}, {self.device})"
+
+
+def _torch() -> Optional[Any]:
+    return sys.modules.get("torch")
+
+
+def _as_bytes(x: Any) -> Optional[Tuple[Any, str, Any, Tuple[int, ...], str]]:
+    """(flat uint8 host view, framework, dtype, shape, device) of a tensor, or None when ``x`` is
+    not one that moves as raw bytes."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.layout != torch.strided or x.is_quantized or x.numel() == 0:
+            return None
+        t = x.detach()
+        device = str(t.device)
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.resolve_conj().resolve_neg().contiguous()
+        try:
+            flat = t.reshape(-1).view(torch.uint8)
+        except RuntimeError:  # a dtype torch cannot view as bytes (sub-byte kinds): pickled
+            return None
+        return flat, "torch", x.dtype, tuple(x.shape), device
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, numpy.ndarray):
+        if x.dtype.hasobject or x.size == 0:
+            return None
+        a = x if (x.flags.c_contiguous and x.flags.writeable) else numpy.array(x, order="C")
+        return a.reshape(-1).view(numpy.uint8), "numpy", x.dtype, tuple(x.shape), "cpu"
+    return None
+
+
+def _walk(data: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``data`` with each leaf ``x`` replaced by ``leaf(x)`` (which returns ``x`` itself for
+    anything it does not replace), through dicts, lists and tuples."""
+    out = leaf(data)
+    if out is not data:
+        return out
+    kind = type(data)  # exactly these: subclasses (OrderedDict, named tuples) stay pickled whole
+    if kind is dict:
+        return {k: _walk(v, leaf) for k, v in data.items()}
+    if kind is list:
+        return [_walk(v, leaf) for v in data]
+    if kind is tuple:
+        return tuple(_walk(v, leaf) for v in data)
+    return data
+
+
+def pack(data: Any) -> Tuple[bytes, List[Any]]:
+    """The pickled skeleton of ``data`` and the byte buffers of its tensors, in slot order."""
+    buffers: List[Any] = []
+    seen: dict = {}  # id(tensor) -> its slot: a tensor found twice moves once, and comes back once
+
+    def take(x: Any) -> Any:
+        if id(x) in seen:
+            return seen[id(x)][0]
+        found = _as_bytes(x)
+        if found is None:
+            return x
+        flat, framework, dtype, shape, device = found
+        buffers.append(flat)
+        slot = Slot(len(buffers) - 1, framework, dtype, shape, device)
+        seen[id(x)] = (slot, x)  # x kept so its id is not reused while packing
+        return slot
+
+    skeleton = _walk(data, take)
+    return pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), buffers
+
+
+def slots(skeleton: Any) -> List[Slot]:
+    """The slots of an unpickled skeleton, one per buffer, by index."""
+    found: dict = {}
+
+    def see(x: Any) -> Any:
+        if isinstance(x, Slot):
+            found[x.index] = x
+        return x
+
+    _walk(skeleton, see)
+    return [found[i] for i in sorted(found)]
+
+
+def buffer_for(slot: Slot, nbytes: int) -> Any:
+    """A fresh ``uint8`` host buffer of ``nbytes`` for ``slot``, of the slot's framework."""
+    if slot.framework == "torch":
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+    import numpy
+
+    return numpy.empty(nbytes, dtype=numpy.uint8)
+
+
+def restore(slot: Slot, buffer: Any) -> Any:
+    """The tensor of ``slot`` over ``buffer`` (a view, no copy; on its device again where the
+    slot's device exists here, else left in host memory)."""
+    if slot.framework == "torch":
+        import torch
+
+        t = buffer.view(slot.dtype).reshape(slot.shape)
+        if slot.device != "cpu" and _device_exists(torch, slot.device):
+            t = t.to(slot.device)
+        return t
+    return buffer.view(slot.dtype).reshape(slot.shape)
+
+
+def _device_exists(torch: Any, device: str) -> bool:
+    try:
+        d = torch.device(device)
+        return d.type == "cuda" and torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
+    except (RuntimeError, ValueError):
+        return False
+
+
+def unpack(skeleton: Any, tensors: List[Any]) -> Any:
+    """The data: ``skeleton`` with each slot replaced by its tensor."""
+    return _walk(skeleton, lambda x: tensors[x.index] if isinstance(x, Slot) else x)
