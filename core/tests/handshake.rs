@@ -95,3 +95,14 @@ async fn unreachable_address_is_peer_closed() {
     let e = a.connect(dead).await.unwrap_err();
     assert!(matches!(e, Error::PeerClosed(_)), "{e}");
 }
+
+#[tokio::test]
+async fn the_control_address_is_free_once_shutdown_returns() {
+    let e = engine(None).await;
+    let addr = e.local_addr();
+    let s = engine(None).await.connect(addr).await.unwrap(); // the listener has served a client
+    drop(s);
+    e.shutdown().await;
+    let again = std::net::TcpListener::bind(addr);
+    assert!(again.is_ok(), "{addr} still taken after shutdown: {:?}", again.err());
+}

@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-import tensorwire as tw
 from tensorwire import MooncakeDistributedStore, ReplicateConfig
 from tensorwire.mooncake import ErrorCode, SoftPinAction, TransferEngine
 
@@ -24,13 +23,10 @@ def store():
 
 
 @pytest.fixture
-def node():
-    """A tensorwire store node (its RPC address is what Mooncake calls the master)."""
-    e = tw.Engine()
-    s = tw.Store.embedded(e, 64 << 20, shared=True)
-    n = tw.StoreNode(s)
-    yield n.address, s
-    e.shutdown()
+def node(store_node):
+    """A tensorwire store node: its RPC address (what Mooncake calls the master) and its store."""
+    _, s, n = store_node
+    return n.address, s
 
 
 # -- setup -----------------------------------------------------------------------------------------

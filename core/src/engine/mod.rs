@@ -656,8 +656,12 @@ impl Engine {
     /// sessions and pending chunk streams fail.
     pub async fn shutdown(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        if let Some(h) = lock(&self.shared.listener).take() {
+        let listener = lock(&self.shared.listener).take();
+        if let Some(h) = listener {
             h.abort();
+            // The task (and so the listening socket) is gone once this returns: a new engine
+            // may bind the same address as soon as `shutdown` returned. Bounded all the same.
+            let _ = tokio::time::timeout(Duration::from_secs(5), h).await;
         }
         for b in &self.shared.backends {
             b.shutdown().await;

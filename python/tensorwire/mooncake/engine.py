@@ -362,18 +362,7 @@ class TransferEngine:
 
     def unregister_memory(self, buffer_addr: int) -> int:
         """Deregisters the range registered at ``buffer_addr`` (waits for transfers using it)."""
-        try:
-            s = self._need()
-            with s.lock:
-                e = s.local.get(int(buffer_addr))
-                if e is None or e.managed:
-                    what = "a managed buffer (free_managed_buffer frees it)" if e else "not registered"
-                    raise NotFoundError(f"{int(buffer_addr):#x}: {what}")
-                del s.local[int(buffer_addr)]
-            e.region.close(timeout=self.timeout)
-        except TensorwireError as e:
-            return self._fail(e)
-        return 0
+        return self._drop_local(int(buffer_addr), managed=False)
 
     def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                               location: str = "*") -> int:
@@ -409,17 +398,7 @@ class TransferEngine:
 
     def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
         """Frees a buffer of ``allocate_managed_buffer``; 0, or -1."""
-        try:
-            s = self._need()
-            with s.lock:
-                e = s.local.get(int(buffer_addr))
-                if e is None or not e.managed:
-                    raise NotFoundError(f"{int(buffer_addr):#x} is not a managed buffer")
-                del s.local[int(buffer_addr)]
-            e.region.close(timeout=self.timeout)
-        except TensorwireError as e:
-            return self._fail(e)
-        return 0
+        return self._drop_local(int(buffer_addr), managed=True)
 
     def write_bytes_to_buffer(self, dest_address: int, src_ptr: bytes, length: int) -> int:
         """Copies ``length`` bytes of ``src_ptr`` to ``dest_address`` (memory this engine
@@ -574,6 +553,22 @@ class TransferEngine:
         self.last_error = e
         log.warning("tensorwire transfer engine: %s", e)
         return -1
+
+    def _drop_local(self, addr: int, managed: bool) -> int:
+        """Deregisters the memory registered (or, ``managed``, allocated) at ``addr``; 0 or -1."""
+        try:
+            s = self._need()
+            with s.lock:
+                e = s.local.get(addr)
+                if e is None or e.managed != managed:
+                    what = ("not a managed buffer" if managed else
+                            "a managed buffer (free_managed_buffer frees it)" if e else "not registered")
+                    raise NotFoundError(f"{addr:#x}: {what}")
+                del s.local[addr]
+            e.region.close(timeout=self.timeout)
+        except TensorwireError as e:
+            return self._fail(e)
+        return 0
 
     def _budget(self, lengths: Sequence[int]) -> float:
         return self.timeout + sum(int(n) for n in lengths) / 1e9  # Mooncake's: plus 1 s per GB

@@ -21,6 +21,7 @@ The directory trusts the processes of its user, as vLLM-Omni's shared-memory con
 ``/dev/shm``: a record's skeleton is pickled.
 """
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -30,7 +31,7 @@ import os
 import stat
 import tempfile
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 __all__ = ["HostRecords", "default_root"]
 
@@ -116,27 +117,17 @@ class HostRecords:
         """Counts one consumer of ``record``'s generation; True when it was the last one and the
         record is gone. A record replaced or removed meanwhile counts nothing (False)."""
         path = self._path(record["put_key"], record["key"])
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if not _same_file(fd, path):
+        with _locked(path, record.get("generation"), os.O_RDWR) as held:
+            if held is None:
                 return False
-            current = _parse(_read(fd))
-            if current is None or current.get("generation") != record.get("generation"):
-                return False
+            fd, current = held
             left = int(current.get("consumers", 1)) - 1
             if left <= 0:
-                os.unlink(path)
-                return True
+                return _unlink(path)
             data = json.dumps({**current, "consumers": left}).encode()
             os.ftruncate(fd, 0)
             os.pwrite(fd, data, 0)
             return False
-        finally:
-            os.close(fd)
 
     def remove(self, put_key: str, key: str, generation: Optional[str] = None) -> bool:
         """Removes ``key``'s record (only that generation's, when one is given); True if it was
@@ -144,18 +135,8 @@ class HostRecords:
         path = self._path(put_key, key)
         if generation is None:
             return _unlink(path)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            current = _parse(_read(fd))
-            if not _same_file(fd, path) or current is None or current.get("generation") != generation:
-                return False
-            return _unlink(path)
-        finally:
-            os.close(fd)
+        with _locked(path, generation, os.O_RDONLY) as held:
+            return held is not None and _unlink(path)
 
     def records_of(self, put_key: str) -> List[Dict[str, Any]]:
         """Every record whose put key is ``put_key`` (any stage pair), stale ones included."""
@@ -201,6 +182,24 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def _locked(path: str, generation: Optional[str], mode: int) -> Iterator[Optional[Tuple[int, Dict[str, Any]]]]:
+    """The open file at ``path`` under an exclusive lock, with its record, while it still is the
+    file at ``path`` and holds ``generation``'s record; None otherwise."""
+    try:
+        fd = os.open(path, mode)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        current = _parse(_read(fd))
+        same = current is not None and current.get("generation") == generation and _same_file(fd, path)
+        yield (fd, current) if same else None
+    finally:
+        os.close(fd)
 
 
 def _same_file(fd: int, path: str) -> bool:
