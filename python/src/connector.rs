@@ -201,17 +201,23 @@ impl Connector {
     }
 
     /// Reports the payload of `handle` consumed (the end of a `hold` consume, once the work
-    /// that used it is committed). A producer that is gone is not an error.
-    #[pyo3(signature = (handle, *, timeout = 30.0))]
-    fn release(&self, py: Python<'_>, handle: &[u8], timeout: f64) -> PyResult<()> {
+    /// that used it is committed). A producer that is gone is not an error. With `wait=False`
+    /// the report is sent in the background (bounded by `timeout`; a failure is dropped) and
+    /// the call returns at once.
+    #[pyo3(signature = (handle, *, wait = true, timeout = 30.0))]
+    fn release(&self, py: Python<'_>, handle: &[u8], wait: bool, timeout: f64) -> PyResult<()> {
         let r = self::handle(handle).raise(py)?;
         let conn = self.inner.clone();
-        wait(
-            py,
-            seconds(timeout).raise(py)?,
-            "a release",
-            async move { Ok(conn.release(&r).await?) },
-        )
+        let t = seconds(timeout).raise(py)?;
+        if !wait {
+            // Nobody is there to hear of a failure: the payload's lease, or its producer
+            // retiring it, ends it then.
+            runtime().raise(py)?.spawn(async move {
+                let _ = tokio::time::timeout(t, conn.release(&r)).await;
+            });
+            return Ok(());
+        }
+        self::wait(py, t, "a release", async move { Ok(conn.release(&r).await?) })
     }
 
     /// Drops a publication before its lease ends (its consumers then see the producer gone).

@@ -203,10 +203,11 @@ class DiffusionConnector:
         c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout)
         return _chunks(c, dst, timeout)
 
-    def release(self, handle: Handle, timeout: float = 30.0) -> None:
+    def release(self, handle: Handle, timeout: float = 30.0, wait: bool = True) -> None:
         """Reports the payload consumed: the end of a ``hold`` consume. A producer that is gone
-        is not an error."""
-        self._conn.release(_handle_bytes(handle), timeout=timeout)
+        is not an error. ``wait=False`` sends the report in the background and returns at once
+        (a report that fails is dropped: the payload's lease ends it then)."""
+        self._conn.release(_handle_bytes(handle), wait=wait, timeout=timeout)
 
     async def consume_async(self, handle: Handle, dst: Any, timeout: float = 30.0) -> AsyncIterator[Any]:
         """``consume`` for asyncio: each wait runs in a worker thread (the GIL is released)."""

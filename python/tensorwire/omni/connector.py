@@ -341,7 +341,9 @@ class TensorwireConnector:
                 return None
             buffers.append(dst)
         for h in handles:
-            self._conn.release(h, timeout=self._remaining(deadline))
+            # A p2p payload's report goes in the background: its producer also retires it once
+            # it sees the record gone (reap_consumed); a store payload's is the store's count.
+            self._conn.release(h, timeout=self._timeout, wait=h.source == "store")
         if record.get("expires") is None:
             self._records.consume(record)
         tensors = [packing.restore(s, b) for s, b in zip(slots, buffers)]

@@ -26,10 +26,12 @@ import errno
 import fcntl
 import glob
 import hashlib
+import itertools
 import json
 import os
 import stat
 import tempfile
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -83,6 +85,7 @@ class HostRecords:
         self.dir = os.path.join(base, _h(scope))
         _private_dir(self.dir)
         self._pidns = _pid_namespace()
+        self._tmp = itertools.count()
 
     def _path(self, put_key: str, key: str) -> str:
         return os.path.join(self.dir, f"{_h(put_key)}.{_h(key)}.json")
@@ -93,10 +96,13 @@ class HostRecords:
 
     def write(self, record: Dict[str, Any]) -> None:
         """Publishes ``record``, replacing any record of its key."""
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
+        tmp = os.path.join(self.dir, f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._tmp)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
+            try:
+                _write_all(fd, json.dumps(record).encode())
+            finally:
+                os.close(fd)
             os.replace(tmp, self._path(record["put_key"], record["key"]))
         except BaseException:
             _unlink(tmp)
@@ -124,9 +130,8 @@ class HostRecords:
             left = int(current.get("consumers", 1)) - 1
             if left <= 0:
                 return _unlink(path)
-            data = json.dumps({**current, "consumers": left}).encode()
             os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
+            _write_all(fd, json.dumps({**current, "consumers": left}).encode())
             return False
 
     def remove(self, put_key: str, key: str, generation: Optional[str] = None) -> bool:
@@ -208,6 +213,13 @@ def _same_file(fd: int, path: str) -> bool:
     except FileNotFoundError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Writes ``data`` at the start of ``fd`` (a short write continues where it stopped)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], done)
 
 
 def _read(fd: int) -> bytes:
