@@ -294,6 +294,17 @@ input()
     assert HostRecords(str(tmp_path)).records_of(key) == []
 
 
+def test_a_record_whose_payload_is_lost_is_removed_by_the_get_that_finds_out(omni, tmp_path):
+    producer, consumer = omni(), omni()
+    key = _key()
+    producer.put("a", "b", key, {"x": np.ones(8)})
+    for p in producer._published.values():  # the payload goes while its record stays (a
+        for h in p.handles:                   # producer in another PID namespace that died)
+            h.retire()
+    assert consumer.get("a", "b", key) is None
+    assert HostRecords(str(tmp_path)).records_of(key) == []
+
+
 def test_abandon_get_stops_a_get_that_is_running_and_consumes_nothing(omni, child, tmp_path):
     key = _key()
     c = child(f"""

@@ -174,8 +174,8 @@ class TensorwireConnector:
                 "expires": None if self._ttl is None else time.time() + self._ttl,
             }
             with self._lock:
-                replaced = self._published.pop(key, None)
                 self._records.write(self._records.stamp(record))
+                replaced = self._published.pop(key, None)
                 self._published[key] = _Published(put_key, key, record["generation"], handles)
             if replaced is not None:
                 self._release(replaced)
@@ -303,6 +303,7 @@ class TensorwireConnector:
     def _get(self, from_stage: Any, to_stage: Any, get_key: Any, metadata: Any,
              deadline: Optional[float]) -> Optional[Tuple[Any, int]]:
         get_key = str(get_key)
+        record = None
         try:
             self._open()
             key = self._make_key(get_key, from_stage, to_stage)
@@ -317,9 +318,11 @@ class TensorwireConnector:
                 self._metrics["bytes_transferred"] += got[1]
             return got
         except _LOST as e:
+            # Gone for good (its producer died, its lease ended): its record goes too, so later
+            # gets do not try it (only that generation's: a newer put of the key stays).
             log.warning("tensorwire omni connector: get %s: the payload is gone: %s", get_key, e)
-            if isinstance(metadata, dict) or metadata is None:
-                self._drop_lost(get_key, from_stage, to_stage)
+            if record is not None:
+                _quietly(self._records.remove, get_key, record["key"], record.get("generation"))
             return None
         except Exception as e:
             self._metrics["errors"] += 1
@@ -392,12 +395,6 @@ class TensorwireConnector:
             if h.source == "store" and self._conn.store is not None:
                 _quietly(self._conn.store.remove, h.store_key, timeout=self._timeout)
 
-    def _drop_lost(self, get_key: str, from_stage: Any, to_stage: Any) -> None:
-        """A record whose payload is gone for good is removed, so later gets do not try it."""
-        key = self._make_key(get_key, from_stage, to_stage)
-        record = self._records.read(get_key, key)
-        if record is not None:
-            _quietly(self._records.remove, get_key, key, record.get("generation"))
 
 
 def _ours(metadata: Any, get_key: str, key: str) -> Optional[Dict[str, Any]]:
