@@ -304,13 +304,6 @@ impl Publication {
         self.conn.retire(p);
         served
     }
-
-    /// Whether the payload is still served (not consumed, expired or retired).
-    #[getter]
-    fn served(&self) -> bool {
-        let p = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        p.as_ref().is_some_and(|p| self.conn.serves(p))
-    }
 }
 
 /// Chunks of a payload landing in the destination.

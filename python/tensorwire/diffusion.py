@@ -123,11 +123,6 @@ class PayloadHandle:
         still served (not consumed, expired or retired before)."""
         return self._controls().retire()
 
-    @property
-    def served(self) -> bool:
-        """Whether the payload is still served by its producer (this handle's connector)."""
-        return self._controls().served
-
     def __repr__(self) -> str:
         return (f"PayloadHandle(request_id={self.request_id}, kind={self.kind!r}, dtype={self.dtype!r}, "
                 f"shape={self.shape}, num_chunks={self.num_chunks}, source={self.source!r})")

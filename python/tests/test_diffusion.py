@@ -101,8 +101,22 @@ def test_a_non_contiguous_destination_is_refused(pipeline):
 def test_a_non_contiguous_tensor_is_not_published(pipeline):
     prod, _ = pipeline
     x = latent((8, 8))[:, ::2]
-    with pytest.raises(tw.InvalidTensorError):
+    with pytest.raises(tw.InvalidTensorError, match=r"contiguous: shape \[8, 4\] has strides \[8, 2\]") as e:
         prod.publish(StagePayload(6, "latent", x), consumer_credit=1)
+    assert not isinstance(e.value, tw.MismatchError) and "chunking" not in str(e.value)
+
+
+def test_retire_says_whether_the_payload_was_still_served(pipeline):
+    prod, cons = pipeline
+    x = latent((4, 4))
+    h = prod.publish(StagePayload(8, "latent", x), consumer_credit=1)
+    assert h.retire() is True and h.retire() is False
+    h = prod.publish(StagePayload(9, "latent", x), consumer_credit=1)
+    list(cons.consume(h, np.empty_like(x)))
+    deadline = time.monotonic() + 5
+    while prod.held and time.monotonic() < deadline:  # the consumer's report reaches the producer
+        time.sleep(0.01)
+    assert h.retire() is False
 
 
 def test_an_unknown_handle_is_invalid(pipeline):

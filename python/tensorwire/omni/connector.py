@@ -225,8 +225,10 @@ class TensorwireConnector:
                     del self._published[p.key]
                 self._abandoned.discard(put_key)
             for p in mine:
+                # Its record gone means consumed (the consumer's report may still be on its way)
+                # or cleaned up elsewhere: the payload goes now, but was not left behind.
                 reclaimed |= self._records.remove(p.put_key, p.key, p.generation)
-                reclaimed |= self._release(p)
+                self._release(p)
             for r in self._records.records_of(put_key):
                 if self._records.remove(put_key, r["key"], r.get("generation")):
                     reclaimed = True
@@ -377,15 +379,13 @@ class TensorwireConnector:
             return self._timeout
         return max(min(deadline - time.monotonic(), self._timeout), 0.001)
 
-    def _release(self, p: _Published) -> bool:
-        """Stops serving ``p``'s payloads (store copies removed); True if any was still held."""
-        held = False
+    def _release(self, p: _Published) -> None:
+        """Stops serving ``p``'s payloads (store copies removed)."""
         for h in p.handles:
             if h.source == "store":
-                held |= _quietly(self._conn.store.remove, h.store_key, timeout=self._timeout) is True
+                _quietly(self._conn.store.remove, h.store_key, timeout=self._timeout)
             else:
-                held |= _quietly(h.retire) is True
-        return held
+                _quietly(h.retire)
 
     def _drop_stored(self, record: Dict[str, Any]) -> None:
         """Removes the store copies of ``record``'s payloads (a p2p payload of another process
