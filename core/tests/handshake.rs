@@ -3,9 +3,12 @@
 
 use std::time::Duration;
 
+use tensorwire_core::auth::{AUTH_LEN, Side, Transcript};
+use tensorwire_core::handshake::expect;
 use tensorwire_core::wire::frame::{CONTROL, FrameHeader};
+use tensorwire_core::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof};
 use tensorwire_core::{
-    ClusterSecret, Engine, EngineConfig, Error, Missing, Permissions, TransferOp,
+    ClusterSecret, Engine, EngineConfig, EngineDescriptor, Error, Missing, Permissions, TransferOp,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -83,6 +86,66 @@ async fn garbage_and_silent_clients_do_not_hurt_the_endpoint() {
     // A real peer still gets in.
     let a = engine(Some(b"k")).await;
     a.connect(b.local_addr()).await.unwrap();
+}
+
+/// One way a client that starts right (its own nonce, the server's `Challenge` read) may cheat
+/// on its proof, given the transcript and the server's challenge.
+type Cheat = fn(&ClusterSecret, &Transcript, &Challenge) -> Option<[u8; AUTH_LEN]>;
+
+/// Runs the client side of the control handshake by hand with `prove` for its proof, then sends
+/// `hello` (an engine's descriptor) as its first message: the server's answer.
+async fn hand_client(
+    b: &Engine,
+    k: &ClusterSecret,
+    prove: Cheat,
+    hello: &[u8],
+) -> Result<Vec<u8>, Error> {
+    let mut s = tokio::net::TcpStream::connect(b.local_addr()).await.unwrap();
+    let mine: [u8; AUTH_LEN] = std::array::from_fn(|i| i as u8 ^ 0x5a);
+    CONTROL.write(&mut s, OPEN, &Open { nonce: mine }.encode()).await.unwrap();
+    let ch = Challenge::decode(&expect(&mut s, &CONTROL, CHALLENGE).await.unwrap()).unwrap();
+    let t = Transcript { magic: CONTROL.magic, client: mine, server: ch.nonce };
+    CONTROL.write(&mut s, PROOF, &Proof { proof: prove(k, &t, &ch) }.encode()).await.unwrap();
+    let _ = CONTROL.write(&mut s, 1, hello).await; // HELLO: the client's descriptor
+    tokio::time::timeout(Duration::from_secs(5), expect(&mut s, &CONTROL, 1)).await.unwrap()
+}
+
+/// A client that opens right and cheats on its proof is refused: its first message is answered
+/// with a `Reject`, never with the server's descriptor (which carries region keys), and the
+/// server does not know it as a peer. The same steps with an honest proof get in.
+#[tokio::test]
+async fn a_client_that_cheats_on_its_proof_is_refused() {
+    let b = engine(Some(b"s3cret")).await;
+    let _visible = b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let x = engine(Some(b"s3cret")).await; // the engine the cheater claims to be
+    let hello = x.descriptor().encode();
+    let k = ClusterSecret::new(b"s3cret");
+    let cheats: [(&str, Cheat); 7] = [
+        ("no proof", |_, _, _| None),
+        ("zeros", |_, _, _| Some([0; AUTH_LEN])),
+        ("the server's own proof sent back", |_, _, ch| ch.proof),
+        ("the secret, proving the server's side", |k, t, _| Some(k.proof(Side::Server, t))),
+        ("the secret over another client nonce", |k, t, _| {
+            let replayed = Transcript { client: [9; AUTH_LEN], ..*t };
+            Some(k.proof(Side::Client, &replayed))
+        }),
+        ("the secret over another protocol", |k, t, _| {
+            Some(k.proof(Side::Client, &Transcript { magic: *b"TR", ..*t }))
+        }),
+        ("another secret", |_, t, _| Some(ClusterSecret::new(b"guess").proof(Side::Client, t))),
+    ];
+    for (what, cheat) in cheats {
+        let e = hand_client(&b, &k, cheat, &hello).await.unwrap_err();
+        assert!(matches!(e, Error::AccessDenied(_)), "{what}: {e}");
+        assert!(
+            matches!(b.session(x.id()), Err(Error::NotFound(Missing::Peer(_)))),
+            "{what}: the server took the cheater's descriptor"
+        );
+    }
+    let honest: Cheat = |k, t, _| Some(k.proof(Side::Client, t));
+    let theirs = hand_client(&b, &k, honest, &hello).await.unwrap();
+    assert_eq!(EngineDescriptor::decode(&theirs).unwrap().engine, b.id());
+    assert!(b.session(x.id()).is_ok(), "the honest client is a peer");
 }
 
 #[tokio::test]

@@ -157,3 +157,148 @@ async fn a_journal_that_cannot_be_written_stops_the_service() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A journal whose commits wait for the test's word while the gate is shut: the test sees a
+/// commit waiting, and what the service's peers received meanwhile.
+#[derive(Debug, Default)]
+struct Gated {
+    book: tensorwire_orchestrator::journal::Book,
+    pending: usize,
+    gate: Arc<Gate>,
+}
+
+#[derive(Debug)]
+struct Gate {
+    shut: std::sync::atomic::AtomicBool,
+    /// Commits let through while shut.
+    permits: tokio::sync::Semaphore,
+    /// A commit is waiting at the shut gate.
+    waiting: std::sync::atomic::AtomicBool,
+    /// Facts made durable so far.
+    durable: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl tensorwire_orchestrator::service::JournalStore for Gated {
+    fn book(&self) -> &tensorwire_orchestrator::journal::Book {
+        &self.book
+    }
+    fn append(&mut self, f: &tensorwire_orchestrator::journal::Fact) {
+        self.book.apply(f);
+        self.pending += 1;
+    }
+    async fn commit(&mut self) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.pending == 0 {
+            return Ok(());
+        }
+        if self.gate.shut.load(SeqCst) {
+            self.gate.waiting.store(true, SeqCst);
+            self.gate.permits.acquire().await.expect("the gate's semaphore closed").forget();
+            self.gate.waiting.store(false, SeqCst);
+        }
+        self.gate.durable.fetch_add(std::mem::take(&mut self.pending), SeqCst);
+        Ok(())
+    }
+}
+
+impl Default for Gate {
+    fn default() -> Gate {
+        Gate {
+            shut: false.into(),
+            permits: tokio::sync::Semaphore::new(0),
+            waiting: false.into(),
+            durable: 0.into(),
+        }
+    }
+}
+
+impl Gate {
+    /// Shuts the gate, runs `act`, waits until a commit is held at the gate, then checks that
+    /// `quiet` holds for a while: nothing that depends on the held facts left the service.
+    async fn holds(
+        &self,
+        what: &str,
+        act: impl std::future::Future<Output = ()>,
+        mut quiet: impl FnMut() -> bool,
+    ) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.shut.store(true, SeqCst);
+        act.await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !self.waiting.load(SeqCst) {
+            assert!(tokio::time::Instant::now() < deadline, "{what}: no commit came to the gate");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for _ in 0..30 {
+            assert!(quiet(), "{what}: left the service before its journal commit");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.shut.store(false, SeqCst);
+        self.permits.add_permits(1);
+    }
+}
+
+/// Durable before acknowledged: an assignment, an outcome and an ack each leave the service
+/// only after the journal commit of the turn that made them returned (a commit held at a gate
+/// keeps all three in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_leaves_the_service_before_its_journal_commit() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let gate = Arc::new(Gate::default());
+    let journal = Gated { gate: gate.clone(), ..Gated::default() };
+    let cfg = ServiceConfig { journal_store: Some(Box::new(journal)), ..ServiceConfig::default() };
+    let svc = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
+    let at = svc.addr();
+    let hb = Duration::from_millis(100);
+    let mut workers = Vec::new();
+    for stage in Stage::ALL {
+        workers.push(WorkerClient::connect(at, None, stage, 1, "h", hb).await.unwrap());
+    }
+    let sub = SubmitClient::connect(at, None).await.unwrap();
+
+    // The assignment of a submitted request.
+    let (w0, rx0) = &mut workers[0];
+    let mut outcome = None;
+    gate.holds(
+        "an assignment",
+        async { outcome = Some(sub.submit(7, Priority::Interactive).await.unwrap()) },
+        || rx0.is_empty(),
+    )
+    .await;
+    let a = tokio::time::timeout(Duration::from_secs(10), rx0.recv()).await.unwrap().unwrap();
+    assert_eq!((a.request, a.stage), (7, Stage::Encode));
+
+    // The ack of a result.
+    let durable = gate.durable.load(SeqCst);
+    gate.holds(
+        "an ack",
+        async { w0.report_with(&a, Ok::<_, String>(b"emb".to_vec())).await.unwrap() },
+        || w0.unacknowledged() == 1,
+    )
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while w0.unacknowledged() > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the result was never acknowledged");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(gate.durable.load(SeqCst) > durable);
+
+    // The outcome of the request, once its last stage reported.
+    let last = workers.len() - 1;
+    for (i, (w, rx)) in workers.iter_mut().enumerate().skip(1) {
+        let a = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.unwrap().unwrap();
+        let report = w.report_with(&a, Ok::<_, String>(Vec::new()));
+        if i < last {
+            report.await.unwrap();
+            continue;
+        }
+        let out = outcome.as_mut().unwrap();
+        gate.holds("an outcome", async { report.await.unwrap() }, || {
+            matches!(out.try_recv(), Err(tokio::sync::oneshot::error::TryRecvError::Empty))
+        })
+        .await;
+    }
+    let done = tokio::time::timeout(Duration::from_secs(10), outcome.unwrap()).await;
+    done.unwrap().unwrap().unwrap();
+}

@@ -757,6 +757,31 @@ mod tests {
         done
     }
 
+    /// DeleteOnConsume{n} for n = 1..4, with 0..=n consumers reporting before the count is set:
+    /// the object stays through the first n - 1 reports and goes at the n-th, exactly.
+    #[test]
+    fn the_last_of_n_consumers_removes_the_object_and_no_earlier_one() {
+        for n in 1..=4u32 {
+            for early in 0..=n {
+                let mut s = PoolState::new(40 * P, Marks { high: 40 * P, low: 30 * P }, false);
+                put(&mut s, "k", P, Retention::Pinned).unwrap();
+                for _ in 0..early {
+                    assert!(!s.consumed(b"k").unwrap(), "n={n}: an early report is kept");
+                }
+                s.set_lease(b"k", n, None).unwrap();
+                for i in early + 1..n {
+                    assert!(!s.consumed(b"k").unwrap(), "n={n}, early={early}: report {i} of {n}");
+                    assert!(s.exists(b"k"), "n={n}, early={early}: gone after {i} of {n}");
+                }
+                if early < n {
+                    assert!(s.consumed(b"k").unwrap(), "n={n}, early={early}: the n-th removes it");
+                }
+                assert!(!s.exists(b"k"), "n={n}, early={early}: still there after {n} of {n}");
+                assert!(matches!(s.consumed(b"k"), Err(StoreError::NotFound { .. })));
+            }
+        }
+    }
+
     #[test]
     fn a_consumer_faster_than_the_lease_is_counted_when_it_comes() {
         let mut s = PoolState::new(40 * P, Marks { high: 40 * P, low: 30 * P }, false);

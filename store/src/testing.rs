@@ -336,6 +336,17 @@ pub async fn leases(f: &dyn StoreFactory) {
     assert!(s.consumed(b"emb").await.unwrap(), "the last consumer removes it");
     assert!(!s.exists(b"emb").await.unwrap());
     assert!(matches!(s.consumed(b"emb").await, Err(StoreError::NotFound { .. })));
+    // One and two consumers, counted after the put: gone at the last, not before.
+    for n in 1..=2u32 {
+        s.put(b"latent", &meta(100), &[7; 100], Retention::Pinned).await.unwrap();
+        s.set_lease(b"latent", n, None).await.unwrap();
+        for i in 1..n {
+            assert!(!s.consumed(b"latent").await.unwrap(), "n={n}: report {i} removed it");
+            assert!(s.exists(b"latent").await.unwrap(), "n={n}: gone after {i} of {n}");
+        }
+        assert!(s.consumed(b"latent").await.unwrap(), "n={n}: the last report removes it");
+        assert!(!s.exists(b"latent").await.unwrap());
+    }
     s.put(b"ttl", &meta(100), &[6; 100], Retention::Pinned).await.unwrap();
     s.set_lease(b"ttl", 0, Some(Duration::from_millis(200))).await.unwrap();
     assert!(s.exists(b"ttl").await.unwrap());

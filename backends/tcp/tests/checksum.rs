@@ -112,3 +112,112 @@ async fn corrupted_write_is_reported() {
 async fn corrupted_read_is_reported() {
     flip_is_caught(Flip::ToClient).await;
 }
+
+/// Striped over several streams in many pieces, the op's last piece is the one corrupted: a
+/// proxy that reads the data protocol frame by frame flips a byte in the piece that ends the
+/// op (a WriteReq, or the ReadResp answering the ReadReq that ends it). A check of only some
+/// pieces (the first, one per stream) would let it through.
+const OP: u64 = 1 << 20;
+const PIECE: u64 = 64 << 10;
+
+/// Copies one stream's frames, flipping a byte in the payload of the frame that carries the
+/// op's last piece. `reads` maps the ids of ReadReqs (seen going to the server) to the end of
+/// the range they ask for.
+async fn frames(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    flip: bool,
+    reads: Arc<std::sync::Mutex<std::collections::HashMap<u64, u64>>>,
+) {
+    use tensorwire_tcp::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE};
+    let mut pre = [0u8; PREAMBLE.len()];
+    if from.read_exact(&mut pre).await.is_err() || to.write_all(&pre).await.is_err() {
+        return;
+    }
+    let mut head = [0u8; HEADER_LEN];
+    while from.read_exact(&mut head).await.is_ok() {
+        let Ok(h) = DataHeader::decode(&head) else { return };
+        let mut payload = vec![0u8; h.payload_len() as usize];
+        if from.read_exact(&mut payload).await.is_err() {
+            return;
+        }
+        let last = match h.kind {
+            Kind::ReadReq => {
+                reads.lock().unwrap().insert(h.id, h.offset + h.len);
+                false
+            }
+            Kind::WriteReq => h.offset + h.len == OP,
+            Kind::ReadResp => reads.lock().unwrap().get(&h.id) == Some(&OP),
+            _ => false,
+        };
+        if flip && last && !payload.is_empty() {
+            let mid = payload.len() / 2;
+            payload[mid] ^= 0x5a;
+        }
+        if to.write_all(&head).await.is_err() || to.write_all(&payload).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn striped(flip: Flip, checksum: bool) -> (Result<(), Error>, Vec<u8>, Vec<u8>) {
+    let cfg = TcpConfig { checksum, streams: 3, piece_bytes: PIECE, ..TcpConfig::default() };
+    let a = Engine::builder().backend(TcpBackend::new(cfg.clone()).unwrap()).start().await.unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let via = l.local_addr().unwrap();
+    let b_tcp = TcpBackend::new(TcpConfig { advertise: Some(via), ..cfg }).unwrap();
+    let target = b_tcp.local_addr();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = l.accept().await {
+            let server = TcpStream::connect(target).await.unwrap();
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            let reads = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+            tokio::spawn(frames(cr, sw, matches!(flip, Flip::ToServer), reads.clone()));
+            tokio::spawn(frames(sr, cw, matches!(flip, Flip::ToClient), reads));
+        }
+    });
+    let b = Engine::builder().backend(b_tcp).start().await.unwrap();
+    let data: Vec<u8> =
+        (0..OP as u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let local = a.alloc(OP, Permissions::NONE).await.unwrap();
+    let remote = b.alloc(OP, Permissions::READ_WRITE).await.unwrap();
+    let s = a.connect(b.local_addr()).await.unwrap();
+    let op = match flip {
+        Flip::ToServer => {
+            local.write_bytes(0, &data).unwrap();
+            TransferOp::write(&local, 0, &remote.remote(), 0, OP)
+        }
+        Flip::ToClient => {
+            remote.write_bytes(0, &data).unwrap();
+            TransferOp::read(&local, 0, &remote.remote(), 0, OP)
+        }
+    };
+    let r = tokio::time::timeout(Duration::from_secs(20), s.transfer(op)).await.unwrap();
+    let landed = match flip {
+        Flip::ToServer => remote.to_vec(0, OP).unwrap(),
+        Flip::ToClient => local.to_vec(0, OP).unwrap(),
+    };
+    (r.map(|_| ()), landed, data)
+}
+
+async fn last_piece_flip_is_caught(flip: Flip) {
+    let (r, _, _) = striped(flip, true).await;
+    assert!(matches!(r, Err(Error::Checksum { .. })), "{r:?}");
+    // Without checksums the same flip lands, in the last piece and nowhere else.
+    let (r, landed, data) = striped(flip, false).await;
+    assert!(r.is_ok(), "{r:?}");
+    let differ: Vec<usize> = (0..data.len()).filter(|&i| landed[i] != data[i]).collect();
+    assert_eq!(differ.len(), 1, "one flipped byte");
+    assert!(differ[0] as u64 >= OP - PIECE, "the flip is in the last piece: byte {}", differ[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_last_piece_of_a_striped_write_is_reported() {
+    last_piece_flip_is_caught(Flip::ToServer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_last_piece_of_a_striped_read_is_reported() {
+    last_piece_flip_is_caught(Flip::ToClient).await;
+}

@@ -36,19 +36,58 @@ pub async fn reject_out_of_bounds(f: &dyn PairFactory) {
     assert!(dst.to_vec(0, 4096).unwrap().iter().all(|&b| b == 0), "a refused op wrote bytes");
 }
 
-/// A wrong access key is `AccessDenied`, for READ and WRITE.
+/// A wrong access key is `AccessDenied`, for READ and WRITE, whichever of its 128 bits are wrong:
+/// the lowest and the highest, both edges of the two halves, a middle one, unrelated keys; and
+/// after an op with the right key (a backend that keeps a lease per region must still check the
+/// key of every op). A refused WRITE changes no byte.
 pub async fn reject_wrong_key(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let src = crate::alloc(f, &pair.a, 64, Permissions::NONE).await.unwrap();
+    src.write_bytes(0, &[0xEE; 64]).unwrap();
     let dst = crate::alloc(f, &pair.b, 64, Permissions::READ_WRITE).await.unwrap();
-    let mut forged = dst.remote();
-    forged.key = AccessKey::from_bits(forged.key.to_bits() ^ 1);
-    for op in
-        [TransferOp::write(&src, 0, &forged, 0, 64), TransferOp::read(&src, 0, &forged, 0, 64)]
-    {
-        let e = expect_err("wrong key", &s, op).await;
-        assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+    dst.write_bytes(0, &[0x11; 64]).unwrap();
+    let real = dst.remote();
+    let read = TransferOp::read(&src, 0, &real, 0, 64);
+    bounded("the right key", s.transfer(read)).await.unwrap();
+    src.write_bytes(0, &[0xEE; 64]).unwrap();
+    let k = real.key.to_bits();
+    let mut keys: Vec<u128> =
+        [0u32, 1, 31, 63, 64, 65, 96, 126, 127].map(|b| k ^ (1u128 << b)).into();
+    keys.extend([
+        !k,
+        k.rotate_left(64),
+        k ^ (u128::from(u64::MAX) << 64),
+        k ^ u128::from(u64::MAX),
+    ]);
+    keys.extend(unrelated_keys(k, 4));
+    keys.retain(|&x| x != k);
+    for bits in keys {
+        let mut forged = real.clone();
+        forged.key = AccessKey::from_bits(bits);
+        for op in
+            [TransferOp::write(&src, 0, &forged, 0, 64), TransferOp::read(&src, 0, &forged, 0, 64)]
+        {
+            let e = expect_err("wrong key", &s, op).await;
+            assert!(
+                matches!(e, Error::AccessDenied(_)),
+                "key {bits:#034x} (right: {k:#034x}): {e}"
+            );
+        }
     }
+    assert_eq!(dst.to_vec(0, 64).unwrap(), [0x11; 64], "a WRITE with a wrong key changed bytes");
+}
+
+/// `n` keys unrelated to `k` (splitmix64 over it: no bit pattern in common to rely on).
+fn unrelated_keys(k: u128, n: usize) -> Vec<u128> {
+    let mut state = (k as u64) ^ ((k >> 64) as u64) ^ 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    (0..n).map(|_| (u128::from(next()) << 64) | u128::from(next())).collect()
 }
 
 /// A region id the peer never registered is `NotFound(Region)`.

@@ -300,9 +300,129 @@ mod tests {
         assert!(matches!(ChunkPlan::new(&tr, 0, 2), Err(Error::InvalidTensor(_))));
         let huge = TensorMeta::contiguous(DType::U8, &[1 << 20, 2, 1]);
         assert!(matches!(ChunkPlan::new(&huge, 1, 2), Err(Error::Capacity { .. })));
+        // Padding on the chunk dimension itself: a [2, 3, 4] u16 tensor whose dimension 1 has
+        // stride 5 (4 is dense) cannot be cut along 1 into runs of its own bytes.
+        let mut padded = TensorMeta::contiguous(DType::U16, &[2, 3, 4]);
+        padded.strides = vec![15, 5, 1];
+        for count in 1..=3 {
+            assert!(matches!(ChunkPlan::new(&padded, 1, count), Err(Error::InvalidTensor(_))));
+        }
+        // ... while along dimension 0 its rows are not runs either (stride 15, not 12).
+        assert!(matches!(ChunkPlan::new(&padded, 0, 2), Err(Error::InvalidTensor(_))));
+        // And along 2, each (i, j) row is a run: 6 ranges per chunk, each of its own bytes.
+        let p = ChunkPlan::new(&padded, 2, 2).unwrap();
+        assert_eq!(p.chunk(0).unwrap().ranges.len(), 6);
+        assert_eq!(plan_bytes(&p), tensor_bytes(&padded));
+    }
+
+    /// Every byte address of every element of `t`.
+    fn tensor_bytes(t: &TensorMeta) -> std::collections::BTreeSet<u64> {
+        element_bytes(t, None)
+    }
+
+    /// The byte addresses of the elements of `t` (whose index along `along.0` lies in
+    /// `along.1`, when given), computed from shape, strides and offset alone.
+    fn element_bytes(
+        t: &TensorMeta,
+        along: Option<(usize, std::ops::Range<u64>)>,
+    ) -> std::collections::BTreeSet<u64> {
+        let mut out = std::collections::BTreeSet::new();
+        if t.shape.contains(&0) {
+            return out;
+        }
+        let esize = t.dtype.size();
+        let mut idx = vec![0u64; t.shape.len()];
+        loop {
+            if along.as_ref().is_none_or(|(d, r)| r.contains(&idx[*d])) {
+                let elem: u64 = idx.iter().zip(&t.strides).map(|(i, s)| i * s).sum();
+                let at = t.byte_offset + elem * esize;
+                out.extend(at..at + esize);
+            }
+            // Next index, row-major; done once every digit wrapped.
+            let mut k = idx.len();
+            loop {
+                if k == 0 {
+                    return out;
+                }
+                k -= 1;
+                idx[k] += 1;
+                if idx[k] < t.shape[k] {
+                    break;
+                }
+                idx[k] = 0;
+            }
+        }
+    }
+
+    /// The byte addresses the ranges of `ranges` cover; panics if two ranges overlap.
+    fn range_bytes<'a>(
+        ranges: impl IntoIterator<Item = &'a ByteRange>,
+    ) -> std::collections::BTreeSet<u64> {
+        let mut out = std::collections::BTreeSet::new();
+        for r in ranges {
+            for b in r.offset..r.end() {
+                assert!(out.insert(b), "byte {b} is in two ranges");
+            }
+        }
+        out
+    }
+
+    fn plan_bytes(p: &ChunkPlan) -> std::collections::BTreeSet<u64> {
+        range_bytes(p.chunks().iter().flat_map(|c| &c.ranges))
+    }
+
+    /// A layout for `shape`: row-major over the dimensions in `order` (outermost first), each
+    /// dimension padded by `pads[k]` elements (so strides leave gaps where pads are not 0).
+    fn layout(shape: &[u64], order: &[usize], pads: &[u64]) -> Vec<u64> {
+        let mut strides = vec![0u64; shape.len()];
+        let mut step = 1u64;
+        for &k in order.iter().rev() {
+            strides[k] = step + pads[k];
+            step = strides[k] * shape[k].max(1);
+        }
+        strides
     }
 
     proptest::proptest! {
+        /// Strided tensors (transposed, padded on any dimension, the chunk dimension included,
+        /// offset), every dimension and count: an error, or a plan whose ranges are disjoint, cover
+        /// exactly the tensor's bytes (no padding, nothing missing), and whose chunk `c` covers
+        /// exactly the bytes of the elements with an index in `c.start..c.end` along the chunk
+        /// dimension. A layout that is dense from the chunk dimension inwards always gets a plan.
+        #[test]
+        fn plans_cover_exactly_the_tensors_bytes(
+            shape in proptest::collection::vec(1u64..5, 1..5),
+            order_seed in proptest::collection::vec(0usize..4, 4),
+            pads in proptest::collection::vec(proptest::prop_oneof![3 => proptest::strategy::Just(0u64), 1 => 1u64..4], 4),
+            offset in 0u64..8,
+            dim in 0usize..4,
+            count in 1u32..5,
+        ) {
+            let rank = shape.len();
+            let mut order: Vec<usize> = (0..rank).collect();
+            for (i, &s) in order_seed.iter().enumerate().take(rank) {
+                order.swap(i, s % rank);
+            }
+            let mut t = TensorMeta::contiguous(DType::U16, &shape);
+            t.strides = layout(&shape, &order, &pads[..rank]);
+            t.byte_offset = offset * 2;
+            let dim = dim % rank;
+            let count = count.min(shape[dim] as u32);
+            let dense_inside = (dim..rank).all(|k| {
+                shape[k] == 1 || t.strides[k] == shape[k + 1..].iter().product::<u64>()
+            });
+            match ChunkPlan::new(&t, dim, count) {
+                Ok(p) => {
+                    proptest::prop_assert_eq!(plan_bytes(&p), tensor_bytes(&t));
+                    for c in p.chunks() {
+                        let want = element_bytes(&t, Some((dim, c.start..c.end)));
+                        proptest::prop_assert_eq!(range_bytes(&c.ranges), want);
+                    }
+                }
+                Err(e) => proptest::prop_assert!(!dense_inside, "a dense layout refused: {e}"),
+            }
+        }
+
         /// Arbitrary tensors, dimensions and counts: an error or a plan whose ranges stay inside the
         /// tensor and add up to the tensor's bytes; never a panic.
         #[test]

@@ -452,6 +452,13 @@ impl WorkerClient {
         self.state.id.load(Ordering::Relaxed)
     }
 
+    /// Results and yields this worker sent that the service has not yet acknowledged (an ack
+    /// comes once the service's journal holds them; unacknowledged ones are sent again after a
+    /// reconnect).
+    pub fn unacknowledged(&self) -> usize {
+        self.state.held.lock().values().filter(|h| h.result.is_some()).count()
+    }
+
     /// Reports the end of an assignment (an error re-queues it; its text is the reason).
     pub async fn report<E: std::fmt::Display>(
         &self,
