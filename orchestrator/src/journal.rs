@@ -595,6 +595,44 @@ mod tests {
         assert_eq!(b.recent_by_request()[&1], Outcome::Completed { request: 1 });
     }
 
+    /// What a book keeps of outputs is bounded and free of repeats: an empty output is none,
+    /// an announced output (a checkpoint's reference too) is kept once, and neither list grows
+    /// past MAX_OUTPUTS.
+    #[test]
+    fn outputs_and_announcements_are_kept_once_and_bounded() {
+        let mut b = Book::default();
+        let start = Stage::Encode;
+        b.apply(&Fact::Submitted { request: 1, priority: Priority::Batch, start, inputs: vec![] });
+        b.apply(&Fact::Accepted { key: key(1, Stage::Encode), outputs: vec![] });
+        assert!(b.entries[&1].outputs.is_empty(), "an empty output is no output");
+        for _ in 0..3 {
+            b.apply(&Fact::Announced { request: 1, data: b"put".to_vec() });
+        }
+        let cp = |step, data: &[u8]| Fact::Checkpointed {
+            key: key(1, Stage::Denoise),
+            step,
+            data: data.to_vec(),
+        };
+        b.apply(&cp(4, b"put")); // the same reference: not again
+        b.apply(&cp(5, b"ckpt"));
+        b.apply(&cp(6, b"ckpt"));
+        b.apply(&cp(7, b""));
+        assert_eq!(b.entries[&1].announced, vec![b"put".to_vec(), b"ckpt".to_vec()]);
+        assert_eq!(b.entries[&1].checkpoint, Some((7, vec![])));
+        for i in 0..2 * MAX_OUTPUTS as u32 {
+            b.apply(&Fact::Announced { request: 1, data: i.to_le_bytes().to_vec() });
+            b.apply(&cp(8 + i, &(i + 1000).to_le_bytes()));
+        }
+        assert_eq!(b.entries[&1].announced.len(), MAX_OUTPUTS);
+        for i in 0..2 * MAX_OUTPUTS as u32 {
+            b.apply(&Fact::Accepted {
+                key: key(1, Stage::Denoise),
+                outputs: i.to_le_bytes().to_vec(),
+            });
+        }
+        assert_eq!(b.entries[&1].outputs.len(), MAX_OUTPUTS);
+    }
+
     #[test]
     fn a_yield_hands_the_job_to_nobody_and_a_given_checkpoint_is_never_released() {
         let mut b = Book::default();

@@ -997,6 +997,57 @@ mod tests {
         assert!(s.submit(sub, now));
     }
 
+    /// Attempts count per stage: a stage that needed a retry hands the next stage attempt 1,
+    /// and a stage run again for a lost input starts at attempt 1 too.
+    #[test]
+    fn every_stage_starts_at_attempt_one() {
+        let mut s = sched();
+        s.join(WorkerId(1), Stage::Encode, 1, "h", vec![], ms(0));
+        s.join(WorkerId(2), Stage::Denoise, 1, "h", vec![], ms(0));
+        s.join(WorkerId(3), Stage::Decode, 1, "h", vec![], ms(0)); // room for denoise's output
+        submit(&mut s, 1, Priority::Batch, ms(0));
+        let d = s.dispatch(ms(1));
+        let enc = d[0].item.key;
+        assert!(s.failed(enc, WorkerId(1), "flaky", ms(2)));
+        let d = s.dispatch(ms(3));
+        assert_eq!((d[0].item.key, d[0].item.attempt), (enc, 2), "the retry");
+        assert!(s.finished(enc, WorkerId(1), ms(4)));
+        let d = s.dispatch(ms(5));
+        let den = d[0].item.key;
+        assert_eq!((den.stage, d[0].item.attempt), (Stage::Denoise, 1), "the next stage");
+        // Denoise fails once, then finds its input gone on its second attempt: encode runs
+        // again, from attempt 1 (not the encode's 2 before, nor the denoise's 2).
+        assert!(s.failed(den, WorkerId(2), "flaky", ms(6)));
+        let d = s.dispatch(ms(7));
+        assert_eq!((d[0].item.key, d[0].item.attempt), (den, 2));
+        assert!(s.lost_input(den, WorkerId(2), "producer died", ms(8)));
+        let d = s.dispatch(ms(9));
+        assert_eq!((d[0].item.key, d[0].item.attempt), (enc, 1), "the stage run again");
+        assert_eq!(s.stats().dispatched, 5, "every dispatch counted");
+    }
+
+    /// A routing policy whose pick is out of range (a bug in someone's policy) gets the last
+    /// candidate, and credit still holds: the scheduler never indexes past its candidates.
+    #[test]
+    fn an_out_of_range_pick_is_clamped() {
+        struct Wild;
+        impl RoutingPolicy for Wild {
+            fn pick(&mut self, _: &Item, _: &[Candidate<'_>]) -> usize {
+                usize::MAX
+            }
+        }
+        let mut s = Scheduler::new(SchedConfig::default(), Box::new(Wild));
+        s.join(WorkerId(1), Stage::Encode, 1, "h", vec![], ms(0));
+        s.join(WorkerId(2), Stage::Encode, 2, "h", vec![], ms(0));
+        for r in 0..4 {
+            submit(&mut s, r, Priority::Batch, ms(0));
+        }
+        let d = s.dispatch(ms(1));
+        assert_eq!(d.len(), 3, "three slots");
+        let on = |w| d.iter().filter(|x| x.worker == WorkerId(w)).count();
+        assert_eq!((on(1), on(2)), (1, 2), "within each worker's credit");
+    }
+
     #[test]
     fn an_interactive_job_preempts_the_batch_job_dispatched_last() {
         let mut s = sched();

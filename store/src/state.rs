@@ -782,6 +782,21 @@ mod tests {
         }
     }
 
+    /// A TTL-only lease (no consumer count) leaves the object until its time, and removes it
+    /// then, not before.
+    #[test]
+    fn a_ttl_removes_the_object_at_its_time_and_not_before() {
+        let mut s = PoolState::new(40 * P, Marks { high: 40 * P, low: 30 * P }, false);
+        put(&mut s, "t", P, Retention::Pinned).unwrap();
+        let t0 = Instant::now();
+        s.set_lease(b"t", 0, Some(t0 + Duration::from_secs(10))).unwrap();
+        assert!(s.exists(b"t"), "a lease without a consumer count removed the object at once");
+        s.expire(t0 + Duration::from_secs(9));
+        assert!(s.exists(b"t"), "expired before its time");
+        s.expire(t0 + Duration::from_secs(10));
+        assert!(!s.exists(b"t"), "still there at its time");
+    }
+
     #[test]
     fn a_consumer_faster_than_the_lease_is_counted_when_it_comes() {
         let mut s = PoolState::new(40 * P, Marks { high: 40 * P, low: 30 * P }, false);

@@ -279,6 +279,27 @@ mod tests {
         assert!(check_preamble(b"GET / HT").is_err());
     }
 
+    #[test]
+    fn each_bound_of_a_header_is_checked_on_its_own() {
+        let key = AccessKey::from_bits(7);
+        let h = DataHeader::request(Kind::WriteReq, 1, RegionId(3), key, 0, 64);
+        // An unknown flag with zeroed reserved bytes, and reserved bytes with known flags.
+        let mut flag = h.encode();
+        flag[5] = 0x80;
+        assert!(DataHeader::decode(&flag).unwrap_err().to_string().contains("flags"));
+        let mut reserved = h.with_crc(1).encode();
+        reserved[6] = 1;
+        assert!(DataHeader::decode(&reserved).unwrap_err().to_string().contains("reserved"));
+        // An error response carries at most an encoded error, whatever its kind.
+        let err = DataHeader::response(Kind::ReadResp, 1, false, MAX_ERROR_BYTES as u64 + 1);
+        assert!(matches!(DataHeader::decode(&err.encode()), Err(Error::Capacity { .. })));
+        // An ack echoes its op's length, which may be far more than a piece: no payload follows.
+        for kind in [Kind::WriteAck, Kind::NotifyAck] {
+            let ack = DataHeader::response(kind, 1, true, 1 << 40);
+            assert_eq!(DataHeader::decode(&ack.encode()).unwrap().payload_len(), 0, "{kind:?}");
+        }
+    }
+
     proptest! {
         #[test]
         fn decode_is_total(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
