@@ -631,6 +631,32 @@ mod tests {
             });
         }
         assert_eq!(b.entries[&1].outputs.len(), MAX_OUTPUTS);
+        // A request ends once: a later outcome (a late report) does not replace the first.
+        b.apply(&Fact::Ended(Outcome::Completed { request: 1 }));
+        b.apply(&Fact::Ended(Outcome::Failed { request: 1, reason: "late".into() }));
+        assert_eq!(b.entries[&1].ended, Some(Outcome::Completed { request: 1 }));
+    }
+
+    /// A record's length is checked against MAX_RECORD before its bytes are looked at: one of
+    /// MAX_RECORD bytes is read (and found unreadable here), one byte more stops the replay at
+    /// its header, however many bytes follow.
+    #[test]
+    fn replay_bounds_a_record_at_max_record_inclusive() {
+        let record = |len: usize, body: &[u8]| {
+            let mut b = (len as u32).to_le_bytes().to_vec();
+            b.extend(crc32c::crc32c(body).to_le_bytes());
+            b.extend(body);
+            b
+        };
+        let zeros = vec![0u8; MAX_RECORD];
+        let at_bound = replay(&record(MAX_RECORD, &zeros));
+        assert!(at_bound.stopped.as_deref().unwrap().contains("unreadable record"), "{at_bound:?}");
+        let mut past = vec![0u8; MAX_RECORD + 1];
+        past[..MAX_RECORD].copy_from_slice(&zeros);
+        let over = replay(&record(MAX_RECORD + 1, &past));
+        assert!(over.stopped.as_deref().unwrap().contains("a record of"), "{:?}", over.stopped);
+        let huge = replay(&record(u32::MAX as usize, &[]));
+        assert!(huge.stopped.as_deref().unwrap().contains("a record of"), "{:?}", huge.stopped);
     }
 
     #[test]

@@ -1026,6 +1026,33 @@ mod tests {
         assert_eq!(s.stats().dispatched, 5, "every dispatch counted");
     }
 
+    /// After a restart, a parked item is claimed only by a worker of its stage that says the
+    /// attempt the journal has; the claim takes one of that worker's slots and counts as running.
+    #[test]
+    fn a_parked_item_is_claimed_only_with_its_stage_and_attempt() {
+        let mut s = sched();
+        let r = Restore {
+            request: 4,
+            priority: Priority::Batch,
+            stage: Stage::Denoise,
+            attempt: 2,
+            reruns: 0,
+        };
+        assert!(s.restore(r, ms(5000), ms(0)));
+        s.join(WorkerId(1), Stage::Encode, 2, "h", vec![], ms(0));
+        s.join(WorkerId(2), Stage::Denoise, 2, "h", vec![], ms(0));
+        let key = ItemKey { request: 4, stage: Stage::Denoise };
+        assert!(!s.claim(key, WorkerId(1), 2, ms(1)), "a worker of another stage");
+        assert!(!s.claim(key, WorkerId(2), 1, ms(1)), "another attempt");
+        assert!(!s.claim(key, WorkerId(9), 2, ms(1)), "an unknown worker");
+        assert_eq!((s.parked(), s.running(Stage::Denoise)), (1, 0));
+        assert!(s.claim(key, WorkerId(2), 2, ms(1)));
+        assert_eq!((s.parked(), s.running(Stage::Denoise)), (0, 1));
+        assert_eq!(s.holder(key), Some(WorkerId(2)));
+        assert_eq!(s.free_slots(Stage::Denoise), 1, "the claim holds one of its two slots");
+        assert!(!s.claim(key, WorkerId(2), 2, ms(2)), "claimed once");
+    }
+
     /// A routing policy whose pick is out of range (a bug in someone's policy) gets the last
     /// candidate, and credit still holds: the scheduler never indexes past its candidates.
     #[test]
