@@ -608,6 +608,7 @@ mod tests {
         for _ in 0..3 {
             b.apply(&Fact::Announced { request: 1, data: b"put".to_vec() });
         }
+        assert_eq!(b.entries[&1].announced, vec![b"put".to_vec()], "announced once");
         let cp = |step, data: &[u8]| Fact::Checkpointed {
             key: key(1, Stage::Denoise),
             step,

@@ -1053,6 +1053,36 @@ mod tests {
         assert!(!s.claim(key, WorkerId(2), 2, ms(2)), "claimed once");
     }
 
+    /// A claimed job gets a sequence number of its own: as a preemption victim it stands beside
+    /// the jobs dispatched before it (two interactive jobs waiting ask both batch jobs to yield,
+    /// the claimed one first: it started last).
+    #[test]
+    fn a_claimed_job_is_a_victim_of_its_own() {
+        let mut s = sched();
+        let r = Restore {
+            request: 1,
+            priority: Priority::Batch,
+            stage: Stage::Denoise,
+            attempt: 1,
+            reruns: 0,
+        };
+        assert!(s.restore(r, ms(5000), ms(0)));
+        s.join(WorkerId(1), Stage::Denoise, 1, "h", vec![], ms(0));
+        s.join(WorkerId(2), Stage::Denoise, 1, "h", vec![], ms(0));
+        s.join(WorkerId(3), Stage::Decode, 4, "h", vec![], ms(0));
+        to_denoise(&mut s, 2, Priority::Batch, ms(1));
+        let d = s.dispatch(ms(2));
+        assert_eq!((d.len(), d[0].worker), (1, WorkerId(1)));
+        let claimed = ItemKey { request: 1, stage: Stage::Denoise };
+        assert!(s.claim(claimed, WorkerId(2), 1, ms(3)));
+        to_denoise(&mut s, 10, Priority::Interactive, ms(4));
+        to_denoise(&mut s, 11, Priority::Interactive, ms(4));
+        assert!(s.dispatch(ms(5)).is_empty());
+        let asks = s.take_asks();
+        let batch = ItemKey { request: 2, stage: Stage::Denoise };
+        assert_eq!(asks, vec![(WorkerId(2), claimed), (WorkerId(1), batch)]);
+    }
+
     /// A routing policy whose pick is out of range (a bug in someone's policy) gets the last
     /// candidate, and credit still holds: the scheduler never indexes past its candidates.
     #[test]
