@@ -477,4 +477,17 @@ mod tests {
         let p = ChunkPlan::new(&t, 1, 2).unwrap();
         assert!(p.chunks().iter().all(|c| c.ranges.is_empty()));
     }
+
+    #[test]
+    fn an_empty_inner_dimension_gives_chunks_without_ranges() {
+        // Two leading rows, each contributing a zero-byte run to every chunk: none is a range.
+        let t = TensorMeta::contiguous(DType::F32, &[2, 3, 0]);
+        let p = ChunkPlan::new(&t, 1, 3).unwrap();
+        assert_eq!(p.len(), 3);
+        for c in p.chunks() {
+            assert!(c.ranges.is_empty(), "chunk {}: {:?}", c.index, c.ranges);
+            assert_eq!(c.end - c.start, 1);
+        }
+        assert_eq!(p.total_bytes(), 0);
+    }
 }
