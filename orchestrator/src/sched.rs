@@ -1152,6 +1152,23 @@ mod tests {
     }
 
     #[test]
+    fn a_credit_replaces_the_workers_slots_in_its_stages_total() {
+        let mut s = sched();
+        s.join(WorkerId(1), Stage::Denoise, 2, "h", vec![], ms(0));
+        s.join(WorkerId(2), Stage::Denoise, 1, "h", vec![], ms(0));
+        s.join(WorkerId(3), Stage::Decode, 5, "h", vec![], ms(0));
+        assert_eq!(s.slots(Stage::Denoise), 3);
+        s.credit(WorkerId(1), 4, ms(1));
+        assert_eq!(s.slots(Stage::Denoise), 5, "2 replaced by 4");
+        s.credit(WorkerId(1), 1, ms(2));
+        assert_eq!(s.slots(Stage::Denoise), 2, "4 replaced by 1");
+        assert_eq!(s.free_slots(Stage::Denoise), 2);
+        assert_eq!(s.slots(Stage::Decode), 5, "another stage's total is untouched");
+        s.credit(WorkerId(9), 7, ms(3));
+        assert_eq!(s.slots(Stage::Denoise), 2, "an unknown worker's credit counts nowhere");
+    }
+
+    #[test]
     fn a_draining_worker_yields_its_jobs_and_takes_no_more() {
         let mut s = sched();
         s.join(WorkerId(1), Stage::Denoise, 2, "h", vec![], ms(0));

@@ -248,6 +248,20 @@ mod tests {
     }
 
     #[test]
+    fn rows_that_follow_each_other_in_memory_are_one_range() {
+        // One chunk along dimension 1 takes both leading rows whole: 0..48 and 48..96 are one run.
+        let t = TensorMeta::contiguous(DType::F32, &[2, 4, 3]);
+        let p = ChunkPlan::new(&t, 1, 1).unwrap();
+        assert_eq!(p.chunk(0).unwrap().ranges, vec![ByteRange { offset: 0, len: 96 }]);
+        // Two chunks: each row's half is its own run.
+        let p = ChunkPlan::new(&t, 1, 2).unwrap();
+        assert_eq!(
+            p.chunk(1).unwrap().ranges,
+            vec![ByteRange { offset: 24, len: 24 }, ByteRange { offset: 72, len: 24 }]
+        );
+    }
+
+    #[test]
     fn strided_leading_dimension_and_byte_offset() {
         // A [2, 4] view with row stride 6 (padding), starting 16 bytes in.
         let mut t = TensorMeta::contiguous(DType::U16, &[2, 4]);
