@@ -23,7 +23,7 @@ chunks land straight in ``dst``. Every wait takes a ``timeout`` in seconds and r
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Tuple, Union
 
 from . import _native
 
@@ -191,12 +191,19 @@ class DiffusionConnector:
 
     def consume(self, handle: Handle, dst: Any, timeout: float = 30.0, hold: bool = False) -> Iterator[Any]:
         """Fetches the payload into ``dst`` (contiguous, the payload's dtype and shape) and yields
-        each chunk as it lands, as a view of ``dst``; the payload is consumed when the iteration
+        each chunk as it lands (in any order), as a view of ``dst``; the payload is consumed when the iteration
         ends. ``timeout`` bounds each wait for a chunk. With ``hold``, the payload is not reported
         consumed: it stays (for a retry of this stage, should this worker die) until
         ``release(handle)``, called once the work that used it is committed."""
         c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout)
         return _chunks(c, dst, timeout)
+
+    def consume_ranges(self, handle: Handle, dst: Any, timeout: float = 30.0,
+                       hold: bool = False) -> Iterator[Tuple[int, int, Any]]:
+        """``consume``, yielding ``(start, end, view)`` per chunk: chunks land in any order, and
+        ``[start, end)`` says where along the chunk dimension this one is."""
+        c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout)
+        return _ranges(c, dst, timeout)
 
     def release(self, handle: Handle, timeout: float = 30.0, wait: bool = True) -> None:
         """Reports the payload consumed: the end of a ``hold`` consume. A producer that is gone
@@ -220,14 +227,19 @@ class DiffusionConnector:
         self.engine.shutdown(timeout=timeout)
 
 
-def _chunks(c: "_native.Consumption", dst: Any, timeout: float) -> Iterator[Any]:
+def _ranges(c: "_native.Consumption", dst: Any, timeout: float) -> Iterator[Tuple[int, int, Any]]:
     dim = c.chunk_dim
     while True:
         landed = c.next(timeout=timeout)
         if landed is None:
             return
         _, start, end = landed
-        yield chunk_view(dst, dim, start, end)
+        yield start, end, chunk_view(dst, dim, start, end)
+
+
+def _chunks(c: "_native.Consumption", dst: Any, timeout: float) -> Iterator[Any]:
+    for _, _, view in _ranges(c, dst, timeout):
+        yield view
 
 
 def _make_store(engine: "_native.Engine", cfg: Optional[dict]) -> Optional["_native.Store"]:

@@ -1,10 +1,14 @@
 """A second implementation of tensorwire's cache-key format (diffusion/src/cache/keys.rs), in
 plain Python from its description, checked against the test vectors the Rust implementation
-checks too (diffusion/tests/cache_keys.txt): the format is what the text says."""
+checks too (diffusion/tests/cache_keys.txt): the format is what the text says. The embedding key
+is the package's own (tensorwire.pipelines.cache, which the embedding cache uses); cfg and
+checkpoint keys are computed here."""
 
 import hashlib
 import pathlib
 import struct
+
+from tensorwire.pipelines.cache import embedding_key
 
 VECTORS = pathlib.Path(__file__).resolve().parents[2] / "diffusion" / "tests" / "cache_keys.txt"
 
@@ -18,13 +22,8 @@ def _head(domain: str) -> bytes:
 
 
 def embedding(encoder, version, prompt, negative, params):
-    m = _head("tensorwire/embedding") + _s(encoder.encode()) + _s(version.encode())
-    m += _s(prompt.encode()) + bytes([negative])
-    pairs = sorted(tuple(p.split("=", 1)) for p in params.split(",")) if params else []
-    m += struct.pack("<I", len(pairs))
-    for k, v in pairs:
-        m += _s(k.encode()) + _s(v.encode())
-    return hashlib.sha256(m).hexdigest()
+    pairs = [tuple(p.split("=", 1)) for p in params.split(",")] if params else []
+    return embedding_key(encoder, version, prompt, bool(negative), pairs)
 
 
 def cfg(model, neg, step, w, h, frames, sampler, state):
