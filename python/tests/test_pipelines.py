@@ -220,6 +220,21 @@ def test_a_job_preempted_at_step_k_resumes_elsewhere_to_the_same_image(sd3, sd3_
     assert torch.equal(image.decode(second, latent), ref)
 
 
+def test_a_video_job_preempted_at_a_step_resumes_elsewhere_to_the_same_video(wan):
+    ref = video.generate(wan, "waves", seed=4, **VIDEO)
+    cond = video.encode(wan, "waves")
+    saved = {}
+
+    def after(step, latents):
+        saved["state"] = checkpoint.encode(video.state(wan, step, latents))
+        return step < 2
+
+    assert video.denoise(wan, cond, seed=4, after_step=after, **VIDEO) is None
+    elsewhere = video.tiny(seed=0)
+    latent = video.denoise(elsewhere, cond, seed=4, resume=checkpoint.decode(saved["state"]), **VIDEO)
+    assert torch.equal(video.decode(elsewhere, latent), ref)
+
+
 def test_a_resume_without_the_solvers_history_is_not_the_same_image(sd3_unipc):
     """The oracle above is sensitive: a checkpoint of only the latents and the step index (the
     multistep solver's history dropped) resumes to another image."""

@@ -43,6 +43,12 @@ class StepState:
     scheduler: Dict[str, Any]  # {"class", "config", "fields", "lists", "tensors": {name: tensor}}
 
 
+def state(pipe: Any, step: int, latents: Any) -> StepState:
+    """A pipeline's denoise job after ``step`` steps (for ``after_step``): a checkpoint to resume
+    from."""
+    return StepState(step, latents.detach().clone(), capture(pipe.scheduler))
+
+
 def _config_digest(scheduler: Any) -> str:
     return hashlib.sha256(json.dumps(dict(scheduler.config), sort_keys=True, default=str).encode()).hexdigest()
 

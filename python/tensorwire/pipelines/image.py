@@ -10,8 +10,10 @@ is the pipeline's ``encode_prompt``, ``denoise`` is the pipeline's denoising loo
 
 from typing import Any, Callable, Dict, Optional
 
-from .checkpoint import StepState, capture, restore
+from .checkpoint import StepState, restore, state
 from .tokenizer import VOCAB_SIZE, byte_tokenizer
+
+__all__ = ["CONDITION", "tiny", "load", "encode", "denoise", "state", "decode", "generate"]
 
 # The tensors encode hands to denoise, by the pipeline's argument names.
 CONDITION = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
@@ -135,11 +137,6 @@ def denoise(pipe: Any, condition: Dict[str, Any], seed: int, steps: int = 8, hei
             if after_step is not None and not after_step(i + 1, latents):
                 return None
     return latents
-
-
-def state(pipe: Any, step: int, latents: Any) -> StepState:
-    """The job's state after ``step`` steps (for ``after_step``): a checkpoint to resume from."""
-    return StepState(step, latents.detach().clone(), capture(pipe.scheduler))
 
 
 def decode(pipe: Any, latent: Any) -> Any:

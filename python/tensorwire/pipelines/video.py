@@ -1,8 +1,9 @@
 """A Wan-style video model, split into its three stages, with a decode that starts on the first
 temporal chunk of the latent.
 
-``encode`` is ``WanPipeline.encode_prompt`` (a UMT5 encoder), ``denoise`` is the pipeline called with
-the embeddings and ``output_type="latent"``, ``decode`` is the pipeline's own latent-to-video step
+``encode`` is ``WanPipeline.encode_prompt`` (a UMT5 encoder), ``denoise`` is the pipeline's
+denoising loop step for step (it stops after a step and resumes from a checkpoint, as the image
+model's does), ``decode`` is the pipeline's own latent-to-video step
 and ``ChunkedDecode`` is the same decode fed one temporal chunk at a time as the chunks land.
 
 Why chunked decode is exact: ``AutoencoderKLWan`` decodes a latent one frame at a time, its causal
@@ -14,10 +15,13 @@ each chunk as it arrives, carrying the cache across chunks, so its output is the
 number of frames it would not be, and the example's ``--check`` reports the largest difference).
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+from .checkpoint import StepState, restore, state
 from .image import _ready
 from .tokenizer import VOCAB_SIZE, byte_tokenizer
+
+__all__ = ["CONDITION", "tiny", "load", "encode", "denoise", "state", "decode", "generate", "ChunkedDecode"]
 
 CONDITION = ("prompt_embeds", "negative_prompt_embeds")
 
@@ -69,14 +73,64 @@ def encode(pipe: Any, prompt: str, negative_prompt: str = "", guidance_scale: fl
 
 
 def denoise(pipe: Any, condition: Dict[str, Any], seed: int, steps: int = 4, frames: int = 9, height: int = 64,
-            width: int = 64, guidance_scale: float = 5.0) -> Any:
-    """DiT Denoise: the final latent, ``[batch, 16, 1 + (frames - 1) / 4, height / 8, width / 8]``."""
+            width: int = 64, guidance_scale: float = 5.0, guidance_scale_2: Optional[float] = None, *,
+            resume: Optional[StepState] = None,
+            after_step: Optional[Callable[[int, Any], bool]] = None) -> Optional[Any]:
+    """DiT Denoise: the final latent, ``[batch, 16, 1 + (frames - 1) / 4, height / 8, width / 8]``.
+
+    The loop of ``WanPipeline.__call__`` (the same operations in the same order: Wan 2.1's one
+    transformer, Wan 2.2's two with their boundary, expanded timesteps), with ``after_step`` and
+    ``resume`` as in ``image.denoise``."""
     import torch
 
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    if (frames - 1) % pipe.vae_scale_factor_temporal:
+        raise ValueError(f"frames must be {pipe.vae_scale_factor_temporal}k + 1, not {frames}")
+    model = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+    dtype = model.dtype
+    cfg = guidance_scale > 1
+    embeds = condition["prompt_embeds"].to(dtype)
+    negative = condition["negative_prompt_embeds"].to(dtype) if cfg else None
+    boundary = None
+    if pipe.config.boundary_ratio is not None:
+        boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+        guidance_scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+    device = pipe._execution_device
     with torch.no_grad():
-        return pipe(height=height, width=width, num_frames=frames, num_inference_steps=steps,
-                    guidance_scale=guidance_scale, generator=generator, output_type="latent", **condition).frames
+        if resume is None:
+            pipe.scheduler.set_timesteps(steps, device=device)
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            latents = pipe.prepare_latents(embeds.shape[0], model.config.in_channels, height, width, frames,
+                                           torch.float32, device, generator, None)
+            pipe.scheduler.set_begin_index(0)
+            start = 0
+        else:
+            restore(pipe.scheduler, resume.scheduler, device)
+            latents, start = resume.latents.to(device), resume.step
+        timesteps = pipe.scheduler.timesteps
+        mask = torch.ones(latents.shape, dtype=torch.float32, device=device)
+        for i in range(start, len(timesteps)):
+            t = timesteps[i]
+            current, scale = pipe.transformer, guidance_scale
+            if boundary is not None and t < boundary:
+                current, scale = pipe.transformer_2, guidance_scale_2
+            x = latents.to(dtype)
+            if pipe.config.expand_timesteps:
+                timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
+            else:
+                timestep = t.expand(latents.shape[0])
+            ctx = {"step_index": i, "sigma": float(pipe.scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
+            with current.cache_context("cond", **ctx):
+                noise = current(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
+                                attention_kwargs=None, return_dict=False)[0]
+            if cfg:
+                with current.cache_context("uncond", **ctx):
+                    uncond = current(hidden_states=x, timestep=timestep, encoder_hidden_states=negative,
+                                     attention_kwargs=None, return_dict=False)[0]
+                noise = uncond + scale * (noise - uncond)
+            latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
+            if after_step is not None and not after_step(i + 1, latents):
+                return None
+    return latents
 
 
 def _unnormalised(vae: Any, latent: Any) -> Any:
