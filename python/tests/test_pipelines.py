@@ -350,3 +350,14 @@ def test_an_embedding_cache_hit_gives_the_same_image(sd3):
     assert cache.put(key, image.encode(sd3, "a red fox")), "a second put of the same entry is fine"
     cache.store.remove(f"{key}/pooled_prompt_embeds")
     assert cache.get(key) is None, "an entry with a part evicted is a miss"
+
+
+@pytest.mark.parametrize("model", [image, video], ids=["image", "video"])
+def test_weights_saved_to_a_directory_load_to_the_same_output(model, tmp_path):
+    """``load(DIR)`` is the path real weights take (``from_pretrained`` of a local directory)."""
+    built = model.tiny(seed=0)
+    built.save_pretrained(str(tmp_path))
+    loaded = model.load(str(tmp_path))
+    assert not loaded.transformer.training
+    knobs = {"steps": 2, "height": 64, "width": 64}
+    assert torch.equal(model.generate(built, "fox", seed=1, **knobs), model.generate(loaded, "fox", seed=1, **knobs))
