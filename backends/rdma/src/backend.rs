@@ -250,8 +250,13 @@ impl Backend for RdmaBackend {
 
     async fn deregister(&self, id: RegionId) -> Result<()> {
         let s = &self.shared;
-        // Peers that lease the region give it back first (bounded), then its MRs go (once no
-        // op of ours still uses them), then any lease a peer did not give back is revoked.
+        // No lease is granted from now on (a grant checks this after holding its lease, so a
+        // lease granted meanwhile is among the holders below). Peers that lease the region give
+        // it back first (bounded), then its MRs go (once no op of ours still uses them), then
+        // any lease a peer did not give back is revoked.
+        if let Some(r) = s.region(id) {
+            r.closing.store(true, Ordering::SeqCst);
+        }
         let holders: Vec<Arc<InConn>> =
             s.inbound.live().into_iter().filter(|c| c.holds(id)).collect();
         for c in &holders {

@@ -100,6 +100,10 @@ struct State {
     /// Leases the target asked back, with their ops still running.
     retiring: HashMap<LeaseKey, u32>,
     asked: HashSet<LeaseKey>,
+    /// Leases asked for whose region the target asked back before its grant arrived (the
+    /// target sends `Forget` as soon as it holds the lease, and the grant may come after it):
+    /// the grant serves the ops that waited for it and then goes back, never cached.
+    forgotten: HashSet<LeaseKey>,
     waiting: HashMap<LeaseKey, Vec<OpCtx>>,
     places: HashMap<u64, Place>,
     closed: Option<Error>,
@@ -235,6 +239,7 @@ pub(crate) async fn connect(s: &Arc<Shared>, peer: &PeerBackendInfo) -> Result<A
             leases: HashMap::new(),
             retiring: HashMap::new(),
             asked: HashSet::new(),
+            forgotten: HashSet::new(),
             waiting: HashMap::new(),
             places: HashMap::new(),
             closed: None,
@@ -312,6 +317,15 @@ impl State {
         let id = ctx.id;
         let k = self.dispatch.submit(ctx, len, allowed, preferred, now, out);
         self.places.insert(id, Place::Dispatch(k));
+    }
+
+    /// A lease the target asked back: given back now if no op uses it, else once the last ends.
+    fn retire(&mut self, key: LeaseKey, users: u32, sender: &Sender) {
+        if users == 0 {
+            sender.send_later(Msg::Released { region: key.0, write: key.1 });
+        } else {
+            self.retiring.insert(key, users);
+        }
     }
 
     /// An op left: its lease has one user less (a retiring lease is given back at zero).
@@ -540,19 +554,18 @@ impl ConnShared {
         self.finish(after);
     }
 
-    /// The target asked `region` back: its leases retire, given back once their ops end.
+    /// The target asked `region` back: its leases retire, given back once their ops end, and
+    /// so do the leases of it still being asked for, once granted.
     fn forget(&self, region: RegionId) {
         let mut st = lock(&self.state);
         let keys: Vec<LeaseKey> = st.leases.keys().filter(|k| k.0 == region).copied().collect();
         for k in keys {
             if let Some((_, users)) = st.leases.remove(&k) {
-                if users == 0 {
-                    self.sender.send_later(Msg::Released { region, write: k.1 });
-                } else {
-                    st.retiring.insert(k, users);
-                }
+                st.retire(k, users, &self.sender);
             }
         }
+        let asked: Vec<LeaseKey> = st.asked.iter().filter(|k| k.0 == region).copied().collect();
+        st.forgotten.extend(asked);
     }
 
     /// Cancels op `id` (its completion was dropped); for a READ, returns only once none of its
@@ -810,6 +823,7 @@ async fn ask_lease(conn: Weak<ConnShared>, key: LeaseKey, blob: Bytes) {
     {
         let mut st = lock(&c.state);
         st.asked.remove(&key);
+        let forgotten = st.forgotten.remove(&key);
         let waiting = st.waiting.remove(&key).unwrap_or_default();
         let mut out = Vec::new();
         match granted {
@@ -818,6 +832,11 @@ async fn ask_lease(conn: Weak<ConnShared>, key: LeaseKey, blob: Bytes) {
                 st.leases.insert(key, (lease.clone(), 0));
                 for ctx in waiting {
                     st.start(ctx, &lease, now, &mut out, &mut after);
+                }
+                if forgotten {
+                    if let Some((_, users)) = st.leases.remove(&key) {
+                        st.retire(key, users, &c.sender);
+                    }
                 }
             }
             Ok(_) => {

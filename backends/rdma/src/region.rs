@@ -6,6 +6,7 @@
 use std::fmt::Debug;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use tensorwire_core::backend::RegionInfo;
 use tensorwire_core::{Error, MemoryKind, Permissions, RegionId, Result};
@@ -34,6 +35,8 @@ pub(crate) struct LocalRegion {
     pub(crate) preferred: u64,
     /// Its length.
     pub(crate) len: u64,
+    /// Set when its deregistration starts: no lease is granted from then on.
+    pub(crate) closing: AtomicBool,
 }
 
 impl LocalRegion {
@@ -82,6 +85,7 @@ pub(crate) fn register(
             mrs: nics.iter().map(|_| None).collect(),
             preferred: 0,
             len,
+            closing: AtomicBool::new(false),
         }));
     }
     let (mrs, place) = match region.kind {
@@ -124,7 +128,12 @@ pub(crate) fn register(
                             .ok()
                     })
                     .collect();
-                let r = LocalRegion { mrs, preferred: crate::dispatch::mask_of(nics.len()), len };
+                let r = LocalRegion {
+                    mrs,
+                    preferred: crate::dispatch::mask_of(nics.len()),
+                    len,
+                    closing: AtomicBool::new(false),
+                };
                 return Ok((r.on() != 0).then_some(r));
             };
             let (fd, offset) = dev.dmabuf(region.base() as u64, len, ordinal)?;
@@ -145,7 +154,12 @@ pub(crate) fn register(
             (mrs, Placement::Device(dev.pci_path(ordinal)))
         }
     };
-    let r = LocalRegion { mrs, preferred: affinity::preferred(infos, &place), len };
+    let r = LocalRegion {
+        mrs,
+        preferred: affinity::preferred(infos, &place),
+        len,
+        closing: AtomicBool::new(false),
+    };
     if r.on() == 0 {
         return Ok(None);
     }

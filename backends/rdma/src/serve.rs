@@ -11,11 +11,12 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 
 use tensorwire_core::backend::RemoteRange;
 use tensorwire_core::region::{Access, MemSlice};
-use tensorwire_core::{Error, RegionId, Result};
+use tensorwire_core::{Error, Missing, RegionId, Result};
 use tokio::net::TcpStream;
 
 use crate::NAME;
@@ -208,5 +209,11 @@ fn lease(
         });
     }
     leases.insert((region, write), whole);
+    // Checked with the lease held: a deregistration that began before this saw no lease of
+    // ours and will not ask it back, so it is not granted.
+    if local.closing.load(Ordering::SeqCst) {
+        leases.remove(&(region, write));
+        return Err(Error::NotFound(Missing::Deregistered(region)));
+    }
     Ok((local.len, local.bases()))
 }
