@@ -1,6 +1,7 @@
 """Step checkpoints of a denoise job: the latents at step ``k`` and the real scheduler's state,
 in a portable encoding, kept in a store; the orchestrator carries a small reference to them
-(its checkpoint data is at most 48 KiB, a latent is not).
+(its checkpoint data is at most 48 KiB, a latent is not). ``steps`` is the denoising loop both
+models run, which stops after a step and resumes from a state.
 
 The scheduler state is every attribute of the diffusers scheduler object beside its config: its
 tensors (sigmas, timesteps, a multistep solver's history of model outputs and last sample), lists
@@ -25,7 +26,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 MAGIC = b"TWSS"
 VERSION = 1
@@ -41,6 +42,30 @@ class StepState:
     step: int
     latents: Any
     scheduler: Dict[str, Any]  # {"class", "config", "fields", "lists", "tensors": {name: tensor}}
+
+
+def steps(pipe: Any, device: Any, resume: Optional[StepState], fresh: Callable[[], Any],
+          predict: Callable[[int, Any, Any], Any], after_step: Optional[Callable[[int, Any], bool]]) -> Optional[Any]:
+    """A denoising loop that can stop after a step and resume from one: starts from ``fresh()``
+    (which prepares the latents and sets the scheduler's timesteps) or from ``resume``, then for
+    each remaining step ``i`` steps the scheduler with ``predict(i, t, latents)`` (the model's
+    guided noise prediction). ``after_step(k, latents)`` runs after step ``k`` (1-based); when it
+    returns False the loop stops and returns None."""
+    import torch
+
+    with torch.no_grad():
+        if resume is None:
+            latents, start = fresh(), 0
+        else:
+            restore(pipe.scheduler, resume.scheduler, device)
+            latents, start = resume.latents.to(device), resume.step
+        timesteps = pipe.scheduler.timesteps
+        for i in range(start, len(timesteps)):
+            t = timesteps[i]
+            latents = pipe.scheduler.step(predict(i, t, latents), t, latents, return_dict=False)[0]
+            if after_step is not None and not after_step(i + 1, latents):
+                return None
+    return latents
 
 
 def state(pipe: Any, step: int, latents: Any) -> StepState:

@@ -10,7 +10,8 @@ is the pipeline's ``encode_prompt``, ``denoise`` is the pipeline's denoising loo
 
 from typing import Any, Callable, Dict, Optional
 
-from .checkpoint import StepState, restore, state
+from .checkpoint import StepState, state
+from .checkpoint import steps as denoise_steps
 from .tokenizer import VOCAB_SIZE, byte_tokenizer
 
 __all__ = ["CONDITION", "tiny", "load", "encode", "denoise", "state", "decode", "generate"]
@@ -108,35 +109,31 @@ def denoise(pipe: Any, condition: Dict[str, Any], seed: int, steps: int = 8, hei
         embeds = torch.cat([condition["negative_prompt_embeds"], embeds], dim=0)
         pooled = torch.cat([condition["negative_pooled_prompt_embeds"], pooled], dim=0)
     device = pipe._execution_device
-    with torch.no_grad():
-        if resume is None:
-            generator = torch.Generator(device="cpu").manual_seed(seed)
-            batch = condition["prompt_embeds"].shape[0]
-            latents = pipe.prepare_latents(batch, pipe.transformer.config.in_channels, height, width, embeds.dtype,
-                                           device, generator, None)
-            kwargs = {}
-            if pipe.scheduler.config.get("use_dynamic_shifting", None):
-                c, p = pipe.scheduler.config, pipe.transformer.config.patch_size
-                kwargs["mu"] = calculate_shift((latents.shape[2] // p) * (latents.shape[3] // p),
-                                               c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                               c.get("base_shift", 0.5), c.get("max_shift", 1.16))
-            timesteps, _ = retrieve_timesteps(pipe.scheduler, steps, device, **kwargs)
-            start = 0
-        else:
-            restore(pipe.scheduler, resume.scheduler, device)
-            latents, timesteps, start = resume.latents.to(device), pipe.scheduler.timesteps, resume.step
-        for i in range(start, len(timesteps)):
-            t = timesteps[i]
-            x = torch.cat([latents] * 2) if cfg else latents
-            noise = pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=embeds,
-                                     pooled_projections=pooled, joint_attention_kwargs=None, return_dict=False)[0]
-            if cfg:
-                uncond, text = noise.chunk(2)
-                noise = uncond + guidance_scale * (text - uncond)
-            latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
-            if after_step is not None and not after_step(i + 1, latents):
-                return None
-    return latents
+
+    def fresh() -> Any:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        batch = condition["prompt_embeds"].shape[0]
+        latents = pipe.prepare_latents(batch, pipe.transformer.config.in_channels, height, width, embeds.dtype,
+                                       device, generator, None)
+        kwargs = {}
+        if pipe.scheduler.config.get("use_dynamic_shifting", None):
+            c, p = pipe.scheduler.config, pipe.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift((latents.shape[2] // p) * (latents.shape[3] // p),
+                                           c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+        retrieve_timesteps(pipe.scheduler, steps, device, **kwargs)
+        return latents
+
+    def predict(i: int, t: Any, latents: Any) -> Any:
+        x = torch.cat([latents] * 2) if cfg else latents
+        noise = pipe.transformer(hidden_states=x, timestep=t.expand(x.shape[0]), encoder_hidden_states=embeds,
+                                 pooled_projections=pooled, joint_attention_kwargs=None, return_dict=False)[0]
+        if not cfg:
+            return noise
+        uncond, text = noise.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    return denoise_steps(pipe, device, resume, fresh, predict, after_step)
 
 
 def decode(pipe: Any, latent: Any) -> Any:

@@ -17,7 +17,8 @@ number of frames it would not be, and the example's ``--check`` reports the larg
 
 from typing import Any, Callable, Dict, List, Optional
 
-from .checkpoint import StepState, restore, state
+from .checkpoint import StepState, state
+from .checkpoint import steps as denoise_steps
 from .image import _ready
 from .tokenizer import VOCAB_SIZE, byte_tokenizer
 
@@ -95,42 +96,38 @@ def denoise(pipe: Any, condition: Dict[str, Any], seed: int, steps: int = 4, fra
         boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
         guidance_scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
     device = pipe._execution_device
-    with torch.no_grad():
-        if resume is None:
-            pipe.scheduler.set_timesteps(steps, device=device)
-            generator = torch.Generator(device="cpu").manual_seed(seed)
-            latents = pipe.prepare_latents(embeds.shape[0], model.config.in_channels, height, width, frames,
-                                           torch.float32, device, generator, None)
-            pipe.scheduler.set_begin_index(0)
-            start = 0
+
+    def fresh() -> Any:
+        pipe.scheduler.set_timesteps(steps, device=device)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        latents = pipe.prepare_latents(embeds.shape[0], model.config.in_channels, height, width, frames,
+                                       torch.float32, device, generator, None)
+        pipe.scheduler.set_begin_index(0)
+        return latents
+
+    def predict(i: int, t: Any, latents: Any) -> Any:
+        current, scale = pipe.transformer, guidance_scale
+        if boundary is not None and t < boundary:
+            current, scale = pipe.transformer_2, guidance_scale_2
+        x = latents.to(dtype)
+        if pipe.config.expand_timesteps:
+            mask = torch.ones(latents.shape, dtype=torch.float32, device=device)
+            timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
         else:
-            restore(pipe.scheduler, resume.scheduler, device)
-            latents, start = resume.latents.to(device), resume.step
-        timesteps = pipe.scheduler.timesteps
-        mask = torch.ones(latents.shape, dtype=torch.float32, device=device)
-        for i in range(start, len(timesteps)):
-            t = timesteps[i]
-            current, scale = pipe.transformer, guidance_scale
-            if boundary is not None and t < boundary:
-                current, scale = pipe.transformer_2, guidance_scale_2
-            x = latents.to(dtype)
-            if pipe.config.expand_timesteps:
-                timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(latents.shape[0], -1)
-            else:
-                timestep = t.expand(latents.shape[0])
-            ctx = {"step_index": i, "sigma": float(pipe.scheduler.sigmas[i]), "num_inference_steps": len(timesteps)}
-            with current.cache_context("cond", **ctx):
-                noise = current(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
-                                attention_kwargs=None, return_dict=False)[0]
-            if cfg:
-                with current.cache_context("uncond", **ctx):
-                    uncond = current(hidden_states=x, timestep=timestep, encoder_hidden_states=negative,
-                                     attention_kwargs=None, return_dict=False)[0]
-                noise = uncond + scale * (noise - uncond)
-            latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
-            if after_step is not None and not after_step(i + 1, latents):
-                return None
-    return latents
+            timestep = t.expand(latents.shape[0])
+        n = len(pipe.scheduler.timesteps)
+        ctx = {"step_index": i, "sigma": float(pipe.scheduler.sigmas[i]), "num_inference_steps": n}
+        with current.cache_context("cond", **ctx):
+            noise = current(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
+                            attention_kwargs=None, return_dict=False)[0]
+        if not cfg:
+            return noise
+        with current.cache_context("uncond", **ctx):
+            uncond = current(hidden_states=x, timestep=timestep, encoder_hidden_states=negative,
+                             attention_kwargs=None, return_dict=False)[0]
+        return uncond + scale * (noise - uncond)
+
+    return denoise_steps(pipe, device, resume, fresh, predict, after_step)
 
 
 def _unnormalised(vae: Any, latent: Any) -> Any:
