@@ -362,6 +362,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         chaos: None,
         seed: 1,
         checkpoint_every: 0,
+        metrics: Default::default(),
     };
     let (d, c) = crate::demo::compare(&demo).await?;
     let cdf = |v: &[Duration]| -> Vec<(f64, f64)> {

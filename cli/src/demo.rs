@@ -117,6 +117,11 @@ pub(crate) struct DemoArgs {
     /// and a job whose worker was killed resumes from its last one.
     #[arg(long, default_value_t = 10)]
     pub(crate) checkpoint_every: u32,
+    /// With --processes, --metrics-listen: the orchestrator's process serves its metrics and
+    /// lists every worker's (each on a free loopback port) at /sd; `tensorwire top --connect
+    /// ADDR` shows the cluster.
+    #[command(flatten)]
+    pub(crate) metrics: crate::observe::MetricsArgs,
 }
 
 /// Workers per stage.
@@ -468,6 +473,7 @@ async fn disaggregated(
     }
     let elapsed = start.elapsed();
     let st = orch.stats().await.map_err(err)?;
+    let slowest = orch.slowest().await.map_err(err)?.map(|t| t.render());
     for b in &ctx.bars {
         b.finish();
     }
@@ -490,6 +496,7 @@ async fn disaggregated(
     let busy: [f64; 3] = std::array::from_fn(|i| st.busy[i].as_secs_f64());
     let workers = [split.encode, split.denoise, split.decode];
     Ok(Summary {
+        slowest,
         requests: n,
         elapsed,
         ttff: std::mem::take(&mut *ctx.ttff.lock()),
@@ -595,6 +602,7 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
         usd_per_hour: 0.0,
         time_scale: 1.0,
         differences: Vec::new(),
+        slowest: None,
         layout: format!("{gpus} GPUs, each runs encode+denoise+decode"),
     }
 }
@@ -604,6 +612,9 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
     let (d, c) = compare(&a).await?;
     crate::report::print(&d, &c);
     crate::report::print_decided(&d, &c);
+    if let Some(t) = &d.slowest {
+        println!("\nslowest request, as the orchestrator saw it (disaggregated):\n{t}");
+    }
     if d.store_left != 0 {
         return Err(format!("the store still holds {} objects after the run", d.store_left));
     }

@@ -8,6 +8,8 @@
 //!   report directory with tables and SVG plots.
 //! - `tensorwire serve` / `tensorwire worker`: an engine with a store node and the orchestrator
 //!   service, and stage workers in other processes or hosts.
+//! - `tensorwire top --connect ADDR`: a live view of a running cluster from its metrics
+//!   endpoints (`--metrics-listen` on `serve`, `worker` and `demo --processes`).
 //! - `tensorwire secret new FILE`: a cluster secret for `--secret-file`.
 //! - `tensorwire soak`: the worker-process pipeline under load and chaos for N minutes, sampling
 //!   memory, descriptors and the store each minute; fails on growth without bound or a lost request.
@@ -18,6 +20,7 @@ mod bench;
 mod capacity;
 mod cluster;
 mod demo;
+mod observe;
 mod plot;
 mod procs;
 mod profiles;
@@ -28,6 +31,7 @@ mod serve;
 mod simulate;
 mod soak;
 mod supervise;
+mod top;
 
 use std::process::ExitCode;
 
@@ -56,6 +60,8 @@ enum Cmd {
     /// Run the pipeline of worker processes under load and chaos for N minutes, sampling memory,
     /// descriptors and the store; fails if anything grows without bound or a request is lost.
     Soak(soak::SoakArgs),
+    /// A live view of a running cluster, from its metrics endpoints (q quits).
+    Top(top::TopArgs),
     /// Make a cluster secret.
     #[command(subcommand)]
     Secret(secret::SecretCmd),
@@ -96,6 +102,7 @@ fn main() -> ExitCode {
             tokio::spawn(soak::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),
         Cmd::Secret(c) => secret::run(c),
+        Cmd::Top(a) => rt.block_on(top::run(a)),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

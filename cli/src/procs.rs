@@ -255,13 +255,13 @@ async fn run_item(
 
 /// A worker process that moves payloads (called from `tensorwire worker --store-engine ...`).
 pub(crate) async fn payload_worker(
-    stage: Stage,
+    (stage, slots): (Stage, u32),
     orch: tensorwire_orchestrator::service::Target,
     (store_engine, store_rpc): (SocketAddr, SocketAddr),
     secret: Option<ClusterSecret>,
     models: Vec<Model>,
     (scale, every): (f64, [u32; 2]),
-    slots: u32,
+    join: &crate::observe::Joining,
 ) -> Result<(), String> {
     let engine = tcp_engine(secret.clone()).await?;
     let store: Arc<dyn Store> = Arc::new(
@@ -279,11 +279,12 @@ pub(crate) async fn payload_worker(
         secret.as_ref(),
         stage,
         slots.max(1),
-        "localhost",
+        ("localhost", &join.labels),
         Duration::from_millis(500),
     )
     .await
     .map_err(|e| e.to_string())?;
+    join.joined.set(true);
     println!("@@JOINED {}", w.id());
     let (w, models) = (Arc::new(w), Arc::new(models));
     // SIGTERM: drain (nothing new; denoise jobs yield and move), then exit.
@@ -311,7 +312,8 @@ pub(crate) async fn payload_worker(
         };
         let Some(a) = a else { break };
         let (w, models, conn, ck) = (w.clone(), models.clone(), conn.clone(), ck.clone());
-        tokio::spawn(async move {
+        let span = a.span();
+        let item = async move {
             if a.release_only {
                 release(&conn, &ck, &a).await;
                 let _ = w.released(&a).await;
@@ -330,7 +332,8 @@ pub(crate) async fn payload_worker(
                     let _ = w.report_with(&a, Err::<Vec<u8>, _>(e)).await;
                 }
             }
-        });
+        };
+        tokio::spawn(tracing::Instrument::instrument(item, span));
     }
     Err(format!("the orchestrator at {orch:?} closed the connection"))
 }
@@ -372,6 +375,8 @@ pub(crate) struct ClusterArgs {
     pub(crate) seed: u64,
     /// Denoise saves a step checkpoint every N steps (0: never).
     pub(crate) checkpoint_every: u32,
+    /// The orchestrator's process serves metrics here, and each worker on a loopback port.
+    pub(crate) metrics: crate::observe::MetricsArgs,
 }
 
 /// A store node, the orchestrator service and supervised worker processes, with a submitter.
@@ -384,6 +389,7 @@ pub(crate) struct Cluster {
     lines: tokio::sync::mpsc::Receiver<String>,
     sub: SubmitClient,
     attempts: u32,
+    _endpoint: Option<tensorwire_observe::Endpoint>,
 }
 
 /// What a cluster did, once stopped.
@@ -414,6 +420,12 @@ impl Cluster {
         let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
             .await
             .map_err(|e| e.to_string())?;
+        let health = tensorwire_observe::Health::new();
+        let endpoint = a.metrics.start("orchestrator", health.clone()).await?;
+        let mut worker_metrics: Vec<String> = Vec::new();
+        if endpoint.is_some() {
+            worker_metrics = vec!["--metrics-listen".into(), "127.0.0.1:0".into()];
+        }
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let (tx, mut lines) = tokio::sync::mpsc::channel::<String>(4096);
         let names = models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(",");
@@ -439,6 +451,7 @@ impl Cluster {
                     "--checkpoint-every".into(),
                     a.checkpoint_every.to_string(),
                 ];
+                let args: Vec<String> = args.into_iter().chain(worker_metrics.clone()).collect();
                 let (exe, profiles) = (exe.clone(), a.profiles.clone());
                 slots.push(Slot::new(role, move || {
                     let mut cmd = Command::new(&exe);
@@ -463,6 +476,8 @@ impl Cluster {
         }
         sup.unleash();
         let sub = SubmitClient::connect(orch.addr(), None).await.map_err(|e| e.to_string())?;
+        let list = orch.metrics_targets_fn();
+        health.targets(move || crate::observe::targets(list()));
         Ok(Cluster {
             _node_engine: node_engine,
             store,
@@ -472,6 +487,7 @@ impl Cluster {
             lines,
             sub,
             attempts,
+            _endpoint: endpoint,
         })
     }
 
@@ -771,6 +787,7 @@ pub(crate) async fn disaggregated(
         chaos: a.chaos,
         seed: a.seed,
         checkpoint_every: a.checkpoint_every,
+        metrics: a.metrics.clone(),
     };
     let mut c = Cluster::start(&ca, models, split).await?;
     let start = Instant::now();
@@ -810,6 +827,10 @@ pub(crate) async fn disaggregated(
     if a.checkpoint_every > 0 {
         println!("{}", steps.line(a.checkpoint_every));
     }
+    let slowest = match done.iter().max_by_key(|(_, t)| *t) {
+        Some((r, _)) => c.sub.timeline(*r, Duration::from_secs(10)).await.ok().flatten(),
+        None => None,
+    };
     let left = c.settled_store().await?;
     let report = c.stop().await?;
     let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
@@ -841,5 +862,6 @@ pub(crate) async fn disaggregated(
         time_scale: 1.0,
         differences: Vec::new(),
         layout: format!("{}:{}:{} worker processes", split.encode, split.denoise, split.decode),
+        slowest: slowest.map(|t| t.render()),
     })
 }

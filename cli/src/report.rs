@@ -35,6 +35,8 @@ pub(crate) struct Summary {
     pub(crate) time_scale: f64,
     /// Stages that run at another speed in this layout than in the other, one line each.
     pub(crate) differences: Vec<String>,
+    /// The orchestrator's timeline of the slowest request, rendered (None: no orchestrator).
+    pub(crate) slowest: Option<String>,
 }
 
 /// The `p`-th percentile (0..=100), nearest rank; zero for no samples.

@@ -16,13 +16,16 @@ use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, Targe
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
+use crate::observe::{Flag, Joining, MetricsArgs};
 use crate::{profiles, secret};
+use tensorwire_observe::Health;
 
 /// `serve` options.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ServeArgs {
     /// TOML file with any of: listen, data_listen, store_listen, store_mib, spill_dir,
-    /// orchestrator_listen, journal, etcd, cluster, lease_secs, secret_file, insecure.
+    /// orchestrator_listen, journal, etcd, cluster, lease_secs, secret_file, insecure,
+    /// metrics_listen, metrics_expose.
     #[arg(long)]
     pub(crate) config: Option<PathBuf>,
     /// Engine control endpoint.
@@ -71,6 +74,8 @@ pub(crate) struct ServeArgs {
     /// Stop after this many seconds (default: run until interrupted).
     #[arg(long)]
     pub(crate) for_secs: Option<u64>,
+    #[command(flatten)]
+    pub(crate) metrics: MetricsArgs,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -88,6 +93,8 @@ struct ServeFile {
     lease_secs: Option<u64>,
     secret_file: Option<PathBuf>,
     insecure: Option<bool>,
+    metrics_listen: Option<SocketAddr>,
+    metrics_expose: Option<bool>,
 }
 
 fn load<T: for<'de> Deserialize<'de> + Default>(p: &Option<PathBuf>) -> Result<T, String> {
@@ -104,6 +111,16 @@ fn load<T: for<'de> Deserialize<'de> + Default>(p: &Option<PathBuf>) -> Result<T
 /// Runs `serve`.
 pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     let f: ServeFile = load(&a.config)?;
+    // The endpoint first: /healthz answers while the rest starts, /readyz once it is up.
+    let health = Health::new();
+    let (engine_up, node_up) = (Flag::default(), Flag::default());
+    engine_up.check(&health, "engine");
+    node_up.check(&health, "store_node");
+    let metrics = MetricsArgs {
+        metrics_listen: a.metrics.metrics_listen.or(f.metrics_listen),
+        metrics_expose: a.metrics.metrics_expose || f.metrics_expose.unwrap_or(false),
+    };
+    let _endpoint = metrics.start("serve", health.clone()).await?;
     let listen = a.listen.or(f.listen).unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7000)));
     let data = a.data_listen.or(f.data_listen).unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));
     let store_listen =
@@ -120,6 +137,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         .start()
         .await
         .map_err(|e| format!("engine on {listen}: {e}"))?;
+    engine_up.set(true);
     let store_cfg = StoreConfig {
         capacity: a.store_mib.or(f.store_mib).unwrap_or(1024) << 20,
         spill_dir: a.spill_dir.or(f.spill_dir),
@@ -129,6 +147,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     };
     let store = EmbeddedStore::new(&engine, store_cfg).await.map_err(|e| e.to_string())?;
     let node = StoreNode::serve(store.clone(), store_listen).await.map_err(|e| e.to_string())?;
+    node_up.set(true);
     println!("engine {} control {}", engine.id(), engine.local_addr());
     println!(
         "store node {} (pool {} MiB{})",
@@ -148,6 +167,16 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     };
     // The orchestrator this process serves (once elected, with --etcd), for its closing line.
     let serving: crate::cluster::Serving = Default::default();
+    if a.orchestrator_listen.or(f.orchestrator_listen).is_some() {
+        // Ready once this process serves the orchestrator (a standby is not, until elected).
+        let s = serving.clone();
+        health.check("orchestrator", move || s.try_lock().map_or(true, |o| o.is_some()));
+        let s = serving.clone();
+        health.targets(move || {
+            let list = s.try_lock().ok().and_then(|o| o.as_ref().map(|o| o.metrics_targets()));
+            crate::observe::targets(list.unwrap_or_default())
+        });
+    }
     let mut leading: Option<tokio::task::JoinHandle<String>> = None;
     match (a.orchestrator_listen.or(f.orchestrator_listen), &etcd) {
         (Some(at), None) => {
@@ -208,6 +237,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
             );
         }
     }
+    engine_up.set(false);
     match store.shutdown() {
         Ok(n) if n > 0 => println!("store: {n} objects written to the spill tier"),
         Ok(_) => {}
@@ -269,6 +299,8 @@ pub(crate) struct WorkerArgs {
     /// The same for interactive jobs (short ones, usually: 0, never, by default).
     #[arg(long, default_value_t = 0)]
     pub(crate) checkpoint_every_interactive: u32,
+    #[command(flatten)]
+    pub(crate) metrics: MetricsArgs,
 }
 
 /// Runs `worker`.
@@ -278,6 +310,12 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         .find(|s| s.name() == a.role)
         .ok_or_else(|| format!("--role {:?}: expected encode, denoise or decode", a.role))?;
     let secret = secret::read(a.secret_file.as_deref())?;
+    // Ready once joined (it rejoins on its own after a lost connection).
+    let health = Health::new();
+    let joined = Flag::default();
+    joined.check(&health, "joined");
+    let endpoint = a.metrics.start(&format!("worker-{}", a.role), health).await?;
+    let join = Joining { labels: crate::observe::worker_labels(endpoint.as_ref()), joined };
     let mut etcd = None;
     let target: Target = match (a.connect, &a.etcd) {
         (Some(addr), _) => {
@@ -309,13 +347,13 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         let mix: Vec<crate::profiles::Model> =
             profiles::pick(&all, &names)?.into_iter().cloned().collect();
         return crate::procs::payload_worker(
-            stage,
+            (stage, a.slots),
             target,
             store,
             secret,
             mix,
             (a.time_scale, [a.checkpoint_every_interactive, a.checkpoint_every]),
-            a.slots,
+            &join,
         )
         .await;
     }
@@ -331,20 +369,23 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         secret.as_ref(),
         stage,
         a.slots.max(1),
-        &host,
+        (&host, &join.labels),
         Duration::from_secs(1),
     )
     .await
     .map_err(|e| e.to_string())?;
+    join.joined.set(true);
     println!("worker {} ({}) joined {target:?}", w.id(), a.role);
     let w = std::sync::Arc::new(w);
     while let Some(job) = rx.recv().await {
         let w = w.clone();
         let t = Duration::from_secs_f64((ms * a.time_scale / 1e3).max(0.0));
-        tokio::spawn(async move {
+        let span = job.span();
+        let item = async move {
             tokio::time::sleep(t).await;
             let _ = w.report(&job, Ok::<(), String>(())).await;
-        });
+        };
+        tokio::spawn(tracing::Instrument::instrument(item, span));
     }
     Err(format!("the orchestrator at {target:?} closed the connection"))
 }

@@ -90,6 +90,7 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
         chaos: (a.chaos > 0.0).then_some(a.chaos),
         seed: a.seed,
         checkpoint_every: 10,
+        metrics: crate::observe::MetricsArgs::default(),
     };
     println!(
         "tensorwire soak: {} min, batches of {} requests, {}:{}:{} worker processes, {}",

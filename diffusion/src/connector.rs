@@ -294,6 +294,10 @@ impl DiffusionConnector {
             _ => Retention::Pinned, // consumer counts and TTLs remove it; never evicted before
         };
         let chunks = plan.len();
+        let kind = p.kind.name();
+        metrics::counter!("tensorwire_handoff_publishes_total", "kind" => kind).increment(1);
+        metrics::counter!("tensorwire_handoff_bytes_total", "kind" => kind, "direction" => "out")
+            .increment(plan.extent());
         let buffer = Buffer {
             region: p.region,
             offset: p.offset,
@@ -402,13 +406,17 @@ impl DiffusionConnector {
         let inner = self.inner.clone();
         let r = r.clone();
         let task = tokio::spawn(async move {
+            let started = Instant::now();
             let at = Destination { region: &dst, offset, plan: &plan };
             let out = match &r.source {
                 Source::P2p { .. } => consume_p2p(&inner, &r, at, &tx, report).await,
                 Source::Store { key } => consume_store(&inner, &r, key, at, &tx, report).await,
             };
-            if let Err(e) = out {
-                let _ = tx.send(Err(e)).await;
+            match out {
+                Ok(()) => consumed(r.kind.name(), plan.extent(), started.elapsed()),
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                }
             }
         });
         Ok(Consumption { rx, task })
@@ -426,6 +434,14 @@ impl DiffusionConnector {
         self.inner.publisher.lock().retire(p.id, &mut out);
         act(&self.inner, out);
     }
+}
+
+/// A consume's last byte landed: its count, bytes and time in the metrics.
+fn consumed(kind: &'static str, bytes: u64, took: Duration) {
+    metrics::counter!("tensorwire_handoff_consumes_total", "kind" => kind).increment(1);
+    metrics::counter!("tensorwire_handoff_bytes_total", "kind" => kind, "direction" => "in")
+        .increment(bytes);
+    metrics::histogram!("tensorwire_handoff_seconds", "kind" => kind).record(took.as_secs_f64());
 }
 
 /// Carries out the publisher's actions; returns the store put a `Store` action started.

@@ -24,6 +24,16 @@ pub enum PayloadKind {
 }
 
 impl PayloadKind {
+    /// A short name, e.g. for a metric label ("embedding", "latent", "step_latent", "feature").
+    pub fn name(self) -> &'static str {
+        match self {
+            PayloadKind::ConditionEmbedding => "embedding",
+            PayloadKind::Latent => "latent",
+            PayloadKind::StepLatent { .. } => "step_latent",
+            PayloadKind::Feature => "feature",
+        }
+    }
+
     pub(crate) fn encode(self, w: &mut Writer) {
         match self {
             PayloadKind::ConditionEmbedding => w.u8(0).u32(0),

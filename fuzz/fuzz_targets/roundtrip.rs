@@ -18,6 +18,7 @@ use tensorwire_core::{
 use tensorwire_diffusion::control::{Control, Gone};
 use tensorwire_diffusion::{Chunking, LeasePolicy, PayloadKind, PayloadRef, Source};
 use tensorwire_orchestrator::service::wire::{Ending, FRAMING, MAX_HELD, Msg, Role};
+use tensorwire_orchestrator::timeline::{self, Event, Mark, Timeline};
 use tensorwire_orchestrator::{Affinity, Priority, QueueMessage, Stage};
 use tensorwire_store::MAX_KEY;
 use tensorwire_store::rpc::{Request, Response};
@@ -200,7 +201,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
     let priority = |u: &mut Unstructured<'_>| -> Result<Priority> {
         Ok(if u.arbitrary()? { Priority::Interactive } else { Priority::Batch })
     };
-    let m = match u.int_in_range(0..=19u8)? {
+    let m = match u.int_in_range(0..=21u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -258,7 +259,33 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         16 => Msg::Yield { request: u.arbitrary()?, stage },
         17 => Msg::Yielded { request: u.arbitrary()?, stage, step: u.arbitrary()?, data: data(u)? },
         18 => Msg::Drain,
-        _ => Msg::Drained,
+        19 => Msg::Drained,
+        20 => Msg::AskTimeline { request: u.arbitrary()? },
+        _ => {
+            let timeline = if u.arbitrary()? {
+                let n = u.int_in_range(0..=timeline::MAX_EVENTS)?;
+                let mut events = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let stage = if u.arbitrary()? { Some(stage) } else { None };
+                    let mark = match u.int_in_range(0..=9u8)? {
+                        0 => Mark::Submitted,
+                        1 => Mark::Restored,
+                        2 => Mark::Queued,
+                        3 => Mark::Dispatched { worker: u.arbitrary()? },
+                        4 => Mark::Announced,
+                        5 => Mark::Done,
+                        6 => Mark::Failed,
+                        7 => Mark::LostInput,
+                        k => Mark::Ended { ok: k == 9 },
+                    };
+                    events.push(Event { at: Duration::from_micros(u.arbitrary()?), stage, mark });
+                }
+                Some(Timeline { request: u.arbitrary()?, priority: priority(u)?, events })
+            } else {
+                None
+            };
+            Msg::TimelineIs { request: u.arbitrary()?, timeline }
+        }
     };
     let frame = m.encode().expect("a message within bounds fits a frame");
     let (kind, body) = FRAMING.decode(&frame).expect("own frame decodes");

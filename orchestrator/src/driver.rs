@@ -23,12 +23,13 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use crate::Stage;
 use crate::journal::{Book, Fact, RECENT, release_list};
 use crate::sched::{
     Dispatch, ItemKey, Outcome, Restore, RoutingPolicy, SchedConfig, SchedStats, Scheduler, Submit,
     WorkerId,
 };
+use crate::timeline::{Mark, Timeline, Timelines};
+use crate::{Priority, Stage};
 
 /// The stages before `stage`, by [`Stage::index`]: their results stand for a request that is
 /// at `stage` (it started or was restored there).
@@ -58,6 +59,14 @@ pub struct OrchestratorStats {
     pub unreleased: usize,
     /// Items rebuilt after a restart that wait for their worker to claim them.
     pub parked: usize,
+}
+
+/// How often a driver loop publishes its levels ([`Driver::publish_metrics`]).
+const METRICS_EVERY: Duration = Duration::from_millis(500);
+
+/// Whether a driver loop that last published its levels at `published` publishes them at `now`.
+pub(crate) fn metrics_due(now: Duration, published: Duration) -> bool {
+    now.saturating_sub(published) >= METRICS_EVERY
 }
 
 /// The clock of a driver loop: time since the loop started, and a tick so the scheduler's timers
@@ -170,6 +179,9 @@ pub struct Driver<W, R> {
     /// The last [`RECENT`] outcomes, for a submitter asking again (oldest first).
     recent: std::collections::VecDeque<u64>,
     recent_by: FastMap<u64, Outcome>,
+    timelines: Timelines,
+    /// The latest time any call gave (the end time of outcomes taken without one).
+    clock: Duration,
 }
 
 impl<W, R> std::fmt::Debug for Driver<W, R> {
@@ -202,6 +214,8 @@ impl<W, R> Driver<W, R> {
             facts: None,
             recent: std::collections::VecDeque::new(),
             recent_by: FastMap::default(),
+            timelines: Timelines::default(),
+            clock: Duration::ZERO,
         }
     }
 
@@ -249,6 +263,8 @@ impl<W, R> Driver<W, R> {
                 }
                 continue;
             }
+            self.timelines.begin(request, e.priority, Mark::Restored, now);
+            self.timelines.mark(request, e.stage, Mark::Queued, now);
             let r = Restore {
                 request,
                 priority: e.priority,
@@ -397,6 +413,9 @@ impl<W, R> Driver<W, R> {
             return Err((waiter, Outcome::Failed { request, reason }));
         }
         self.record(|| Fact::Submitted { request, priority, start, inputs: inputs.clone() });
+        self.clock = now;
+        self.timelines.begin(request, priority, Mark::Submitted, now);
+        self.timelines.mark(request, start, Mark::Queued, now);
         if let Some((step, data)) = resume {
             self.record(|| Fact::ResumeFrom { request, step, data: data.clone() });
             self.checkpoints.insert(ItemKey { request, stage: start }, (step, data));
@@ -431,6 +450,12 @@ impl<W, R> Driver<W, R> {
         result: StageResult,
         now: Duration,
     ) -> bool {
+        self.clock = now;
+        let mark = match &result {
+            StageResult::Done(_) => Mark::Done,
+            StageResult::Failed(_) => Mark::Failed,
+            StageResult::LostInput(_) => Mark::LostInput,
+        };
         let accepted = match result {
             StageResult::Done(outputs) => {
                 let accepted = self.sched.finished(key, worker, now);
@@ -462,6 +487,15 @@ impl<W, R> Driver<W, R> {
         }
         if accepted {
             self.stopped_running(key, now);
+            self.timelines.mark(key.request, key.stage, mark, now);
+            let next = match mark {
+                Mark::Done => key.stage.next(),
+                Mark::LostInput => key.stage.prev(),
+                _ => Some(key.stage), // tried again, unless the request failed
+            };
+            if let Some(n) = next.filter(|_| self.sched.in_flight_request(key.request)) {
+                self.timelines.mark(key.request, n, Mark::Queued, now);
+            }
         }
         accepted
     }
@@ -471,6 +505,7 @@ impl<W, R> Driver<W, R> {
     /// Ignored from a worker that does not hold the item.
     pub fn announce(&mut self, worker: WorkerId, key: ItemKey, data: Vec<u8>) {
         if self.sched.holder(key) == Some(worker) && !data.is_empty() {
+            self.timelines.mark(key.request, key.stage, Mark::Announced, self.clock);
             let a = self.announced.entry(key.request).or_default();
             if !a.contains(&data) {
                 a.push(data.clone());
@@ -553,11 +588,18 @@ impl<W, R> Driver<W, R> {
     /// Decisions for a worker without an endpoint (it left) are dropped; the scheduler re-queues
     /// them when the worker is declared gone.
     pub fn dispatch(&mut self, now: Duration) -> Vec<Assignment<'_, W>> {
+        self.clock = now;
         let decisions = self.sched.dispatch(now);
-        if !decisions.is_empty() {
-            metrics::counter!("tensorwire_dispatched_total").increment(decisions.len() as u64);
-        }
         for d in &decisions {
+            let key = d.item.key;
+            metrics::counter!("tensorwire_dispatched_total", "stage" => key.stage.name())
+                .increment(1);
+            self.timelines.mark(
+                key.request,
+                key.stage,
+                Mark::Dispatched { worker: d.worker.0 },
+                now,
+            );
             self.started.insert(d.item.key, now);
             if let Some(v) = &mut self.facts {
                 v.push(Fact::Dispatched { key: d.item.key, attempt: d.item.attempt });
@@ -592,6 +634,10 @@ impl<W, R> Driver<W, R> {
             .into_iter()
             .map(|outcome| {
                 let r = outcome.request();
+                let ok = matches!(outcome, Outcome::Completed { .. });
+                if let Some(t) = self.timelines.end(r, ok, self.clock) {
+                    observe_end(t, ok);
+                }
                 self.accepted.remove(&r);
                 self.given.remove(&r);
                 for stage in Stage::ALL {
@@ -660,6 +706,16 @@ impl<W, R> Driver<W, R> {
         self.unreleased.len()
     }
 
+    /// The timeline of `request`, in flight or among the last ended ones.
+    pub fn timeline(&self, request: u64) -> Option<&Timeline> {
+        self.timelines.get(request)
+    }
+
+    /// Every kept timeline of an ended request, oldest first.
+    pub fn ended_timelines(&self) -> impl Iterator<Item = &Timeline> {
+        self.timelines.ended()
+    }
+
     /// A snapshot at `now` (time since the driver's epoch).
     pub fn stats(&self, now: Duration) -> OrchestratorStats {
         let mut st = OrchestratorStats {
@@ -680,15 +736,55 @@ impl<W, R> Driver<W, R> {
         st
     }
 
-    /// Publishes queue depth, free slots and re-queues through the `metrics` facade.
+    /// Publishes the levels (queue depths per stage and class, slots, workers per pool and
+    /// state) and the scheduler's counters through the `metrics` facade. It counts each
+    /// stage's interactive queue: call it every so often, not on every event.
     pub fn publish_metrics(&self) {
         for stage in Stage::ALL {
-            metrics::gauge!("tensorwire_queue_depth", "stage" => stage.name())
-                .set(self.sched.queued(stage) as f64);
-            metrics::gauge!("tensorwire_free_slots", "stage" => stage.name())
+            let name = stage.name();
+            let interactive = self.sched.queued_of(stage, Priority::Interactive);
+            let batch = self.sched.queued(stage).saturating_sub(interactive);
+            for (class, n) in [("interactive", interactive), ("batch", batch)] {
+                metrics::gauge!("tensorwire_queue_depth", "stage" => name, "class" => class)
+                    .set(n as f64);
+            }
+            metrics::gauge!("tensorwire_free_slots", "stage" => name)
                 .set(f64::from(self.sched.free_slots(stage)));
+            metrics::gauge!("tensorwire_credits_in_use", "stage" => name)
+                .set(self.sched.running(stage) as f64);
+            let (live, draining) = self.sched.workers_of(stage);
+            for (state, n) in [("live", live), ("draining", draining)] {
+                metrics::gauge!("tensorwire_workers", "stage" => name, "state" => state)
+                    .set(n as f64);
+            }
         }
-        metrics::gauge!("tensorwire_requeued").set(self.sched.stats().requeued as f64);
+        let st = self.sched.stats();
+        metrics::counter!("tensorwire_requeued_total").absolute(st.requeued);
+        metrics::counter!("tensorwire_preemptions_total").absolute(st.preempt_asks);
+    }
+}
+
+fn class_name(p: Priority) -> &'static str {
+    match p {
+        Priority::Interactive => "interactive",
+        Priority::Batch => "batch",
+    }
+}
+
+/// The end of a request in the metrics: its count, its time, its time to first frame.
+fn observe_end(t: &Timeline, ok: bool) {
+    let class = class_name(t.priority);
+    let outcome = if ok { "completed" } else { "failed" };
+    metrics::counter!("tensorwire_requests_total", "class" => class, "outcome" => outcome)
+        .increment(1);
+    let restored = t.events.first().is_some_and(|e| e.mark == Mark::Restored);
+    if restored {
+        return; // its time before the restart is unknown: no latency sample
+    }
+    metrics::histogram!("tensorwire_request_seconds", "class" => class)
+        .record(t.span().as_secs_f64());
+    if let Some(ttff) = t.ttff() {
+        metrics::histogram!("tensorwire_ttff_seconds", "class" => class).record(ttff.as_secs_f64());
     }
 }
 

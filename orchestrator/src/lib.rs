@@ -36,6 +36,7 @@ pub mod queue;
 pub mod sched;
 pub mod service;
 mod stage;
+pub mod timeline;
 
 pub use driver::{Assignment, Driver, Ended, OrchestratorStats, StageResult};
 pub use error::{OrchestratorError, Result};

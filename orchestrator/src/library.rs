@@ -10,9 +10,10 @@ use std::time::Duration;
 use crate::Stage;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker};
+use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker, metrics_due};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
+use crate::timeline::Timeline;
 
 /// What a handler is asked to do.
 #[derive(Debug, Clone)]
@@ -55,6 +56,11 @@ where
 }
 
 enum Event {
+    Timeline {
+        /// `None`: the slowest of the kept ended requests.
+        request: Option<u64>,
+        reply: oneshot::Sender<Option<Timeline>>,
+    },
     Join {
         stage: Stage,
         slots: u32,
@@ -132,12 +138,23 @@ impl Orchestrator {
     pub async fn stats(&self) -> Result<OrchestratorStats> {
         self.ask(|reply| Event::Stats { reply }).await
     }
+
+    /// The timeline of `request` (in flight, or among the last ended ones).
+    pub async fn timeline(&self, request: u64) -> Result<Option<Timeline>> {
+        self.ask(|reply| Event::Timeline { request: Some(request), reply }).await
+    }
+
+    /// The timeline of the slowest request (submission to end) among the last ended ones.
+    pub async fn slowest(&self) -> Result<Option<Timeline>> {
+        self.ask(|reply| Event::Timeline { request: None, reply }).await
+    }
 }
 
 type LibraryDriver = Driver<Arc<dyn StageHandler>, oneshot::Sender<Outcome>>;
 
 async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::WeakSender<Event>) {
     let mut clock = Ticker::new(Duration::from_millis(50));
+    let mut published = Duration::ZERO;
     while let Some((now, ev)) = clock.next(&mut rx).await {
         match ev {
             Some(Event::Join { stage, slots, host, handler, reply }) => {
@@ -157,6 +174,13 @@ async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::Weak
             }
             Some(Event::Stats { reply }) => {
                 let _ = reply.send(d.stats(now));
+            }
+            Some(Event::Timeline { request, reply }) => {
+                let t = match request {
+                    Some(r) => d.timeline(r),
+                    None => d.ended_timelines().max_by_key(|t| t.span()),
+                };
+                let _ = reply.send(t.cloned());
             }
             None => {}
         }
@@ -183,7 +207,10 @@ async fn run(mut d: LibraryDriver, mut rx: mpsc::Receiver<Event>, tx: mpsc::Weak
                 let _ = w.send(e.outcome);
             }
         }
-        d.publish_metrics();
+        if metrics_due(now, published) {
+            d.publish_metrics();
+            published = now;
+        }
     }
 }
 
@@ -192,6 +219,7 @@ mod tests {
     use super::*;
     use crate::Priority;
     use crate::sched::MaxFreeCredit;
+    use crate::timeline::Mark;
     use std::sync::atomic::{AtomicU32, Ordering};
 
     #[tokio::test]
@@ -226,5 +254,24 @@ mod tests {
         assert_eq!(st.sched.completed, 20);
         assert_eq!(st.sched.requeued, u64::from(fails.load(Ordering::Relaxed)));
         assert_eq!(st.sched.requeued, 10);
+        // Every failed decode shows in its request's timeline, queued again after it.
+        let mut failed = 0;
+        for r in 0..20 {
+            let t = o.timeline(r).await.unwrap().expect("kept");
+            assert_eq!(t.events.last().unwrap().mark, Mark::Ended { ok: true });
+            let marks: Vec<_> = t.events.iter().map(|e| (e.stage, e.mark)).collect();
+            for (i, m) in marks.iter().enumerate() {
+                if *m == (Some(Stage::Decode), Mark::Failed) {
+                    failed += 1;
+                    assert_eq!(marks[i + 1], (Some(Stage::Decode), Mark::Queued), "{}", t.render());
+                }
+            }
+        }
+        assert_eq!(failed, 10);
+        let slowest = o.slowest().await.unwrap().unwrap();
+        for r in 0..20 {
+            assert!(o.timeline(r).await.unwrap().unwrap().span() <= slowest.span());
+        }
+        assert_eq!(o.timeline(99).await.unwrap(), None);
     }
 }

@@ -410,6 +410,34 @@ impl Scheduler {
         self.queues[stage.index()].order.len()
     }
 
+    /// Items of class `p` queued at `stage` (counts the class's queue range: for metrics, not
+    /// for every turn of a busy loop).
+    pub fn queued_of(&self, stage: Stage, p: Priority) -> usize {
+        let c = class(p);
+        let lo = (c, Duration::ZERO, 0);
+        let q = &self.queues[stage.index()].order;
+        match c.checked_add(1) {
+            Some(next) => q.range(lo..(next, Duration::ZERO, 0)).count(),
+            None => q.range(lo..).count(),
+        }
+    }
+
+    /// Every joined worker: its id, stage and labels.
+    pub fn workers(&self) -> impl Iterator<Item = (WorkerId, Stage, &[String])> {
+        self.workers.iter().map(|(id, w)| (*id, w.stage, w.labels.as_slice()))
+    }
+
+    /// Workers of `stage`: (live, draining).
+    pub fn workers_of(&self, stage: Stage) -> (usize, usize) {
+        let mut n = (0, 0);
+        for (id, w) in &self.workers {
+            if w.stage == stage {
+                if self.draining.contains(id) { n.1 += 1 } else { n.0 += 1 }
+            }
+        }
+        n
+    }
+
     /// Items running at `stage`.
     pub fn running(&self, stage: Stage) -> usize {
         self.running_by[stage.index()]

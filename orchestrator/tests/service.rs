@@ -14,6 +14,7 @@ use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
     OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
+use tensorwire_orchestrator::timeline::Mark;
 use tensorwire_orchestrator::{OrchestratorError, Priority, Stage};
 
 const SECRET: &str = "correct horse battery staple";
@@ -157,6 +158,26 @@ async fn killed_decode_worker_loses_nothing() {
         "every request decoded by the surviving worker ({held} was held)"
     );
     assert!(decoded.values().all(|&n| n == 1), "decoded twice: {decoded:?}");
+    // The held request's timeline shows it: decode handed out twice, to two workers, then done.
+    let held: u64 = held["HOLDING ".len()..].trim().parse().unwrap();
+    let t = sub.timeline(held, Duration::from_secs(10)).await.unwrap().expect("kept");
+    let marks: Vec<(Option<Stage>, Mark)> = t.events.iter().map(|e| (e.stage, e.mark)).collect();
+    assert_eq!(marks.first(), Some(&(None, Mark::Submitted)), "{}", t.render());
+    assert_eq!(marks.last(), Some(&(None, Mark::Ended { ok: true })), "{}", t.render());
+    let decoders: Vec<u64> = marks
+        .iter()
+        .filter_map(|m| match m {
+            (Some(Stage::Decode), Mark::Dispatched { worker }) => Some(*worker),
+            _ => None,
+        })
+        .collect();
+    assert!(decoders.len() == 2 && decoders[0] != decoders[1], "{}", t.render());
+    for stage in Stage::ALL {
+        assert!(marks.contains(&(Some(stage), Mark::Done)), "{stage:?} done: {}", t.render());
+    }
+    assert!(t.events.windows(2).all(|w| w[0].at <= w[1].at), "in time order");
+    assert!(t.ttff().is_some_and(|f| f <= t.span()));
+    assert_eq!(sub.timeline(1 << 40, Duration::from_secs(10)).await.unwrap(), None);
     drop(hang);
 }
 

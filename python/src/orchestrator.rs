@@ -1,13 +1,18 @@
 //! The orchestrator from Python: serve it, join a stage pool as a worker, submit requests and
 //! wait for their outcomes.
 
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use tensorwire_observe::{Endpoint, Health, Target};
 use tensorwire_orchestrator::service::{
     self, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
+use tensorwire_orchestrator::timeline::Mark;
 use tensorwire_orchestrator::{OrchestratorError, Priority, Stage};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
@@ -30,10 +35,28 @@ fn priority(s: &str) -> Res<Priority> {
     }
 }
 
+/// Starts this process's metrics endpoint on `listen` (the recorder installed first).
+async fn metrics_endpoint(
+    listen: Option<SocketAddr>,
+    expose: bool,
+    process: &str,
+    health: Health,
+) -> tensorwire_core::Result<Option<Endpoint>> {
+    let Some(listen) = listen else { return Ok(None) };
+    let invalid = tensorwire_core::Error::InvalidArgument;
+    tensorwire_observe::install(process).map_err(invalid)?;
+    Ok(Some(Endpoint::serve(listen, health, expose).await.map_err(invalid)?))
+}
+
+fn optional_addr(a: Option<&str>) -> Res<Option<SocketAddr>> {
+    a.map(addr).transpose()
+}
+
 /// The orchestrator service (scheduler, work queues, re-queue on worker loss).
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct Service {
     inner: OrchestratorService,
+    metrics: Option<Endpoint>,
 }
 
 #[pymethods]
@@ -43,7 +66,12 @@ impl Service {
     /// journal resumes every request the previous one had; workers and submitters reconnect by
     /// themselves.
     #[new]
-    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, heartbeat_timeout = 10.0, max_attempts = 3, journal = None, timeout = 30.0))]
+    ///
+    /// With `metrics_listen` (e.g. "127.0.0.1:9464"; port 0: any free port) this process
+    /// serves Prometheus metrics at /metrics, /healthz, /readyz and, at /sd, the metrics
+    /// endpoints of the workers that joined with one; `metrics_expose=True` allows an address
+    /// other hosts can reach.
+    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, heartbeat_timeout = 10.0, max_attempts = 3, journal = None, timeout = 30.0, metrics_listen = None, metrics_expose = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -54,8 +82,11 @@ impl Service {
         max_attempts: u32,
         journal: Option<std::path::PathBuf>,
         timeout: f64,
+        metrics_listen: Option<&str>,
+        metrics_expose: bool,
     ) -> PyResult<Service> {
         let listen = addr(listen).raise(py)?;
+        let metrics_listen = optional_addr(metrics_listen).raise(py)?;
         let mut cfg = ServiceConfig {
             secret: secret(secret_file).raise(py)?,
             insecure,
@@ -64,17 +95,33 @@ impl Service {
         };
         cfg.sched.heartbeat_timeout = seconds(heartbeat_timeout).raise(py)?;
         cfg.sched.max_attempts = max_attempts;
-        let inner =
+        let (inner, metrics) =
             wait(py, seconds(timeout).raise(py)?, "starting the orchestrator", async move {
-                Ok(OrchestratorService::serve(listen, cfg).await?)
+                let inner = OrchestratorService::serve(listen, cfg).await?;
+                let health = Health::new();
+                let list = inner.metrics_targets_fn();
+                health.targets(move || {
+                    list()
+                        .into_iter()
+                        .map(|t| Target { labels: t.labels(), addr: t.addr })
+                        .collect()
+                });
+                let ep = metrics_endpoint(metrics_listen, metrics_expose, "orchestrator", health);
+                Ok((inner, ep.await?))
             })?;
-        Ok(Service { inner })
+        Ok(Service { inner, metrics })
     }
 
     /// The address workers and submitters connect to.
     #[getter]
     fn address(&self) -> String {
         self.inner.addr().to_string()
+    }
+
+    /// The metrics endpoint's address (None without `metrics_listen`).
+    #[getter]
+    fn metrics_address(&self) -> Option<String> {
+        self.metrics.as_ref().map(|e| e.addr().to_string())
     }
 }
 
@@ -138,13 +185,17 @@ impl Assignment {
 pub(crate) struct Worker {
     client: WorkerClient,
     rx: Mutex<mpsc::Receiver<service::Assignment>>,
+    metrics: Option<Endpoint>,
 }
 
 #[pymethods]
 impl Worker {
     /// Joins the pool of `stage` at the orchestrator `address` with `slots` concurrent items.
+    /// With `metrics_listen`, this process serves its metrics there (see `Service`; ready once
+    /// joined) and tells the orchestrator where, so that its /sd lists this worker.
     #[new]
-    #[pyo3(signature = (address, stage, *, slots = 1, secret_file = None, host = "localhost", heartbeat = 1.0, timeout = 30.0))]
+    #[pyo3(signature = (address, stage, *, slots = 1, secret_file = None, host = "localhost", heartbeat = 1.0, timeout = 30.0, metrics_listen = None, metrics_expose = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         address: &str,
@@ -154,16 +205,43 @@ impl Worker {
         host: &str,
         heartbeat: f64,
         timeout: f64,
+        metrics_listen: Option<&str>,
+        metrics_expose: bool,
     ) -> PyResult<Worker> {
         let (a, st) = (addr(address).raise(py)?, self::stage(stage).raise(py)?);
         let k = secret(secret_file).raise(py)?;
         let beat = seconds(heartbeat).raise(py)?;
+        let metrics_listen = optional_addr(metrics_listen).raise(py)?;
         let host = host.to_string();
-        let (client, rx) =
+        let (client, rx, metrics) =
             wait(py, seconds(timeout).raise(py)?, "joining the orchestrator", async move {
-                Ok(WorkerClient::connect(a, k.as_ref(), st, slots.max(1), &host, beat).await?)
+                let joined = Arc::new(AtomicBool::new(false));
+                let health = Health::new();
+                let j = joined.clone();
+                health.check("joined", move || j.load(Ordering::Acquire));
+                let process = format!("worker-{}", st.name());
+                let ep = metrics_endpoint(metrics_listen, metrics_expose, &process, health).await?;
+                let labels: Vec<String> =
+                    ep.iter().map(|e| format!("{}{}", service::METRICS_LABEL, e.addr())).collect();
+                let (client, rx) = WorkerClient::connect_to(
+                    a.into(),
+                    k.as_ref(),
+                    st,
+                    slots.max(1),
+                    (&host, &labels),
+                    beat,
+                )
+                .await?;
+                joined.store(true, Ordering::Release);
+                Ok((client, rx, ep))
             })?;
-        Ok(Worker { client, rx: Mutex::new(rx) })
+        Ok(Worker { client, rx: Mutex::new(rx), metrics })
+    }
+
+    /// The metrics endpoint's address (None without `metrics_listen`).
+    #[getter]
+    fn metrics_address(&self) -> Option<String> {
+        self.metrics.as_ref().map(|e| e.addr().to_string())
     }
 
     /// The id the orchestrator gave this worker.
@@ -348,6 +426,54 @@ impl Submitter {
             Ok(this.inner.submit_resuming(request, p, start, inputs, resume).await?)
         })?;
         Ok(Outcome { request, rx: Mutex::new(Some(rx)), _client: slf.clone().unbind() })
+    }
+
+    /// The orchestrator's timeline of `request` (in flight, or among the last 4096 ended):
+    /// `{"request", "priority", "events": [{"at", "stage", "mark", "worker"}]}` with `at` in
+    /// seconds on the orchestrator's clock, `stage` None for the request's own events, `worker`
+    /// set for a dispatch; None when the orchestrator does not know the request.
+    #[pyo3(signature = (request, *, timeout = 10.0))]
+    fn timeline<'py>(
+        &self,
+        py: Python<'py>,
+        request: u64,
+        timeout: f64,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let t = seconds(timeout).raise(py)?;
+        let got = wait(py, t + Duration::from_secs(1), "a timeline", async {
+            Ok(self.inner.timeline(request, t).await?)
+        })?;
+        let Some(tl) = got else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("request", tl.request)?;
+        let class = match tl.priority {
+            Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
+        };
+        d.set_item("priority", class)?;
+        let events = PyList::empty(py);
+        for e in &tl.events {
+            let ev = PyDict::new(py);
+            ev.set_item("at", e.at.as_secs_f64())?;
+            ev.set_item("stage", e.stage.map(|s| s.name()))?;
+            let (mark, worker) = match e.mark {
+                Mark::Submitted => ("submitted", None),
+                Mark::Restored => ("restored", None),
+                Mark::Queued => ("queued", None),
+                Mark::Dispatched { worker } => ("dispatched", Some(worker)),
+                Mark::Announced => ("announced", None),
+                Mark::Done => ("done", None),
+                Mark::Failed => ("failed", None),
+                Mark::LostInput => ("lost_input", None),
+                Mark::Ended { ok: true } => ("completed", None),
+                Mark::Ended { ok: false } => ("request_failed", None),
+            };
+            ev.set_item("mark", mark)?;
+            ev.set_item("worker", worker)?;
+            events.append(ev)?;
+        }
+        d.set_item("events", events)?;
+        Ok(Some(d))
     }
 }
 

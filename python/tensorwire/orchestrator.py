@@ -27,7 +27,8 @@ log = logging.getLogger("tensorwire.orchestrator")
 
 def serve_stage(address: str, stage: str, handler: Callable[[Assignment], Optional[bytes]], *, slots: int = 1,
                 secret_file: Optional[str] = None, stop: Optional[threading.Event] = None,
-                poll: float = 0.5, release: Optional[Callable[[bytes], None]] = None) -> int:
+                poll: float = 0.5, release: Optional[Callable[[bytes], None]] = None,
+                metrics_listen: Optional[str] = None) -> int:
     """Joins the ``stage`` pool and runs ``handler`` for each assignment until ``stop`` is set or
     the orchestrator goes away; returns the number of items handled. ``handler`` returns the
     outputs for the next stage (bytes, e.g. payload handles) or raises to have the item
@@ -38,8 +39,10 @@ def serve_stage(address: str, stage: str, handler: Callable[[Assignment], Option
     Inputs outlive failures when handlers consume with ``hold=True`` and the loop is given
     ``release`` (called with each stage output, as reported, that nothing needs any more): once
     a request ends, completed or failed, the orchestrator hands its outputs to a worker to
-    release, and to another should that one leave before it said it did."""
-    w = Worker(address, stage, slots=slots, secret_file=secret_file)
+    release, and to another should that one leave before it said it did.
+
+    With ``metrics_listen`` the worker serves this process's metrics there (see ``Worker``)."""
+    w = Worker(address, stage, slots=slots, secret_file=secret_file, metrics_listen=metrics_listen)
     done = 0
     while stop is None or not stop.is_set():
         try:

@@ -262,3 +262,54 @@ def test_a_drained_worker_gives_its_job_back_and_an_edit_resumes_a_checkpoint():
     staying.report(c, b"edited latent")
     edit.wait(timeout=30)
     stop.set()
+
+
+def _get(addr, path):
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _completed(text):
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("tensorwire_requests_total{") and 'outcome="completed"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_endpoints_and_the_timeline_of_a_request():
+    service = Service(metrics_listen="127.0.0.1:0")
+    addr = service.metrics_address
+    assert addr and _get(addr, "/healthz") == (200, "ok\n")
+    before = _completed(_get(addr, "/metrics")[1])
+    stop = threading.Event()
+    threads = [threading.Thread(target=serve_stage, args=(service.address, s, lambda a: b"x"),
+                                kwargs={"stop": stop, "poll": 0.1, "metrics_listen": "127.0.0.1:0"},
+                                daemon=True) for s in ("encode", "denoise", "decode")]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while _get(addr, "/sd")[1].count('"targets"') < 3:  # every worker said where its endpoint is
+        assert time.time() < deadline, _get(addr, "/sd")
+        time.sleep(0.1)
+    sub = Submitter(service.address)
+    for o in [sub.submit(r, "batch") for r in range(1, 4)]:
+        o.wait(timeout=30)
+    assert _completed(_get(addr, "/metrics")[1]) == before + 3  # counted before the outcome went
+    status, text = _get(addr, "/metrics")
+    assert status == 200 and "# TYPE tensorwire_ttff_seconds histogram" in text
+    assert _get(addr, "/readyz")[0] == 200
+    t = sub.timeline(2)
+    assert t["request"] == 2 and t["priority"] == "batch"
+    marks = [(e["stage"], e["mark"]) for e in t["events"]]
+    assert marks[0] == (None, "submitted") and marks[-1] == (None, "completed")
+    for stage in ("encode", "denoise", "decode"):
+        assert (stage, "dispatched") in marks and (stage, "done") in marks
+    assert all(a["at"] <= b["at"] for a, b in zip(t["events"], t["events"][1:]))
+    assert sub.timeline(12345) is None
+    stop.set()

@@ -348,6 +348,12 @@ impl EmbeddedStore {
         let _ = self.run(|_| Ok(Step::Done(())));
     }
 
+    /// Publishes the pool's levels (objects, bytes, pinned, spilled) through the `metrics`
+    /// facade; a node does every second.
+    pub fn publish_metrics(&self) {
+        self.state.lock().publish_metrics();
+    }
+
     /// Copies an open read's bytes into `dst` (exactly the object's length).
     fn read_out(&self, key: &[u8], o: &Opened, dst: &MemSlice) -> Result<()> {
         match o.source {

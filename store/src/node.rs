@@ -52,11 +52,12 @@ impl StoreNode {
         let tasks = TaskSet::new();
         let weak = Arc::downgrade(&store);
         tasks.spawn(async move {
-            loop {
+            for tick in 0u64.. {
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                match weak.upgrade() {
-                    Some(s) => s.expire(),
-                    None => return,
+                let Some(s) = weak.upgrade() else { return };
+                s.expire();
+                if tick % 4 == 0 {
+                    s.publish_metrics();
                 }
             }
         });

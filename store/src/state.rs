@@ -310,6 +310,7 @@ impl PoolState {
         let Some(o) = self.objs.get_mut(&key) else { return true };
         let Loc::Pool(off) = o.loc else { return true };
         self.evictions += 1;
+        metrics::counter!("tensorwire_store_evictions_total").increment(1);
         if !self.spill {
             self.objs.remove(&key);
             self.release(Hold::Block(off), false);
@@ -504,7 +505,11 @@ impl PoolState {
         deadline: Instant,
         in_pool: bool,
     ) -> Result<Step<Opened>> {
-        let o = self.objs.get(key).ok_or_else(|| StoreError::not_found(key))?;
+        let Some(o) = self.objs.get(key) else {
+            metrics::counter!("tensorwire_store_gets_total", "result" => "miss").increment(1);
+            return Err(StoreError::not_found(key));
+        };
+        metrics::counter!("tensorwire_store_gets_total", "result" => "hit").increment(1);
         let (id, len, meta) = (o.id, o.len, o.meta.clone());
         let (hold, source, load) = match (o.loc, in_pool) {
             (Loc::Pool(off) | Loc::Spilling(off), _) => (Hold::Block(off), Source::Pool(off), None),
@@ -561,6 +566,8 @@ impl PoolState {
         let live = self.objs.get_mut(&job.key).filter(|o| o.id == job.id);
         match (live, ok) {
             (Some(o), true) => {
+                metrics::counter!("tensorwire_store_spills_total").increment(1);
+                metrics::counter!("tensorwire_store_spill_bytes_total").increment(job.size);
                 o.loc = Loc::Spilled;
                 self.files.insert(job.id, Held { owned: true, holders: 0 });
                 self.release(Hold::Block(job.off), false);
@@ -673,6 +680,7 @@ impl PoolState {
             .filter(|(_, o)| o.expires.is_some_and(|t| t <= now))
             .map(|(k, _)| k.clone())
             .collect();
+        metrics::counter!("tensorwire_store_lease_expiries_total").increment(dead.len() as u64);
         for k in dead {
             self.remove(&k);
         }
@@ -694,6 +702,18 @@ impl PoolState {
             evictions: self.evictions,
             largest_free: self.alloc.largest_free(),
         }
+    }
+
+    /// Publishes the pool's levels through the `metrics` facade (walks every object: call it
+    /// every so often).
+    pub(crate) fn publish_metrics(&self) {
+        let st = self.stats();
+        metrics::gauge!("tensorwire_store_objects").set(st.objects as f64);
+        metrics::gauge!("tensorwire_store_bytes").set(st.used as f64);
+        metrics::gauge!("tensorwire_store_capacity_bytes").set(st.capacity as f64);
+        metrics::gauge!("tensorwire_store_spilled_objects").set(st.spilled_objects as f64);
+        let pinned = self.objs.values().filter(|o| o.pins > 0).count();
+        metrics::gauge!("tensorwire_store_pinned_objects").set(pinned as f64);
     }
 
     /// The id of `key` if it is in the spill tier only.

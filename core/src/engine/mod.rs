@@ -7,6 +7,7 @@ mod host;
 mod regions;
 mod session;
 pub(crate) mod staging;
+mod telemetry;
 mod transfer;
 
 use std::collections::HashMap;

@@ -34,11 +34,15 @@ impl RegionTable {
     }
 
     pub(crate) fn insert(&self, r: Arc<RegionInner>) {
+        super::telemetry::region(1.0, r.len);
         self.write().insert(r.id, r);
     }
 
     pub(crate) fn remove(&self, id: RegionId) {
-        self.write().remove(&id);
+        let gone = self.write().remove(&id);
+        if let Some(r) = gone {
+            super::telemetry::region(-1.0, r.len);
+        }
     }
 
     pub(crate) fn len(&self) -> usize {

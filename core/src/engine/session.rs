@@ -322,6 +322,7 @@ impl Session {
         let conn = tokio::time::timeout(limit, backend.connect(&info)).await.map_err(|_| {
             Error::timeout(format!("{} connect to {}", backend.name(), peer.engine), limit)
         })??;
+        super::telemetry::connected(backend.name());
         let c = Conn { conn, fence: OpFence::new() };
         conns.insert(backend.name(), c.clone());
         Ok(c)

@@ -118,7 +118,9 @@ impl TransferHandle {
         let limit = engine.upgrade().map(|e| e.config.transfer_timeout).unwrap_or_default();
         let (dir, len, region) = (op.dir, op.len, op.remote.id.0);
         let start = Instant::now();
+        let in_flight = super::telemetry::InFlight::start();
         let fut = async move {
+            let _in_flight = in_flight; // ends with the op, or with its handle when dropped
             let all = async {
                 for p in pieces {
                     p.await?;
@@ -135,6 +137,7 @@ impl TransferHandle {
             if let Some(e) = engine.upgrade() {
                 e.record(dir, len, res.is_ok());
             }
+            super::telemetry::op_ended(backend, dir, len, start.elapsed(), &res);
             res.map(|()| TransferReport { backend, bytes: len, elapsed: start.elapsed() })
         };
         TransferHandle { backend, fut: Box::pin(fut) }

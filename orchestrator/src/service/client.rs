@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::sched::ItemKey;
+use crate::timeline::Timeline;
 use crate::{Priority, Stage};
 use parking_lot::Mutex;
 use tensorwire_core::Error;
@@ -270,6 +271,21 @@ pub struct Assignment {
     pub release_only: bool,
 }
 
+impl Assignment {
+    /// A `tracing` span for running this item: `stage` with the request id, the stage and the
+    /// try as fields. The orchestrator's span of the request (`request`, with the same id) holds
+    /// the events the service saw; a collector (e.g. a `tracing-opentelemetry` layer) joins
+    /// the two on the request id.
+    pub fn span(&self) -> tracing::Span {
+        tracing::info_span!(
+            "stage",
+            request = self.request,
+            stage = self.stage.name(),
+            attempt = self.attempt
+        )
+    }
+}
+
 /// What a worker has not been told it may forget about one item.
 #[derive(Debug, Default)]
 struct Held {
@@ -348,20 +364,22 @@ impl WorkerClient {
         host: &str,
         heartbeat: Duration,
     ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
-        Self::connect_to(addr.into(), secret, stage, slots, host, heartbeat).await
+        Self::connect_to(addr.into(), secret, stage, slots, (host, &[]), heartbeat).await
     }
 
     /// [`WorkerClient::connect`] to wherever `target` says, asked again at every reconnection
-    /// (e.g. the leader of a standby group).
+    /// (e.g. the leader of a standby group), with the worker's labels (routing policies read
+    /// them; `metrics=HOST:PORT` says where its metrics endpoint is: see
+    /// [`super::METRICS_LABEL`]).
     pub async fn connect_to(
         target: Target,
         secret: Option<&ClusterSecret>,
         stage: Stage,
         slots: u32,
-        host: &str,
+        (host, labels): (&str, &[String]),
         heartbeat: Duration,
     ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
-        let role = Role::Worker { stage, slots, host: host.into(), labels: vec![] };
+        let role = Role::Worker { stage, slots, host: host.into(), labels: labels.to_vec() };
         let (rd, wr, id) = target.open(secret, role.clone()).await?;
         let state = Arc::new(WorkerState { id: AtomicU64::new(id), ..WorkerState::default() });
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
@@ -616,11 +634,15 @@ struct Waiting {
 /// Per request waited for.
 type Waiters = Arc<Mutex<HashMap<u64, Waiting>>>;
 
+/// Per request, the callers waiting for its timeline.
+type Asked = Arc<Mutex<HashMap<u64, Vec<oneshot::Sender<Option<Timeline>>>>>>;
+
 /// A client that submits requests.
 #[derive(Debug)]
 pub struct SubmitClient {
     out: mpsc::Sender<Msg>,
     waiting: Waiters,
+    asked: Asked,
     /// Connection and reader tasks (aborted when the client drops).
     _tasks: JoinSet<()>,
 }
@@ -664,8 +686,16 @@ impl SubmitClient {
         };
         tasks.spawn(session(link, (rd, wr), out_rx, inbox, catch_up, |_| false));
         let w = waiting.clone();
+        let asked: Asked = Arc::default();
+        let a = asked.clone();
         tasks.spawn(async move {
             while let Some(m) = arrived.recv().await {
+                if let Msg::TimelineIs { request, timeline } = m {
+                    for tx in a.lock().remove(&request).unwrap_or_default() {
+                        let _ = tx.send(timeline.clone());
+                    }
+                    continue;
+                }
                 let Msg::Outcome { request, ok, reason } = m else { continue };
                 if let Some(Waiting { tx, .. }) = w.lock().remove(&request) {
                     let r = if ok {
@@ -680,7 +710,28 @@ impl SubmitClient {
                 let _ = tx.send(Err(OrchestratorError::Stopped));
             }
         });
-        Ok(SubmitClient { out, waiting, _tasks: tasks })
+        Ok(SubmitClient { out, waiting, asked, _tasks: tasks })
+    }
+
+    /// The timeline of `request` (in flight, or among the last ended ones the service keeps):
+    /// `None` when the service does not know it. Fails after `timeout` without an answer (a
+    /// reconnection loses the question).
+    pub async fn timeline(&self, request: u64, timeout: Duration) -> Result<Option<Timeline>> {
+        let (tx, rx) = oneshot::channel();
+        self.asked.lock().entry(request).or_default().push(tx);
+        let sent = self.out.send(Msg::AskTimeline { request }).await;
+        if sent.is_err() {
+            self.asked.lock().remove(&request);
+            return Err(OrchestratorError::Stopped);
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(t)) => Ok(t),
+            Ok(Err(_)) => Err(OrchestratorError::Stopped),
+            Err(_) => {
+                self.asked.lock().remove(&request);
+                Err(Error::timeout("orchestrator timeline", timeout).into())
+            }
+        }
     }
 
     /// Submits a request; the receiver yields its outcome.

@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 
 use super::logfile::{JournalFile, JournalStore};
 use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg, write_msgs};
-use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker};
+use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker, metrics_due};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
 
@@ -96,13 +96,38 @@ enum Event {
     Stats { reply: tokio::sync::oneshot::Sender<OrchestratorStats> },
     Released { worker: u64, request: u64 },
     Announce { worker: u64, key: ItemKey, data: Vec<u8> },
+    Timeline { request: u64, tx: mpsc::Sender<Msg> },
 }
+
+/// The label a worker joins with to say where its metrics endpoint is: `metrics=HOST:PORT`.
+pub const METRICS_LABEL: &str = "metrics=";
+
+/// A joined worker's metrics endpoint (from its [`METRICS_LABEL`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsTarget {
+    /// The worker's id.
+    pub worker: u64,
+    /// Its pool.
+    pub stage: crate::Stage,
+    /// The endpoint's address.
+    pub addr: String,
+}
+
+impl MetricsTarget {
+    /// The labels a scrape of it carries (service discovery): `stage` and `worker`.
+    pub fn labels(&self) -> Vec<(String, String)> {
+        vec![("stage".into(), self.stage.name().into()), ("worker".into(), self.worker.to_string())]
+    }
+}
+
+type Targets = Arc<parking_lot::Mutex<Vec<MetricsTarget>>>;
 
 /// A running orchestrator service; dropping it stops it.
 #[derive(Debug)]
 pub struct OrchestratorService {
     addr: SocketAddr,
     events: mpsc::Sender<Event>,
+    targets: Targets,
     /// The driver and the acceptor (aborted when the service drops).
     _tasks: JoinSet<()>,
 }
@@ -144,7 +169,8 @@ impl OrchestratorService {
         }
         let (tx, rx) = mpsc::channel(4096);
         let mut tasks = JoinSet::new();
-        tasks.spawn(run(driver, journal, rx));
+        let targets = Targets::default();
+        tasks.spawn(run(driver, journal, rx, targets.clone()));
         let secret = cfg.secret.clone().map(Arc::new);
         let hs = cfg.handshake_timeout;
         let events = tx.clone();
@@ -163,12 +189,25 @@ impl OrchestratorService {
                 });
             }
         });
-        Ok(OrchestratorService { addr, events, _tasks: tasks })
+        Ok(OrchestratorService { addr, events, targets, _tasks: tasks })
     }
 
     /// The address clients connect to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The metrics endpoints of the joined workers that said where theirs is (refreshed twice
+    /// a second).
+    pub fn metrics_targets(&self) -> Vec<MetricsTarget> {
+        self.targets.lock().clone()
+    }
+
+    /// [`OrchestratorService::metrics_targets`] as a function that can outlive a borrow of the
+    /// service (e.g. for a metrics endpoint's `/sd`); empty once the service stopped.
+    pub fn metrics_targets_fn(&self) -> impl Fn() -> Vec<MetricsTarget> + Send + Sync + 'static {
+        let t = self.targets.clone();
+        move || t.lock().clone()
     }
 
     /// A snapshot of the scheduler's counters and queues.
@@ -261,6 +300,10 @@ async fn connection(
                     let sub = submit(request, priority, start, resume_step, resume);
                     Event::Resume { sub, inputs: data, tx }
                 }
+                Msg::AskTimeline { request } if !is_worker => {
+                    let Some(tx) = out_tx.clone() else { break };
+                    Event::Timeline { request, tx }
+                }
                 other => {
                     let e = Error::protocol(format!("orchestrator: unexpected {other:?}"));
                     return Err(OrchestratorError::from(e));
@@ -344,6 +387,10 @@ fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
         }
         Event::Released { worker, request } => d.released(WorkerId(worker), request),
         Event::Announce { worker, key, data } => d.announce(WorkerId(worker), key, data),
+        Event::Timeline { request, tx } => {
+            let timeline = d.timeline(request).cloned();
+            let _ = tx.try_send(Msg::TimelineIs { request, timeline });
+        }
         Event::Checkpoint { worker, key, step, data } => {
             d.checkpoint(WorkerId(worker), key, step, data);
         }
@@ -363,8 +410,10 @@ async fn run(
     mut d: ServiceDriver,
     mut journal: Option<Box<dyn JournalStore>>,
     mut rx: mpsc::Receiver<Event>,
+    targets: Targets,
 ) {
     let mut clock = Ticker::new(Duration::from_millis(100));
+    let mut published = Duration::ZERO;
     while let Some((now, ev)) = clock.next(&mut rx).await {
         let mut out = Outbox::new();
         if let Some(ev) = ev {
@@ -407,7 +456,11 @@ async fn run(
             for f in d.take_facts() {
                 j.append(&f);
             }
-            if let Err(e) = j.commit().await {
+            let t = std::time::Instant::now();
+            let committed = j.commit().await;
+            metrics::histogram!("tensorwire_journal_sync_seconds")
+                .record(t.elapsed().as_secs_f64());
+            if let Err(e) = committed {
                 tracing::error!(error = %e, "orchestrator: cannot write the journal; stopping");
                 return;
             }
@@ -451,8 +504,25 @@ async fn run(
         for request in unsent {
             d.release_again(request);
         }
-        d.publish_metrics();
+        if metrics_due(now, published) {
+            d.publish_metrics();
+            *targets.lock() = metrics_targets(&d);
+            published = now;
+        }
     }
+}
+
+fn metrics_targets(d: &ServiceDriver) -> Vec<MetricsTarget> {
+    let mut v: Vec<MetricsTarget> = d
+        .sched()
+        .workers()
+        .filter_map(|(id, stage, labels)| {
+            let addr = labels.iter().find_map(|l| l.strip_prefix(METRICS_LABEL))?;
+            Some(MetricsTarget { worker: id.0, stage, addr: addr.to_string() })
+        })
+        .collect();
+    v.sort_by_key(|t| t.worker);
+    v
 }
 
 fn outcome_msg(o: Outcome) -> Msg {

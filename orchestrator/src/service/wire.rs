@@ -4,6 +4,7 @@
 //! and receive assignments, and submitters send requests and receive outcomes. A refusal is the
 //! handshake's `Reject` frame. Bodies are built with the core codec; decoders are total.
 
+use crate::timeline::Timeline;
 use crate::{Priority, Stage};
 use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::wire::frame::Framing;
@@ -11,13 +12,14 @@ use tensorwire_core::{Error, Result};
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
-/// The service's framing (version 5: results are acknowledged; a reconnecting worker says what
+/// The service's framing (version 6: a submitter may ask for a request's timeline; version 5:
+/// results are acknowledged; a reconnecting worker says what
 /// it still runs, a reconnecting submitter what it still waits for; a request may start past the
 /// first stage with that stage's inputs and a checkpoint to resume from; workers checkpoint
 /// items and a next try resumes there; the service asks a worker to yield a job (preemption,
 /// drain) and a worker may ask to be drained).
 pub const FRAMING: Framing =
-    Framing { name: "orchestrator", magic: *b"TO", version: 5, max_payload: MAX_PAYLOAD };
+    Framing { name: "orchestrator", magic: *b"TO", version: 6, max_payload: MAX_PAYLOAD };
 const MAX_TEXT: usize = 1024;
 const MAX_LABELS: usize = 8;
 /// Largest opaque stage data (inputs / outputs) in one message.
@@ -137,6 +139,10 @@ pub enum Msg {
     Drain,
     /// Server -> worker: it holds nothing and gets nothing more; it may stop.
     Drained,
+    /// Submitter: the timeline of `request` (in flight, or among the last ended).
+    AskTimeline { request: u64 },
+    /// Server -> submitter: the answer (`None`: unknown, or ended too long ago).
+    TimelineIs { request: u64, timeline: Option<Timeline> },
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -272,6 +278,23 @@ impl Msg {
             }
             Msg::Drain => 18,
             Msg::Drained => 19,
+            Msg::AskTimeline { request } => {
+                w.u64(*request);
+                20
+            }
+            Msg::TimelineIs { request, timeline } => {
+                w.u64(*request);
+                match timeline {
+                    Some(t) => {
+                        w.u8(1);
+                        t.encode(&mut w);
+                    }
+                    None => {
+                        w.u8(0);
+                    }
+                }
+                21
+            }
         };
         (kind, w.finish())
     }
@@ -374,6 +397,15 @@ impl Msg {
             },
             18 => Msg::Drain,
             19 => Msg::Drained,
+            20 => Msg::AskTimeline { request: r.u64()? },
+            21 => Msg::TimelineIs {
+                request: r.u64()?,
+                timeline: match r.u8()? {
+                    0 => None,
+                    1 => Some(Timeline::decode(&mut r)?),
+                    t => return Err(Error::protocol(format!("orchestrator: timeline flag {t}"))),
+                },
+            },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -472,6 +504,20 @@ mod tests {
             Msg::Drain,
             Msg::Drained,
             Msg::Heartbeat,
+            Msg::AskTimeline { request: 4 },
+            Msg::TimelineIs { request: 4, timeline: None },
+            Msg::TimelineIs {
+                request: 4,
+                timeline: Some(crate::timeline::Timeline {
+                    request: 4,
+                    priority: Priority::Interactive,
+                    events: vec![crate::timeline::Event {
+                        at: std::time::Duration::from_micros(5),
+                        stage: Some(Stage::Decode),
+                        mark: crate::timeline::Mark::Dispatched { worker: 3 },
+                    }],
+                }),
+            },
         ];
         for m in msgs {
             let f = m.encode().unwrap();

@@ -265,6 +265,9 @@ async fn orchestrator(c: &mut Corpus, secret: &ClusterSecret, refs: &[PayloadRef
     for outcome in [first, second] {
         tokio::time::timeout(WAIT, outcome).await??.map_err(|e| e.to_string())?;
     }
+    // A timeline asked for and answered, and one the service does not know.
+    submitter.timeline(2, WAIT).await?;
+    submitter.timeline(99, WAIT).await?;
     tokio::time::sleep(Duration::from_millis(120)).await; // a few heartbeats
     for w in workers {
         w.abort();
