@@ -37,6 +37,10 @@ struct Args {
     /// Backend to measure.
     #[arg(long, default_value = "tcp")]
     backend: String,
+    /// Record metrics as a process with `--metrics-listen` does (the Prometheus recorder
+    /// installed; nothing scrapes it), to measure what recording costs.
+    #[arg(long)]
+    metrics: bool,
     /// Measure the store instead of raw transfers.
     #[arg(long, value_enum)]
     store: Option<StoreMode>,
@@ -245,6 +249,12 @@ async fn run(args: Args) -> Result<()> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.metrics {
+        if let Err(e) = tensorwire_observe::install("xfer") {
+            eprintln!("xfer: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
