@@ -191,7 +191,9 @@ async fn run_item(
             let refs = decode_refs(&a.inputs)?;
             let emb = refs.first().ok_or("denoise without an embedding")?;
             let dst = Arc::new(c.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
+            let t = tokio::time::Instant::now();
             c.consume_held(emb, dst.clone(), 0, Some(&embed))?.all().await?;
+            w.handoff(a, m.embed_bytes, t.elapsed()).await?;
             if dst.to_vec(0, m.embed_bytes)? != fill(m.embed_bytes, a.request) {
                 return Err(format!("request {}: embedding bytes differ", a.request).into());
             }
@@ -236,9 +238,16 @@ async fn run_item(
             let lat = refs.first().ok_or("decode without a latent")?;
             let dst = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
             let chunks = m.chunks().map_or(1, |(_, n)| n);
+            let t = tokio::time::Instant::now();
             let mut cons = c.consume_held(lat, dst.clone(), 0, Some(&latent))?;
-            let mut first = true;
+            let (mut first, mut landed) = (true, 0);
             while cons.next().await?.is_some() {
+                landed += 1;
+                if landed == chunks {
+                    // The last chunk in hand (it decodes chunks as they land, so this is after
+                    // the decode of the ones before).
+                    w.handoff(a, m.latent_bytes, t.elapsed()).await?;
+                }
                 sleep(m.decode_ms / f64::from(chunks)).await;
                 if first {
                     println!("@@FIRST {} {}", a.request, now_us());

@@ -201,7 +201,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
     let priority = |u: &mut Unstructured<'_>| -> Result<Priority> {
         Ok(if u.arbitrary()? { Priority::Interactive } else { Priority::Batch })
     };
-    let m = match u.int_in_range(0..=21u8)? {
+    let m = match u.int_in_range(0..=22u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -261,13 +261,20 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
         18 => Msg::Drain,
         19 => Msg::Drained,
         20 => Msg::AskTimeline { request: u.arbitrary()? },
+        21 => Msg::Handoff {
+            request: u.arbitrary()?,
+            stage,
+            bytes: u.arbitrary()?,
+            micros: u.arbitrary()?,
+        },
         _ => {
             let timeline = if u.arbitrary()? {
                 let n = u.int_in_range(0..=timeline::MAX_EVENTS)?;
                 let mut events = Vec::with_capacity(n);
                 for _ in 0..n {
                     let stage = if u.arbitrary()? { Some(stage) } else { None };
-                    let mark = match u.int_in_range(0..=9u8)? {
+                    let mark = match u.int_in_range(0..=10u8)? {
+                        10 => Mark::Handoff { bytes: u.arbitrary()?, micros: u.arbitrary()? },
                         0 => Mark::Submitted,
                         1 => Mark::Restored,
                         2 => Mark::Queued,

@@ -503,14 +503,22 @@ impl<W, R> Driver<W, R> {
     /// `worker`, which runs `key`, will output `data` (it says so before the outputs exist):
     /// released with the request's other outputs when it ends, even if `worker` dies first.
     /// Ignored from a worker that does not hold the item.
-    pub fn announce(&mut self, worker: WorkerId, key: ItemKey, data: Vec<u8>) {
+    pub fn announce(&mut self, worker: WorkerId, key: ItemKey, data: Vec<u8>, now: Duration) {
         if self.sched.holder(key) == Some(worker) && !data.is_empty() {
-            self.timelines.mark(key.request, key.stage, Mark::Announced, self.clock);
+            self.timelines.mark(key.request, key.stage, Mark::Announced, now);
             let a = self.announced.entry(key.request).or_default();
             if !a.contains(&data) {
                 a.push(data.clone());
                 self.record(|| Fact::Announced { request: key.request, data });
             }
+        }
+    }
+
+    /// `worker`, which runs `key`, says how its inputs arrived (a [`Mark::Handoff`]): kept in
+    /// the request's timeline. Ignored from a worker that does not hold the item.
+    pub fn handoff(&mut self, worker: WorkerId, key: ItemKey, mark: Mark, now: Duration) {
+        if self.sched.holder(key) == Some(worker) {
+            self.timelines.mark(key.request, key.stage, mark, now);
         }
     }
 
@@ -878,17 +886,17 @@ mod tests {
         d.submit(submit(1), (), t(0)).unwrap();
         let a = d.dispatch(t(1));
         let key = a[0].dispatch.item.key;
-        d.announce(WorkerId(99), key, b"foreign".to_vec()); // not its item: ignored
-        d.announce(enc, key, b"embedding 1".to_vec()); // the put is about to start
+        d.announce(WorkerId(99), key, b"foreign".to_vec(), t(1)); // not its item: ignored
+        d.announce(enc, key, b"embedding 1".to_vec(), t(1)); // the put is about to start
         d.leave(enc, t(2)); // killed before its result
         let enc2 = d.join(Stage::Encode, 1, "h", vec![], "enc2", t(3));
         let a = d.dispatch(t(3));
         let key = a[0].dispatch.item.key;
-        d.announce(enc2, key, b"embedding 2".to_vec());
+        d.announce(enc2, key, b"embedding 2".to_vec(), t(3));
         assert!(d.result(enc2, key, StageResult::Failed("oom".into()), t(4)));
         let a = d.dispatch(t(5));
         let key = a[0].dispatch.item.key;
-        d.announce(enc2, key, b"embedding 3".to_vec());
+        d.announce(enc2, key, b"embedding 3".to_vec(), t(5));
         d.result(enc2, key, StageResult::Failed("oom".into()), t(6));
         assert_eq!(d.take_outcomes().len(), 1, "failed after 3 attempts");
         let r = d.releases();

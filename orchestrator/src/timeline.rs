@@ -35,6 +35,14 @@ pub enum Mark {
     },
     /// The stage's worker announced an output (e.g. a decoded chunk on its way).
     Announced,
+    /// The stage's worker received its input payloads: `bytes` in all, the last of them in
+    /// hand `micros` after it started consuming (as the worker measured it).
+    Handoff {
+        /// Payload bytes received.
+        bytes: u64,
+        /// Microseconds from the start of the consume to the last byte in hand.
+        micros: u64,
+    },
     /// The stage's worker reported it done.
     Done,
     /// The stage's worker reported it failed (it may be tried again).
@@ -102,6 +110,9 @@ impl Timeline {
                 Mark::Queued => "queued".to_string(),
                 Mark::Dispatched { worker } => format!("dispatched to worker {worker}"),
                 Mark::Announced => "announced an output".to_string(),
+                Mark::Handoff { bytes, micros } => {
+                    format!("received {bytes} bytes of input in {:.2} ms", micros as f64 / 1e3)
+                }
                 Mark::Done => "done".to_string(),
                 Mark::Failed => "failed (to be tried again, or the request fails)".to_string(),
                 Mark::LostInput => "lost its input (the stage before runs again)".to_string(),
@@ -123,19 +134,20 @@ impl Timeline {
         for e in self.events.iter().take(MAX_EVENTS) {
             let micros = u64::try_from(e.at.as_micros()).unwrap_or(u64::MAX);
             w.u64(micros).u8(e.stage.map_or(u8::MAX, |s| s.index() as u8));
-            let (tag, worker) = match e.mark {
-                Mark::Submitted => (0, 0),
-                Mark::Restored => (1, 0),
-                Mark::Queued => (2, 0),
-                Mark::Dispatched { worker } => (3, worker),
-                Mark::Announced => (4, 0),
-                Mark::Done => (5, 0),
-                Mark::Failed => (6, 0),
-                Mark::LostInput => (7, 0),
-                Mark::Ended { ok: false } => (8, 0),
-                Mark::Ended { ok: true } => (9, 0),
+            let (tag, a, b) = match e.mark {
+                Mark::Submitted => (0, 0, 0),
+                Mark::Restored => (1, 0, 0),
+                Mark::Queued => (2, 0, 0),
+                Mark::Dispatched { worker } => (3, worker, 0),
+                Mark::Announced => (4, 0, 0),
+                Mark::Done => (5, 0, 0),
+                Mark::Failed => (6, 0, 0),
+                Mark::LostInput => (7, 0, 0),
+                Mark::Ended { ok: false } => (8, 0, 0),
+                Mark::Ended { ok: true } => (9, 0, 0),
+                Mark::Handoff { bytes, micros } => (10, bytes, micros),
             };
-            w.u8(tag).u64(worker);
+            w.u8(tag).u64(a).u64(b);
         }
     }
 
@@ -154,12 +166,13 @@ impl Timeline {
                         Error::protocol(format!("timeline: unknown stage tag {t}"))
                     })?),
                 };
-            let (tag, worker) = (r.u8()?, r.u64()?);
+            let (tag, a, b) = (r.u8()?, r.u64()?, r.u64()?);
             let mark = match tag {
                 0 => Mark::Submitted,
                 1 => Mark::Restored,
                 2 => Mark::Queued,
-                3 => Mark::Dispatched { worker },
+                3 => Mark::Dispatched { worker: a },
+                10 => Mark::Handoff { bytes: a, micros: b },
                 4 => Mark::Announced,
                 5 => Mark::Done,
                 6 => Mark::Failed,
@@ -269,15 +282,18 @@ mod tests {
         let ms = Duration::from_millis;
         let mut t = Timelines::default();
         t.begin(9, Priority::Batch, Mark::Submitted, ms(1));
-        for (i, m) in [Mark::Queued, Mark::Dispatched { worker: 4 }, Mark::Announced, Mark::Done]
-            .into_iter()
-            .enumerate()
+        let handoff = Mark::Handoff { bytes: 65536, micros: 1500 };
+        for (i, m) in
+            [Mark::Queued, Mark::Dispatched { worker: 4 }, handoff, Mark::Announced, Mark::Done]
+                .into_iter()
+                .enumerate()
         {
             t.mark(9, Stage::Decode, m, ms(2 + i as u64));
         }
-        t.mark(9, Stage::Encode, Mark::Failed, ms(7));
-        t.mark(9, Stage::Encode, Mark::LostInput, ms(8));
-        let one = t.end(9, true, ms(9)).unwrap().clone();
+        t.mark(9, Stage::Encode, Mark::Failed, ms(8));
+        t.mark(9, Stage::Encode, Mark::LostInput, ms(9));
+        let one = t.end(9, true, ms(10)).unwrap().clone();
+        assert!(one.render().contains("received 65536 bytes of input in 1.50 ms"));
         let mut w = Writer::new();
         one.encode(&mut w);
         let bytes = w.finish();

@@ -51,6 +51,7 @@ async fn decode_worker(mode: &str, orch: &str) {
             println!("@@HOLDING {}", a.request);
             continue; // never reports: the parent kills this process
         }
+        w.handoff(&a, 4096, Duration::from_micros(1500)).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
         w.report(&a, Ok::<(), String>(())).await.unwrap();
         println!("@@DECODED {}", a.request);
@@ -172,6 +173,8 @@ async fn killed_decode_worker_loses_nothing() {
         })
         .collect();
     assert!(decoders.len() == 2 && decoders[0] != decoders[1], "{}", t.render());
+    let handoff = (Some(Stage::Decode), Mark::Handoff { bytes: 4096, micros: 1500 });
+    assert!(marks.contains(&handoff), "the decoder's input arrival: {}", t.render());
     for stage in Stage::ALL {
         assert!(marks.contains(&(Some(stage), Mark::Done)), "{stage:?} done: {}", t.render());
     }

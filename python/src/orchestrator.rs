@@ -266,6 +266,24 @@ impl Worker {
         Ok(got.map(|inner| Assignment { inner }))
     }
 
+    /// Says how this assignment's input payloads arrived: `nbytes` in all, the last byte in
+    /// hand `seconds` after the consume started (kept in the request's timeline; best effort).
+    #[pyo3(signature = (assignment, nbytes, seconds, *, timeout = 30.0))]
+    fn handoff(
+        &self,
+        py: Python<'_>,
+        assignment: &Assignment,
+        nbytes: u64,
+        seconds: f64,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let a = assignment.inner.clone();
+        let took = self::seconds(seconds).raise(py)?;
+        wait(py, self::seconds(timeout).raise(py)?, "a handoff report", async {
+            Ok(self.client.handoff(&a, nbytes, took).await?)
+        })
+    }
+
     /// Says, before they exist, what `outputs` this assignment will report (e.g. the handle of a
     /// store-mode publish whose put is about to start): they are released when the request
     /// ends even if this worker dies before reporting.
@@ -429,9 +447,10 @@ impl Submitter {
     }
 
     /// The orchestrator's timeline of `request` (in flight, or among the last 4096 ended):
-    /// `{"request", "priority", "events": [{"at", "stage", "mark", "worker"}]}` with `at` in
-    /// seconds on the orchestrator's clock, `stage` None for the request's own events, `worker`
-    /// set for a dispatch; None when the orchestrator does not know the request.
+    /// `{"request", "priority", "events": [{"at", "stage", "mark", "worker", "bytes",
+    /// "seconds"}]}` with `at` in seconds on the orchestrator's clock, `stage` None for the
+    /// request's own events, `worker` set for a dispatch, `bytes` and `seconds` for a handoff
+    /// (`Worker.handoff`); None when the orchestrator does not know the request.
     #[pyo3(signature = (request, *, timeout = 10.0))]
     fn timeline<'py>(
         &self,
@@ -456,20 +475,23 @@ impl Submitter {
             let ev = PyDict::new(py);
             ev.set_item("at", e.at.as_secs_f64())?;
             ev.set_item("stage", e.stage.map(|s| s.name()))?;
-            let (mark, worker) = match e.mark {
-                Mark::Submitted => ("submitted", None),
-                Mark::Restored => ("restored", None),
-                Mark::Queued => ("queued", None),
-                Mark::Dispatched { worker } => ("dispatched", Some(worker)),
-                Mark::Announced => ("announced", None),
-                Mark::Done => ("done", None),
-                Mark::Failed => ("failed", None),
-                Mark::LostInput => ("lost_input", None),
-                Mark::Ended { ok: true } => ("completed", None),
-                Mark::Ended { ok: false } => ("request_failed", None),
+            let (mark, worker, handoff) = match e.mark {
+                Mark::Submitted => ("submitted", None, None),
+                Mark::Restored => ("restored", None, None),
+                Mark::Queued => ("queued", None, None),
+                Mark::Dispatched { worker } => ("dispatched", Some(worker), None),
+                Mark::Announced => ("announced", None, None),
+                Mark::Handoff { bytes, micros } => ("handoff", None, Some((bytes, micros))),
+                Mark::Done => ("done", None, None),
+                Mark::Failed => ("failed", None, None),
+                Mark::LostInput => ("lost_input", None, None),
+                Mark::Ended { ok: true } => ("completed", None, None),
+                Mark::Ended { ok: false } => ("request_failed", None, None),
             };
             ev.set_item("mark", mark)?;
             ev.set_item("worker", worker)?;
+            ev.set_item("bytes", handoff.map(|h| h.0))?;
+            ev.set_item("seconds", handoff.map(|h| h.1 as f64 / 1e6))?;
             events.append(ev)?;
         }
         d.set_item("events", events)?;

@@ -313,3 +313,23 @@ def test_metrics_endpoints_and_the_timeline_of_a_request():
     assert all(a["at"] <= b["at"] for a, b in zip(t["events"], t["events"][1:]))
     assert sub.timeline(12345) is None
     stop.set()
+
+
+def test_a_worker_reports_how_its_inputs_arrived():
+    from tensorwire.orchestrator import Worker
+    service = Service()
+    w = Worker(service.address, "encode")
+    sub = Submitter(service.address)
+    sub.submit(5, "interactive")
+    a = w.next(timeout=30)
+    w.handoff(a, 1000, 0.0025)
+    deadline = time.time() + 30
+    while True:  # the handoff and the question go on two connections: wait for it to land
+        events = sub.timeline(5)["events"]
+        handoffs = [e for e in events if e["mark"] == "handoff"]
+        if handoffs or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert handoffs == [{"at": handoffs[0]["at"], "stage": "encode", "mark": "handoff",
+                         "worker": None, "bytes": 1000, "seconds": 0.0025}]
+    w.report(a, b"")

@@ -607,6 +607,15 @@ impl WorkerClient {
             .await
     }
 
+    /// Says how `a`'s input payloads arrived: `bytes` in all, the last in hand `took` after
+    /// the consume started (the orchestrator keeps it in the request's timeline). Best effort:
+    /// not resent after a reconnect.
+    pub async fn handoff(&self, a: &Assignment, bytes: u64, took: Duration) -> Result<()> {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let m = Msg::Handoff { request: a.request, stage: a.stage, bytes, micros };
+        self.out.send(m).await.map_err(|_| OrchestratorError::Stopped)
+    }
+
     /// Sends the end of `a` (a result or a yield), kept until the service says it has it:
     /// resent after a reconnect.
     async fn send_held(&self, a: &Assignment, m: Msg) -> Result<()> {

@@ -30,6 +30,7 @@ use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg, write_msgs};
 use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker, metrics_due};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
+use crate::timeline::Mark;
 
 /// Service settings.
 pub struct ServiceConfig {
@@ -97,6 +98,7 @@ enum Event {
     Released { worker: u64, request: u64 },
     Announce { worker: u64, key: ItemKey, data: Vec<u8> },
     Timeline { request: u64, tx: mpsc::Sender<Msg> },
+    Handoff { worker: u64, key: ItemKey, bytes: u64, micros: u64 },
 }
 
 /// The label a worker joins with to say where its metrics endpoint is: `metrics=HOST:PORT`.
@@ -286,6 +288,9 @@ async fn connection(
                     Event::Yielded { worker, key, step, data, ack: weak.upgrade() }
                 }
                 Msg::Drain if is_worker => Event::Drain { worker },
+                Msg::Handoff { request, stage, bytes, micros } if is_worker => {
+                    Event::Handoff { worker, key: ItemKey { request, stage }, bytes, micros }
+                }
                 Msg::Submit { request, priority, start, data, resume_step, resume, .. }
                     if !is_worker =>
                 {
@@ -386,7 +391,10 @@ fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
             let _ = reply.send(d.stats(now));
         }
         Event::Released { worker, request } => d.released(WorkerId(worker), request),
-        Event::Announce { worker, key, data } => d.announce(WorkerId(worker), key, data),
+        Event::Announce { worker, key, data } => d.announce(WorkerId(worker), key, data, now),
+        Event::Handoff { worker, key, bytes, micros } => {
+            d.handoff(WorkerId(worker), key, Mark::Handoff { bytes, micros }, now);
+        }
         Event::Timeline { request, tx } => {
             let timeline = d.timeline(request).cloned();
             let _ = tx.try_send(Msg::TimelineIs { request, timeline });

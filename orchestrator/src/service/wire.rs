@@ -12,7 +12,8 @@ use tensorwire_core::{Error, Result};
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
-/// The service's framing (version 6: a submitter may ask for a request's timeline; version 5:
+/// The service's framing (version 6: a submitter may ask for a request's timeline, and a
+/// worker says when its inputs arrived; version 5:
 /// results are acknowledged; a reconnecting worker says what
 /// it still runs, a reconnecting submitter what it still waits for; a request may start past the
 /// first stage with that stage's inputs and a checkpoint to resume from; workers checkpoint
@@ -143,6 +144,9 @@ pub enum Msg {
     AskTimeline { request: u64 },
     /// Server -> submitter: the answer (`None`: unknown, or ended too long ago).
     TimelineIs { request: u64, timeline: Option<Timeline> },
+    /// Worker: the item's input payloads arrived, `bytes` in all, the last byte in hand
+    /// `micros` after it started consuming (for the request's timeline).
+    Handoff { request: u64, stage: Stage, bytes: u64, micros: u64 },
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -295,6 +299,12 @@ impl Msg {
                 }
                 21
             }
+            Msg::Handoff { request, stage, bytes, micros } => {
+                w.u64(*request);
+                stage.encode(&mut w);
+                w.u64(*bytes).u64(*micros);
+                22
+            }
         };
         (kind, w.finish())
     }
@@ -406,6 +416,12 @@ impl Msg {
                     t => return Err(Error::protocol(format!("orchestrator: timeline flag {t}"))),
                 },
             },
+            22 => Msg::Handoff {
+                request: r.u64()?,
+                stage: Stage::decode(&mut r)?,
+                bytes: r.u64()?,
+                micros: r.u64()?,
+            },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -505,6 +521,7 @@ mod tests {
             Msg::Drained,
             Msg::Heartbeat,
             Msg::AskTimeline { request: 4 },
+            Msg::Handoff { request: 4, stage: Stage::Decode, bytes: 1 << 20, micros: 350 },
             Msg::TimelineIs { request: 4, timeline: None },
             Msg::TimelineIs {
                 request: 4,

@@ -249,6 +249,9 @@ async fn orchestrator(c: &mut Corpus, secret: &ClusterSecret, refs: &[PayloadRef
         let outputs = outputs.clone();
         workers.push(tokio::spawn(async move {
             while let Some(a) = rx.recv().await {
+                if a.stage != Stage::ALL[0] && w.handoff(&a, 65536, beat).await.is_err() {
+                    return;
+                }
                 let r = match (a.stage, a.request, a.attempt) {
                     (Stage::Decode, 2, 1) => Err("transient: out of memory"),
                     _ => Ok(outputs.clone()),
