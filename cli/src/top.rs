@@ -30,6 +30,8 @@ pub(crate) struct TopArgs {
 
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 const STAGES: [&str; 3] = ["encode", "denoise", "decode"];
+/// Scrapes TTFF looks back over.
+const WINDOW: usize = 10;
 
 /// One scrape of the whole cluster.
 struct Scrape {
@@ -96,8 +98,10 @@ pub(crate) struct View {
     pub(crate) completed_per_s: f64,
     pub(crate) completed: f64,
     pub(crate) failed: f64,
-    /// TTFF p50 and p99 since the orchestrator started, seconds.
+    /// TTFF p50 and p99, seconds, of the requests that ended in the window (about the last
+    /// [`WINDOW`] scrapes), else since the orchestrator started; and which of the two.
     pub(crate) ttff: Option<(f64, f64)>,
+    pub(crate) ttff_over: String,
     /// Store: objects, bytes, capacity, pinned, spilled.
     pub(crate) store: [f64; 5],
     /// Per backend: GB/s over the last interval (read + write, every process).
@@ -107,7 +111,8 @@ pub(crate) struct View {
 }
 
 impl View {
-    fn of(prev: &Scrape, now: &Scrape) -> View {
+    /// The view of `now`, with rates since `prev` and TTFF since `window` (older or equal).
+    fn of(window: &Scrape, prev: &Scrape, now: &Scrape) -> View {
         let s = &now.samples;
         let secs = now.at.duration_since(prev.at).as_secs_f64().max(1e-3);
         let rate = |name: &str, filter: &[(&str, &str)]| {
@@ -134,11 +139,18 @@ impl View {
             })
             .collect();
         let done = [("outcome", "completed")];
-        let ttff = s.quantile("tensorwire_ttff_seconds", 0.5, &[]).zip(s.quantile(
-            "tensorwire_ttff_seconds",
-            0.99,
-            &[],
-        ));
+        let name = "tensorwire_ttff_seconds";
+        let recent = |q| s.quantile_since(&window.samples, name, q, &[]);
+        let (ttff, ttff_over) = match recent(0.5).zip(recent(0.99)) {
+            Some(t) => {
+                let secs = now.at.duration_since(window.at).as_secs_f64();
+                (Some(t), format!("last {secs:.0} s"))
+            }
+            None => {
+                let all = |q| s.quantile(name, q, &[]);
+                (all(0.5).zip(all(0.99)), "since start".to_string())
+            }
+        };
         let backends = s
             .label_values("tensorwire_transfer_bytes_total", "backend")
             .into_iter()
@@ -153,6 +165,7 @@ impl View {
             completed: s.sum("tensorwire_requests_total", &done),
             failed: s.sum("tensorwire_requests_total", &[("outcome", "failed")]),
             ttff,
+            ttff_over,
             store: [
                 s.sum("tensorwire_store_objects", &[]),
                 s.sum("tensorwire_store_bytes", &[]),
@@ -186,8 +199,8 @@ impl View {
                 }
             ),
             format!(
-                "requests: {:.1}/s completed, {:.0} completed, {:.0} failed   TTFF (since start): {ttff}",
-                self.completed_per_s, self.completed, self.failed
+                "requests: {:.1}/s completed, {:.0} completed, {:.0} failed   TTFF ({}): {ttff}",
+                self.completed_per_s, self.completed, self.failed, self.ttff_over
             ),
             format!(
                 "store: {objects:.0} objects, {:.1} of {:.0} MiB, {pinned:.0} pinned, {spilled:.0} spilled",
@@ -235,11 +248,11 @@ impl View {
 /// Runs `top`.
 pub(crate) async fn run(a: TopArgs) -> Result<(), String> {
     let every = Duration::from_millis(a.interval_ms.max(100));
-    let mut prev = scrape(a.connect).await?;
+    let mut past = std::collections::VecDeque::from([scrape(a.connect).await?]);
     if a.once {
         tokio::time::sleep(every).await;
         let now = scrape(a.connect).await?;
-        print!("{}", View::of(&prev, &now).text(a.connect));
+        print!("{}", View::of(&past[0], &past[0], &now).text(a.connect));
         return Ok(());
     }
     let mut term = ratatui::try_init().map_err(|e| format!("top: no terminal: {e}"))?;
@@ -254,9 +267,13 @@ pub(crate) async fn run(a: TopArgs) -> Result<(), String> {
             }
             match scrape(a.connect).await {
                 Ok(now) => {
-                    view = Some(View::of(&prev, &now));
+                    let (window, prev) = (&past[0], &past[past.len() - 1]);
+                    view = Some(View::of(window, prev, &now));
                     error = None;
-                    prev = now;
+                    if past.len() >= WINDOW {
+                        past.pop_front();
+                    }
+                    past.push_back(now);
                 }
                 Err(e) => error = Some(e),
             }
@@ -345,12 +362,15 @@ mod tests {
              tensorwire_store_objects 7\n",
             t0 + Duration::from_secs(2),
         );
-        let v = View::of(&before, &after);
+        let v = View::of(&before, &before, &after);
         assert_eq!((v.completed_per_s, v.completed, v.failed), (10.0, 30.0, 1.0));
         assert_eq!(v.backends, [("tcp".to_string(), 2.0)], "4 GB more in 2 s");
         assert_eq!(v.pools[1], ("denoise".into(), 6.0, 0.0, 0.0, 4.0, 5.0, 6.0));
         assert_eq!(v.store[0], 7.0);
-        assert!(v.ttff.is_some());
+        assert_eq!(v.ttff, Some((0.5, 0.99)), "both samples in the window, under 1 s");
+        assert_eq!(v.ttff_over, "last 2 s");
+        let quiet = View::of(&after, &after, &after);
+        assert_eq!((quiet.ttff, quiet.ttff_over.as_str()), (Some((0.5, 0.99)), "since start"));
         let text = v.text("127.0.0.1:1".parse().unwrap());
         assert!(text.contains("10.0/s completed") && text.contains("denoise"), "{text}");
     }

@@ -119,26 +119,48 @@ impl Samples {
     /// the bucket it falls in; the highest finite bound when it falls in `+Inf`); `None`
     /// without samples.
     pub fn quantile(&self, name: &str, q: f64, filter: &[(&str, &str)]) -> Option<f64> {
-        let b = self.buckets(name, filter);
-        let total = b.last()?.1;
-        if total <= 0.0 {
-            return None;
-        }
-        let rank = q.clamp(0.0, 1.0) * total;
-        let mut prev = (0.0, 0.0);
-        for &(le, count) in &b {
-            if count >= rank {
-                if le.is_infinite() {
-                    return Some(prev.0);
-                }
-                let inside = count - prev.1;
-                let frac = if inside > 0.0 { (rank - prev.1) / inside } else { 1.0 };
-                return Some(prev.0 + (le - prev.0) * frac);
-            }
-            prev = (le, count);
-        }
-        Some(prev.0)
+        quantile_of(&self.buckets(name, filter), q)
     }
+
+    /// [`Samples::quantile`] of what histogram `name` recorded since `earlier` (the bucket
+    /// counts' differences); `None` without new samples.
+    pub fn quantile_since(
+        &self,
+        earlier: &Samples,
+        name: &str,
+        q: f64,
+        filter: &[(&str, &str)],
+    ) -> Option<f64> {
+        let before = earlier.buckets(name, filter);
+        let mut b = self.buckets(name, filter);
+        for (le, count) in &mut b {
+            let was = before.iter().find(|(l, _)| l == le).map_or(0.0, |(_, c)| *c);
+            *count = (*count - was).max(0.0);
+        }
+        quantile_of(&b, q)
+    }
+}
+
+/// The `q` quantile of cumulative buckets (bound, count), sorted by bound.
+fn quantile_of(b: &[(f64, f64)], q: f64) -> Option<f64> {
+    let total = b.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q.clamp(0.0, 1.0) * total;
+    let mut prev = (0.0, 0.0);
+    for &(le, count) in b {
+        if count >= rank {
+            if le.is_infinite() {
+                return Some(prev.0);
+            }
+            let inside = count - prev.1;
+            let frac = if inside > 0.0 { (rank - prev.1) / inside } else { 1.0 };
+            return Some(prev.0 + (le - prev.0) * frac);
+        }
+        prev = (le, count);
+    }
+    Some(prev.0)
 }
 
 fn parse_value(s: &str) -> Option<f64> {
@@ -249,6 +271,16 @@ esc{v="a\"b\\c\nd, e}"} 1
         assert_eq!(q(0.99), 1.0, "in +Inf: the highest finite bound");
         assert_eq!(s.quantile("q_seconds", 0.5, &[("class", "b")]), None, "no samples");
         assert_eq!(s.quantile("nothing", 0.5, &[]), None);
+        let later = Samples::parse(
+            &TEXT
+                .replace("le=\"1\"} 6", "le=\"1\"} 9")
+                .replace("le=\"+Inf\"} 10", "le=\"+Inf\"} 13"),
+        )
+        .unwrap();
+        // Three more samples, all in (0.1, 1]: the quantiles of those alone.
+        assert_eq!(later.quantile_since(&s, "q_seconds", 0.0, &[]), Some(0.1));
+        assert_eq!(later.quantile_since(&s, "q_seconds", 1.0, &[]), Some(1.0));
+        assert_eq!(s.quantile_since(&s, "q_seconds", 0.5, &[]), None, "nothing new");
         let esc = s.0.iter().find(|x| x.name == "esc").unwrap();
         assert_eq!(esc.label("v"), Some("a\"b\\c\nd, e}"));
     }
