@@ -88,6 +88,14 @@ pub enum Direction {
 }
 
 impl Direction {
+    /// "read" or "write".
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Read => "read",
+            Direction::Write => "write",
+        }
+    }
+
     /// The access the op makes on the remote region.
     pub fn remote_access(self) -> Access {
         match self {

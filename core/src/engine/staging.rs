@@ -183,7 +183,7 @@ impl Staged {
     /// Runs the op (see the module docs): pieces of half a bounce, one half in flight with the
     /// backend while the other is copied.
     pub(crate) async fn run(self, gate: Arc<CancelGate>) -> Result<()> {
-        super::telemetry::bounced(self.dir);
+        super::telemetry::bounced(self.dir.name());
         let len = self.local.len();
         let bounce = self.pool.take().await?;
         let half = bounce.len() / DEPTH;

@@ -4,15 +4,7 @@
 
 use std::time::Duration;
 
-use crate::backend::Direction;
 use crate::error::{Error, Result};
-
-fn direction(d: Direction) -> &'static str {
-    match d {
-        Direction::Read => "read",
-        Direction::Write => "write",
-    }
-}
 
 /// An op in flight: counted from its submission until it ends or is dropped (cancelled).
 pub(crate) struct InFlight(());
@@ -30,15 +22,14 @@ impl Drop for InFlight {
     }
 }
 
-/// An op ended: its bytes, count and time, or its error's kind.
+/// An op ended: its bytes, count and time, or its error's kind (`dir`: "read" or "write").
 pub(crate) fn op_ended(
     backend: &'static str,
-    dir: Direction,
+    dir: &'static str,
     bytes: u64,
     took: Duration,
     res: &Result<()>,
 ) {
-    let dir = direction(dir);
     match res {
         Ok(()) => {
             let labels = [("backend", backend), ("direction", dir)];
@@ -83,8 +74,7 @@ pub(crate) fn connected(backend: &'static str) {
     metrics::counter!("tensorwire_connections_total", "backend" => backend).increment(1);
 }
 
-/// An op went through a host staging buffer.
-pub(crate) fn bounced(dir: Direction) {
-    metrics::counter!("tensorwire_staging_bounces_total", "direction" => direction(dir))
-        .increment(1);
+/// An op went through a host staging buffer (`dir`: "read" or "write").
+pub(crate) fn bounced(dir: &'static str) {
+    metrics::counter!("tensorwire_staging_bounces_total", "direction" => dir).increment(1);
 }

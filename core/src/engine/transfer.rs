@@ -137,7 +137,7 @@ impl TransferHandle {
             if let Some(e) = engine.upgrade() {
                 e.record(dir, len, res.is_ok());
             }
-            super::telemetry::op_ended(backend, dir, len, start.elapsed(), &res);
+            super::telemetry::op_ended(backend, dir.name(), len, start.elapsed(), &res);
             res.map(|()| TransferReport { backend, bytes: len, elapsed: start.elapsed() })
         };
         TransferHandle { backend, fut: Box::pin(fut) }
