@@ -273,7 +273,9 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
                 let mut events = Vec::with_capacity(n);
                 for _ in 0..n {
                     let stage = if u.arbitrary()? { Some(stage) } else { None };
-                    let mark = match u.int_in_range(0..=10u8)? {
+                    let mark = match u.int_in_range(0..=12u8)? {
+                        11 => Mark::Yielded,
+                        12 => Mark::Requeued,
                         10 => Mark::Handoff { bytes: u.arbitrary()?, micros: u.arbitrary()? },
                         0 => Mark::Submitted,
                         1 => Mark::Restored,

@@ -349,6 +349,21 @@ impl<W, R> Driver<W, R> {
         self.workers.remove(&id);
         self.sched.leave(id, now);
         self.unassign(id);
+        self.mark_orphans(now);
+    }
+
+    /// Items that were running and are held by no worker now (their worker left or was
+    /// declared dead, and the scheduler queued them again): marked in their timelines.
+    fn mark_orphans(&mut self, now: Duration) {
+        let orphans: Vec<ItemKey> =
+            self.started.keys().filter(|k| self.sched.holder(**k).is_none()).copied().collect();
+        for key in orphans {
+            self.started.remove(&key); // not run to its end: no busy time
+            self.timelines.mark(key.request, key.stage, Mark::Requeued, now);
+            if self.sched.in_flight_request(key.request) {
+                self.timelines.mark(key.request, key.stage, Mark::Queued, now);
+            }
+        }
     }
 
     /// Releases `id` was asked to do go to another worker.
@@ -364,6 +379,9 @@ impl<W, R> Driver<W, R> {
         let dead = self.sched.take_dead();
         for &id in &dead {
             self.unassign(id);
+        }
+        if !dead.is_empty() {
+            self.mark_orphans(self.clock);
         }
         dead.into_iter().filter_map(|id| Some((id, self.workers.remove(&id)?))).collect()
     }
@@ -561,6 +579,8 @@ impl<W, R> Driver<W, R> {
         if ok {
             self.record(|| Fact::Yielded { key });
             self.stopped_running(key, now);
+            self.timelines.mark(key.request, key.stage, Mark::Yielded, now);
+            self.timelines.mark(key.request, key.stage, Mark::Queued, now);
         }
         ok
     }
@@ -875,6 +895,34 @@ mod tests {
         let st = d.stats(t(12));
         assert_eq!(st.busy[Stage::Encode.index()], t(4));
         assert_eq!(st.sched.completed, 1);
+    }
+
+    #[test]
+    fn the_timeline_says_when_an_item_went_back_to_the_queue() {
+        let mut d: Driver<&str, ()> = Driver::new(SchedConfig::default(), Box::new(MaxFreeCredit));
+        let t = Duration::from_millis;
+        let w1 = d.join(Stage::Encode, 1, "h", vec![], "w1", t(0));
+        d.submit(submit(1), (), t(0)).unwrap();
+        assert_eq!(d.dispatch(t(1)).len(), 1);
+        d.leave(w1, t(2)); // held the item
+        let w2 = d.join(Stage::Encode, 1, "h", vec![], "w2", t(3));
+        let key = d.dispatch(t(3))[0].dispatch.item.key;
+        assert!(d.yielded(w2, key, 0, vec![], t(4)));
+        let marks: Vec<(Option<Stage>, Mark)> =
+            d.timeline(1).unwrap().events.iter().map(|e| (e.stage, e.mark)).collect();
+        let enc = Some(Stage::Encode);
+        assert_eq!(
+            marks[1..],
+            [
+                (enc, Mark::Queued),
+                (enc, Mark::Dispatched { worker: w1.0 }),
+                (enc, Mark::Requeued),
+                (enc, Mark::Queued),
+                (enc, Mark::Dispatched { worker: w2.0 }),
+                (enc, Mark::Yielded),
+                (enc, Mark::Queued),
+            ]
+        );
     }
 
     #[test]

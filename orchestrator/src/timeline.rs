@@ -49,6 +49,10 @@ pub enum Mark {
     Failed,
     /// The stage's worker found its input gone (the stage before runs again).
     LostInput,
+    /// The stage's worker gave the job back at a step boundary (preempted, or draining).
+    Yielded,
+    /// The stage's worker left or went silent while it held the item: queued again.
+    Requeued,
     /// The request ended.
     Ended {
         /// Completed (or failed).
@@ -116,6 +120,8 @@ impl Timeline {
                 Mark::Done => "done".to_string(),
                 Mark::Failed => "failed (to be tried again, or the request fails)".to_string(),
                 Mark::LostInput => "lost its input (the stage before runs again)".to_string(),
+                Mark::Yielded => "given back at a step boundary".to_string(),
+                Mark::Requeued => "its worker left or went silent: queued again".to_string(),
                 Mark::Ended { ok: true } => "completed".to_string(),
                 Mark::Ended { ok: false } => "failed".to_string(),
             };
@@ -146,6 +152,8 @@ impl Timeline {
                 Mark::Ended { ok: false } => (8, 0, 0),
                 Mark::Ended { ok: true } => (9, 0, 0),
                 Mark::Handoff { bytes, micros } => (10, bytes, micros),
+                Mark::Yielded => (11, 0, 0),
+                Mark::Requeued => (12, 0, 0),
             };
             w.u8(tag).u64(a).u64(b);
         }
@@ -173,6 +181,8 @@ impl Timeline {
                 2 => Mark::Queued,
                 3 => Mark::Dispatched { worker: a },
                 10 => Mark::Handoff { bytes: a, micros: b },
+                11 => Mark::Yielded,
+                12 => Mark::Requeued,
                 4 => Mark::Announced,
                 5 => Mark::Done,
                 6 => Mark::Failed,
@@ -292,6 +302,8 @@ mod tests {
         }
         t.mark(9, Stage::Encode, Mark::Failed, ms(8));
         t.mark(9, Stage::Encode, Mark::LostInput, ms(9));
+        t.mark(9, Stage::Denoise, Mark::Yielded, ms(9));
+        t.mark(9, Stage::Denoise, Mark::Requeued, ms(9));
         let one = t.end(9, true, ms(10)).unwrap().clone();
         assert!(one.render().contains("received 65536 bytes of input in 1.50 ms"));
         let mut w = Writer::new();

@@ -173,6 +173,14 @@ async fn killed_decode_worker_loses_nothing() {
         })
         .collect();
     assert!(decoders.len() == 2 && decoders[0] != decoders[1], "{}", t.render());
+    let requeued = marks.iter().position(|m| *m == (Some(Stage::Decode), Mark::Requeued));
+    let second =
+        marks.iter().rposition(|m| matches!(m, (Some(Stage::Decode), Mark::Dispatched { .. })));
+    assert!(
+        requeued.is_some_and(|r| Some(r) < second),
+        "requeued before the second try: {}",
+        t.render()
+    );
     let handoff = (Some(Stage::Decode), Mark::Handoff { bytes: 4096, micros: 1500 });
     assert!(marks.contains(&handoff), "the decoder's input arrival: {}", t.render());
     for stage in Stage::ALL {

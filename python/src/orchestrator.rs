@@ -485,6 +485,8 @@ impl Submitter {
                 Mark::Done => ("done", None, None),
                 Mark::Failed => ("failed", None, None),
                 Mark::LostInput => ("lost_input", None, None),
+                Mark::Yielded => ("yielded", None, None),
+                Mark::Requeued => ("requeued", None, None),
                 Mark::Ended { ok: true } => ("completed", None, None),
                 Mark::Ended { ok: false } => ("request_failed", None, None),
             };
