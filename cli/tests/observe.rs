@@ -296,7 +296,12 @@ fn top_shows_a_running_demo_cluster_and_quits_on_q() {
     }
     tmux(&["send-keys", "-t", &session, "q"]);
     let until = Instant::now() + Duration::from_secs(10);
-    while Command::new("tmux").args(["has-session", "-t", &session]).status().unwrap().success() {
+    let alive = || {
+        let mut c = Command::new("tmux");
+        c.args(["has-session", "-t", &session]).stderr(Stdio::null());
+        c.status().unwrap().success()
+    };
+    while alive() {
         if Instant::now() > until {
             tmux(&["kill-session", "-t", &session]);
             panic!("top did not quit on q");
