@@ -772,8 +772,8 @@ impl<W, R> Driver<W, R> {
             let name = stage.name();
             let interactive = self.sched.queued_of(stage, Priority::Interactive);
             let batch = self.sched.queued(stage).saturating_sub(interactive);
-            for (class, n) in [("interactive", interactive), ("batch", batch)] {
-                metrics::gauge!("tensorwire_queue_depth", "stage" => name, "class" => class)
+            for (class, n) in [(Priority::Interactive, interactive), (Priority::Batch, batch)] {
+                metrics::gauge!("tensorwire_queue_depth", "stage" => name, "class" => class.name())
                     .set(n as f64);
             }
             metrics::gauge!("tensorwire_free_slots", "stage" => name)
@@ -792,16 +792,9 @@ impl<W, R> Driver<W, R> {
     }
 }
 
-fn class_name(p: Priority) -> &'static str {
-    match p {
-        Priority::Interactive => "interactive",
-        Priority::Batch => "batch",
-    }
-}
-
 /// The end of a request in the metrics: its count, its time, its time to first frame.
 fn observe_end(t: &Timeline, ok: bool) {
-    let class = class_name(t.priority);
+    let class = t.priority.name();
     let outcome = if ok { "completed" } else { "failed" };
     metrics::counter!("tensorwire_requests_total", "class" => class, "outcome" => outcome)
         .increment(1);

@@ -31,6 +31,14 @@ pub enum Priority {
 }
 
 impl Priority {
+    /// "interactive" or "batch" (e.g. a metric label).
+    pub fn name(self) -> &'static str {
+        match self {
+            Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
+        }
+    }
+
     /// Appends the wire tag.
     pub fn encode(self, w: &mut Writer) {
         w.u8(match self {

@@ -146,10 +146,7 @@ impl Assignment {
     /// The request's class ("interactive" or "batch").
     #[getter]
     fn priority(&self) -> &'static str {
-        match self.inner.priority {
-            Priority::Interactive => "interactive",
-            Priority::Batch => "batch",
-        }
+        self.inner.priority.name()
     }
     /// Try number (1 the first time; more after a worker was lost or an attempt failed).
     #[getter]
@@ -465,11 +462,7 @@ impl Submitter {
         let Some(tl) = got else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("request", tl.request)?;
-        let class = match tl.priority {
-            Priority::Interactive => "interactive",
-            Priority::Batch => "batch",
-        };
-        d.set_item("priority", class)?;
+        d.set_item("priority", tl.priority.name())?;
         let events = PyList::empty(py);
         for e in &tl.events {
             let ev = PyDict::new(py);
