@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use tensorwire_observe::{Endpoint, Health, Target};
-use tensorwire_orchestrator::service::{METRICS_LABEL, MetricsTarget};
+use tensorwire_orchestrator::service::{MetricsTarget, metrics_label};
 
 /// `--metrics-listen` and `--metrics-expose`.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -31,8 +31,7 @@ impl MetricsArgs {
         health: Health,
     ) -> Result<Option<Endpoint>, String> {
         let Some(listen) = self.metrics_listen else { return Ok(None) };
-        tensorwire_observe::install(process)?;
-        let ep = Endpoint::serve(listen, health, self.metrics_expose).await?;
+        let ep = Endpoint::start(process, listen, health, self.metrics_expose).await?;
         println!("metrics http://{}/metrics", ep.addr());
         Ok(Some(ep))
     }
@@ -64,15 +63,7 @@ pub(crate) struct Joining {
 /// The label a worker joins with to say where its endpoint is (none without one). An endpoint
 /// on every interface is advertised under this host's name.
 pub(crate) fn worker_labels(ep: Option<&Endpoint>) -> Vec<String> {
-    let Some(ep) = ep else { return Vec::new() };
-    let addr = ep.addr();
-    let at = if addr.ip().is_unspecified() {
-        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
-        format!("{host}:{}", addr.port())
-    } else {
-        addr.to_string()
-    };
-    vec![format!("{METRICS_LABEL}{at}")]
+    ep.map(|e| metrics_label(e.addr())).into_iter().collect()
 }
 
 /// The workers' endpoints an orchestrator knows, for `/sd`.

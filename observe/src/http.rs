@@ -59,6 +59,18 @@ impl Endpoint {
         Ok(Endpoint { addr, task })
     }
 
+    /// This process's endpoint: installs the recorder (as `process`, see [`crate::install`])
+    /// and serves on `listen` (see [`Endpoint::serve`]).
+    pub async fn start(
+        process: &str,
+        listen: SocketAddr,
+        health: Health,
+        expose: bool,
+    ) -> Result<Endpoint, String> {
+        crate::install(process)?;
+        Endpoint::serve(listen, health, expose).await
+    }
+
     /// The address it listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr

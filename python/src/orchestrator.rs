@@ -35,7 +35,7 @@ fn priority(s: &str) -> Res<Priority> {
     }
 }
 
-/// Starts this process's metrics endpoint on `listen` (the recorder installed first).
+/// Starts this process's metrics endpoint on `listen`, when asked for.
 async fn metrics_endpoint(
     listen: Option<SocketAddr>,
     expose: bool,
@@ -43,9 +43,8 @@ async fn metrics_endpoint(
     health: Health,
 ) -> tensorwire_core::Result<Option<Endpoint>> {
     let Some(listen) = listen else { return Ok(None) };
-    let invalid = tensorwire_core::Error::InvalidArgument;
-    tensorwire_observe::install(process).map_err(invalid)?;
-    Ok(Some(Endpoint::serve(listen, health, expose).await.map_err(invalid)?))
+    let ep = Endpoint::start(process, listen, health, expose).await;
+    Ok(Some(ep.map_err(tensorwire_core::Error::InvalidArgument)?))
 }
 
 fn optional_addr(a: Option<&str>) -> Res<Option<SocketAddr>> {
@@ -219,7 +218,7 @@ impl Worker {
                 let process = format!("worker-{}", st.name());
                 let ep = metrics_endpoint(metrics_listen, metrics_expose, &process, health).await?;
                 let labels: Vec<String> =
-                    ep.iter().map(|e| format!("{}{}", service::METRICS_LABEL, e.addr())).collect();
+                    ep.iter().map(|e| service::metrics_label(e.addr())).collect();
                 let (client, rx) = WorkerClient::connect_to(
                     a.into(),
                     k.as_ref(),

@@ -8,4 +8,4 @@ pub mod wire;
 
 pub use client::{Assignment, RECONNECT_FOR, Resolver, SubmitClient, Target, WorkerClient};
 pub use logfile::{JournalFile, JournalStore};
-pub use server::{METRICS_LABEL, MetricsTarget, OrchestratorService, ServiceConfig};
+pub use server::{METRICS_LABEL, MetricsTarget, OrchestratorService, ServiceConfig, metrics_label};

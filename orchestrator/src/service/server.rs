@@ -104,6 +104,17 @@ enum Event {
 /// The label a worker joins with to say where its metrics endpoint is: `metrics=HOST:PORT`.
 pub const METRICS_LABEL: &str = "metrics=";
 
+/// The label that says a worker's metrics endpoint is at `addr`; one on every interface
+/// (`0.0.0.0:PORT`) is advertised under this host's name (`$HOSTNAME`, else "localhost").
+pub fn metrics_label(addr: SocketAddr) -> String {
+    if addr.ip().is_unspecified() {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
+        format!("{METRICS_LABEL}{host}:{}", addr.port())
+    } else {
+        format!("{METRICS_LABEL}{addr}")
+    }
+}
+
 /// A joined worker's metrics endpoint (from its [`METRICS_LABEL`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetricsTarget {
@@ -206,7 +217,8 @@ impl OrchestratorService {
     }
 
     /// [`OrchestratorService::metrics_targets`] as a function that can outlive a borrow of the
-    /// service (e.g. for a metrics endpoint's `/sd`); empty once the service stopped.
+    /// service (e.g. for a metrics endpoint's `/sd`); once the service stopped, it gives the
+    /// last list the service published.
     pub fn metrics_targets_fn(&self) -> impl Fn() -> Vec<MetricsTarget> + Send + Sync + 'static {
         let t = self.targets.clone();
         move || t.lock().clone()
@@ -537,5 +549,19 @@ fn outcome_msg(o: Outcome) -> Msg {
     match o {
         Outcome::Completed { request } => Msg::Outcome { request, ok: true, reason: String::new() },
         Outcome::Failed { request, reason } => Msg::Outcome { request, ok: false, reason },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_metrics_label_names_a_reachable_address() {
+        let at = |s: &str| metrics_label(s.parse().unwrap());
+        assert_eq!(at("127.0.0.1:9464"), "metrics=127.0.0.1:9464");
+        assert_eq!(at("[::1]:9464"), "metrics=[::1]:9464");
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
+        assert_eq!(at("0.0.0.0:9465"), format!("metrics={host}:9465"), "not 0.0.0.0");
     }
 }
