@@ -91,7 +91,8 @@ pub(crate) struct DemoArgs {
     #[command(flatten)]
     pub(crate) mix: MixArgs,
     /// The cluster and workload: memory-bound (default), fits (colocated wins) or
-    /// heterogeneous; `--models` replaces its mix.
+    /// heterogeneous; `--models` replaces its mix. Or shift: elastic pools against fixed ones
+    /// on worker processes while the mix shifts (its own mix, pools and time scale).
     #[arg(long, default_value = "memory-bound")]
     pub(crate) scenario: String,
     /// Requests.
@@ -357,14 +358,19 @@ async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
 }
 
 /// The demo's store node: an engine on loopback with a 512 MiB shared pool served over the RPC.
-pub(crate) async fn store_node() -> Result<(Engine, Arc<EmbeddedStore>, StoreNode), String> {
+pub(crate) async fn store_node(
+    capacity: u64,
+) -> Result<(Engine, Arc<EmbeddedStore>, StoreNode), String> {
     let engine = tcp_engine(None).await?;
-    let cfg = StoreConfig { capacity: 512 << 20, shared: true, ..StoreConfig::default() };
+    let cfg = StoreConfig { capacity, shared: true, ..StoreConfig::default() };
     let store = EmbeddedStore::new(&engine, cfg).await.map_err(err)?;
     let listen = "127.0.0.1:0".parse().map_err(|_| "address")?;
     let node = StoreNode::serve(store.clone(), listen).await.map_err(err)?;
     Ok((engine, store, node))
 }
+
+/// The demo's store node pool.
+pub(crate) const STORE_BYTES: u64 = 512 << 20;
 
 /// An engine on loopback over tcp, with `secret` as its cluster secret.
 pub(crate) async fn tcp_engine(cluster_secret: Option<ClusterSecret>) -> Result<Engine, String> {
@@ -395,7 +401,7 @@ async fn disaggregated(
     split: Split,
     scale: f64,
 ) -> Result<Summary, String> {
-    let (node_engine, store, node) = store_node().await?;
+    let (node_engine, store, node) = store_node(STORE_BYTES).await?;
     let mut conns = Vec::new();
     let mut stores = Vec::new();
     for mode in [Mode::Store, Mode::Auto, Mode::Auto] {
@@ -609,6 +615,9 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
 
 /// Runs the demo.
 pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
+    if a.scenario == crate::scenario::SHIFT {
+        return crate::shift_demo::run(&a).await;
+    }
     let (d, c) = compare(&a).await?;
     crate::report::print(&d, &c);
     crate::report::print_decided(&d, &c);

@@ -36,6 +36,7 @@ use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConnectorError, ConsumerHint, DiffusionConnector, LeasePolicy, Mode,
     PayloadKind, PayloadRef, StagePayload,
 };
+use tensorwire_orchestrator::rebalance::RebalanceConfig;
 use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
     Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
@@ -263,12 +264,14 @@ async fn run_item(
 }
 
 /// A worker process that moves payloads (called from `tensorwire worker --store-engine ...`).
+/// With `--can`, an orchestrator with `--rebalance` may move it to another pool: it drains,
+/// waits for the latents it published to be read, pays the switch and joins that pool.
 pub(crate) async fn payload_worker(
     (stage, slots): (Stage, u32),
     orch: tensorwire_orchestrator::service::Target,
     (store_engine, store_rpc): (SocketAddr, SocketAddr),
     secret: Option<ClusterSecret>,
-    models: Vec<Model>,
+    (models, mobility): (Vec<Model>, crate::switching::Mobility),
     (scale, every): (f64, [u32; 2]),
     join: &crate::observe::Joining,
 ) -> Result<(), String> {
@@ -283,69 +286,103 @@ pub(crate) async fn payload_worker(
     };
     let ck = Arc::new(Checkpoints::new(store.clone(), Duration::from_secs(3600)));
     let conn = Arc::new(DiffusionConnector::new(engine, Some(store), cfg));
-    let (w, mut rx) = WorkerClient::connect_to(
-        orch.clone(),
-        secret.as_ref(),
-        stage,
-        slots.max(1),
-        ("localhost", &join.labels),
-        Duration::from_millis(500),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    join.joined.set(true);
-    println!("@@JOINED {}", w.id());
-    let (w, models) = (Arc::new(w), Arc::new(models));
+    let models = Arc::new(models);
     // SIGTERM: drain (nothing new; denoise jobs yield and move), then exit.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| format!("SIGTERM handler: {e}"))?;
-    let w2 = w.clone();
-    let drained = async move {
-        term.recv().await;
-        w2.drain(Duration::from_secs(120)).await
-    };
-    tokio::pin!(drained);
+    let (mut stage, mut switched) = (stage, None);
     loop {
-        let a = tokio::select! {
-            a = rx.recv() => a,
-            r = &mut drained => {
-                r.map_err(|e| format!("draining: {e}"))?;
-                // Latents it published p2p are still to be read by decode: wait for them.
-                let until = tokio::time::Instant::now() + Duration::from_secs(30);
-                while conn.held() > 0 && tokio::time::Instant::now() < until {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+        let spec = mobility.spec((stage, slots.max(1)), ("localhost", &join.labels), switched);
+        let (w, mut rx) =
+            WorkerClient::join(orch.clone(), secret.as_ref(), spec, Duration::from_millis(500))
+                .await
+                .map_err(|e| e.to_string())?;
+        join.joined.set(true);
+        println!("@@JOINED {}", w.id());
+        let w = Arc::new(w);
+        let run = |a: Assignment| {
+            let (w, models, conn, ck) = (w.clone(), models.clone(), conn.clone(), ck.clone());
+            let span = a.span();
+            let item = async move {
+                if a.release_only {
+                    release(&conn, &ck, &a).await;
+                    let _ = w.released(&a).await;
+                    return;
                 }
+                let m = &models[(a.request as usize) % models.len()];
+                match run_item(&conn, &ck, &w, m, &a, (scale, every)).await {
+                    Err(e) if lost(&e) => {
+                        let _ = w.report_lost_input(&a, &e.to_string()).await;
+                    }
+                    Ok(Ran::Yielded) => {}
+                    Ok(Ran::Done(out)) => {
+                        let _ = w.report_with(&a, Ok::<_, String>(out)).await;
+                    }
+                    Err(e) => {
+                        let _ = w.report_with(&a, Err::<Vec<u8>, _>(e)).await;
+                    }
+                }
+            };
+            tokio::spawn(tracing::Instrument::instrument(item, span));
+        };
+        let left = crate::switching::serve_pool(&w, &mut rx, &mut term, DRAIN, run)
+            .await
+            .map_err(|e| format!("{e} (orchestrator {orch:?})"))?;
+        // Latents it published p2p are still to be read by decode: wait for them.
+        let until = tokio::time::Instant::now() + Duration::from_secs(30);
+        while conn.held() > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        match left {
+            crate::switching::Left::Terminated => {
                 println!("@@DRAINED {}", std::process::id());
                 return Ok(());
             }
-        };
-        let Some(a) = a else { break };
-        let (w, models, conn, ck) = (w.clone(), models.clone(), conn.clone(), ck.clone());
-        let span = a.span();
-        let item = async move {
-            if a.release_only {
-                release(&conn, &ck, &a).await;
-                let _ = w.released(&a).await;
-                return;
+            crate::switching::Left::Switch(to) => {
+                join.joined.set(false);
+                drop(w);
+                let cost = mobility.cost[to.index()];
+                switched = Some(crate::switching::switch(stage, to, cost).await);
+                stage = to;
             }
-            let m = &models[(a.request as usize) % models.len()];
-            match run_item(&conn, &ck, &w, m, &a, (scale, every)).await {
-                Err(e) if lost(&e) => {
-                    let _ = w.report_lost_input(&a, &e.to_string()).await;
-                }
-                Ok(Ran::Yielded) => {}
-                Ok(Ran::Done(out)) => {
-                    let _ = w.report_with(&a, Ok::<_, String>(out)).await;
-                }
-                Err(e) => {
-                    let _ = w.report_with(&a, Err::<Vec<u8>, _>(e)).await;
-                }
-            }
-        };
-        tokio::spawn(tracing::Instrument::instrument(item, span));
+        }
     }
-    Err(format!("the orchestrator at {orch:?} closed the connection"))
 }
+
+/// An outcome to wait for: the request, when it was submitted (from the run's start), and the
+/// service's answer to come.
+type Pending = (u64, Duration, tokio::sync::oneshot::Receiver<tensorwire_orchestrator::Result<()>>);
+
+/// Waits for every outcome, each timed when it arrives (not when this loop gets to it); returns
+/// (request, submitted, ended) for the completed ones, from `start`, and a line per lost one.
+async fn outcomes(
+    outs: Vec<Pending>,
+    start: Instant,
+) -> Result<(Vec<(u64, Duration, Duration)>, Vec<String>), String> {
+    let waits: Vec<_> = outs
+        .into_iter()
+        .map(|(r, sent, o)| {
+            tokio::spawn(async move {
+                match tokio::time::timeout(Duration::from_secs(600), o).await {
+                    Ok(Ok(Ok(()))) => Ok((r, sent, start.elapsed())),
+                    Ok(Ok(Err(e))) => Err(e.to_string()),
+                    _ => Err(format!("request {r}: no outcome")),
+                }
+            })
+        })
+        .collect();
+    let (mut done, mut lost) = (Vec::new(), Vec::new());
+    for w in waits {
+        match w.await.map_err(|e| e.to_string())? {
+            Ok(d) => done.push(d),
+            Err(e) => lost.push(e),
+        }
+    }
+    Ok((done, lost))
+}
+
+/// How long a worker's drain may take.
+const DRAIN: Duration = Duration::from_secs(120);
 
 /// Whether a stage failed because an input payload is gone for good.
 fn lost(e: &HandlerError) -> bool {
@@ -386,6 +423,11 @@ pub(crate) struct ClusterArgs {
     pub(crate) checkpoint_every: u32,
     /// The orchestrator's process serves metrics here, and each worker on a loopback port.
     pub(crate) metrics: crate::observe::MetricsArgs,
+    /// Elastic pools: the orchestrator's rebalancer, and every worker may serve every stage
+    /// (each switch paying, on the time scale, the fixed time below plus the weights' load).
+    pub(crate) rebalance: Option<(RebalanceConfig, crate::switching::SwitchCost)>,
+    /// The store node's pool (every request in flight holds its embeddings there).
+    pub(crate) store_bytes: u64,
 }
 
 /// A store node, the orchestrator service and supervised worker processes, with a submitter.
@@ -415,7 +457,7 @@ impl Cluster {
         models: &[Model],
         split: Split,
     ) -> Result<Cluster, String> {
-        let (node_engine, store, node) = store_node().await?;
+        let (node_engine, store, node) = store_node(a.store_bytes).await?;
         // Under chaos a long denoise item may be killed a few times in a row: give it more
         // tries (each death counts as one, the same as a failure, so a request that kills
         // every worker it touches still ends).
@@ -425,7 +467,8 @@ impl Cluster {
             max_attempts: attempts,
             ..SchedConfig::default()
         };
-        let cfg = ServiceConfig { sched, ..ServiceConfig::default() };
+        let rebalance = a.rebalance.as_ref().map(|(r, _)| r.clone());
+        let cfg = ServiceConfig { sched, rebalance, ..ServiceConfig::default() };
         let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
             .await
             .map_err(|e| e.to_string())?;
@@ -434,6 +477,16 @@ impl Cluster {
         let mut worker_metrics: Vec<String> = Vec::new();
         if endpoint.is_some() {
             worker_metrics = vec!["--metrics-listen".into(), "127.0.0.1:0".into()];
+        }
+        if let Some((_, cost)) = &a.rebalance {
+            worker_metrics.extend([
+                "--can".into(),
+                "encode,denoise,decode".into(),
+                "--switch-gbps".into(),
+                cost.switch_gbps.to_string(),
+                "--switch-s".into(),
+                cost.switch_s.to_string(),
+            ]);
         }
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let (tx, mut lines) = tokio::sync::mpsc::channel::<String>(4096);
@@ -510,6 +563,23 @@ impl Cluster {
         self.run_as(requests, Priority::Batch, start).await
     }
 
+    /// Submits each request of `schedule` at its time after `start` (batch class) and waits
+    /// for all; returns, for each completed one, when it was submitted and when it ended (from
+    /// `start`), and one line per request lost.
+    pub(crate) async fn run_timed(
+        &self,
+        schedule: &[(u64, Duration)],
+        start: Instant,
+    ) -> Result<(Vec<(u64, Duration, Duration)>, Vec<String>), String> {
+        let mut outs = Vec::new();
+        for &(r, at) in schedule {
+            tokio::time::sleep_until((start + at).into()).await;
+            let o = self.sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?;
+            outs.push((r, start.elapsed(), o));
+        }
+        outcomes(outs, start).await
+    }
+
     /// [`Cluster::run`] with requests of class `p`.
     async fn run_as(
         &self,
@@ -519,29 +589,14 @@ impl Cluster {
     ) -> Result<(Vec<(u64, Duration)>, Vec<String>), String> {
         let mut outs = Vec::new();
         for r in requests {
-            outs.push((r, self.sub.submit(r, p).await.map_err(|e| e.to_string())?));
+            outs.push((
+                r,
+                start.elapsed(),
+                self.sub.submit(r, p).await.map_err(|e| e.to_string())?,
+            ));
         }
-        // Each outcome is timed when it arrives, not when this loop gets to it.
-        let waits: Vec<_> = outs
-            .into_iter()
-            .map(|(r, o)| {
-                tokio::spawn(async move {
-                    match tokio::time::timeout(Duration::from_secs(600), o).await {
-                        Ok(Ok(Ok(()))) => Ok((r, start.elapsed())),
-                        Ok(Ok(Err(e))) => Err(e.to_string()),
-                        _ => Err(format!("request {r}: no outcome")),
-                    }
-                })
-            })
-            .collect();
-        let (mut done, mut lost) = (Vec::new(), Vec::new());
-        for w in waits {
-            match w.await.map_err(|e| e.to_string())? {
-                Ok(d) => done.push(d),
-                Err(e) => lost.push(e),
-            }
-        }
-        Ok((done, lost))
+        let (done, lost) = outcomes(outs, start).await?;
+        Ok((done.into_iter().map(|(r, _, ended)| (r, ended)).collect(), lost))
     }
 
     /// The workers' `@@` lines that arrive within `quiet` of each other.
@@ -797,6 +852,8 @@ pub(crate) async fn disaggregated(
         seed: a.seed,
         checkpoint_every: a.checkpoint_every,
         metrics: a.metrics.clone(),
+        rebalance: None,
+        store_bytes: crate::demo::STORE_BYTES,
     };
     let mut c = Cluster::start(&ca, models, split).await?;
     let start = Instant::now();

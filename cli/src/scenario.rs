@@ -50,10 +50,14 @@ pub(crate) const SCENARIOS: [Scenario; 3] = [
     },
 ];
 
+/// The scenario that compares elastic pools with fixed ones (see `crate::shift_demo`), not a
+/// layout comparison.
+pub(crate) const SHIFT: &str = "shift";
+
 /// A scenario by name; the error lists them.
 pub(crate) fn pick(name: &str) -> Result<Scenario, String> {
     SCENARIOS.iter().copied().find(|s| s.name == name).ok_or_else(|| {
-        let known: Vec<&str> = SCENARIOS.iter().map(|s| s.name).collect();
+        let known: Vec<&str> = SCENARIOS.iter().map(|s| s.name).chain([SHIFT]).collect();
         format!("unknown scenario {name:?}; known: {}", known.join(", "))
     })
 }

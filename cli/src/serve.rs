@@ -76,6 +76,13 @@ pub(crate) struct ServeArgs {
     pub(crate) for_secs: Option<u64>,
     #[command(flatten)]
     pub(crate) metrics: MetricsArgs,
+    /// Elastic pools: the orchestrator moves workers that can serve other stages (`worker
+    /// --can`) between pools as the load shifts.
+    #[arg(long)]
+    pub(crate) rebalance: bool,
+    /// With --rebalance: the rebalancer's settings.
+    #[command(flatten)]
+    pub(crate) rebalance_args: crate::switching::RebalanceArgs,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -178,10 +185,21 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         });
     }
     let mut leading: Option<tokio::task::JoinHandle<String>> = None;
+    let headroom = tensorwire_orchestrator::sched::SchedConfig::default().decode_headroom;
+    let rebalance = match a.rebalance {
+        true => Some(a.rebalance_args.config(1.0, headroom)?),
+        false => None,
+    };
+    if rebalance.is_some() && a.orchestrator_listen.or(f.orchestrator_listen).is_none() {
+        return Err(
+            "--rebalance: this process serves no orchestrator (--orchestrator-listen)".into()
+        );
+    }
     match (a.orchestrator_listen.or(f.orchestrator_listen), &etcd) {
         (Some(at), None) => {
             let journal = a.journal.or(f.journal);
-            let cfg = ServiceConfig { secret, insecure, journal, ..ServiceConfig::default() };
+            let cfg =
+                ServiceConfig { secret, insecure, journal, rebalance, ..ServiceConfig::default() };
             let o = OrchestratorService::serve(at, cfg).await.map_err(|e| e.to_string())?;
             println!("orchestrator {}", o.addr());
             *serving.lock().await = Some(o);
@@ -196,7 +214,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
             if a.journal.is_some() || f.journal.is_some() {
                 return Err("--journal: with --etcd the orchestrator's journal is in etcd".into());
             }
-            let cfg = ServiceConfig { secret, insecure, ..ServiceConfig::default() };
+            let cfg = ServiceConfig { secret, insecure, rebalance, ..ServiceConfig::default() };
             println!("standby orchestrator {at}: campaigning to lead cluster {cluster}");
             leading = Some(tokio::spawn(c.clone().lead(at, cfg, serving.clone())));
         }
@@ -301,6 +319,13 @@ pub(crate) struct WorkerArgs {
     pub(crate) checkpoint_every_interactive: u32,
     #[command(flatten)]
     pub(crate) metrics: MetricsArgs,
+    /// Other stages this worker can serve (elastic pools: an orchestrator run with
+    /// --rebalance may move it there; it drains, loads the stage and joins that pool).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) can: Vec<String>,
+    /// What a switch costs (times the --time-scale).
+    #[command(flatten)]
+    pub(crate) switch: crate::switching::SwitchCost,
 }
 
 /// Runs `worker`.
@@ -337,6 +362,12 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         (None, None) => return Err("worker: pass --connect ADDR or --etcd URL".into()),
     };
     let all = profiles::load(a.profiles.as_deref())?;
+    let mut serves = vec![stage];
+    serves.extend(crate::switching::stages(&a.can)?.into_iter().filter(|s| *s != stage));
+    let mobility = |models: &[crate::profiles::Model]| -> Result<_, String> {
+        let cost = a.switch.times(models)?.map(|d| d.mul_f64(a.time_scale));
+        Ok(crate::switching::Mobility { serves: serves.clone(), cost })
+    };
     let store = match (a.store_engine.zip(a.store), &etcd) {
         (Some(s), _) => Some(s),
         (None, Some(e)) if !a.models.is_empty() => Some(e.find_store().await?),
@@ -346,46 +377,58 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
         let mix: Vec<crate::profiles::Model> =
             profiles::pick(&all, &names)?.into_iter().cloned().collect();
+        let mobility = mobility(&mix)?;
         return crate::procs::payload_worker(
             (stage, a.slots),
             target,
             store,
             secret,
-            mix,
+            (mix, mobility),
             (a.time_scale, [a.checkpoint_every_interactive, a.checkpoint_every]),
             &join,
         )
         .await;
     }
     let m = profiles::pick(&all, std::slice::from_ref(&a.model))?[0].clone();
-    let ms = match stage {
-        Stage::Encode => m.encode_ms,
-        Stage::Denoise => m.denoise_ms(),
-        Stage::Decode => m.decode_ms,
-    };
+    let mobility = mobility(std::slice::from_ref(&m))?;
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
-    let (w, mut rx) = WorkerClient::connect_to(
-        target.clone(),
-        secret.as_ref(),
-        stage,
-        a.slots.max(1),
-        (&host, &join.labels),
-        Duration::from_secs(1),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    join.joined.set(true);
-    println!("worker {} ({}) joined {target:?}", w.id(), a.role);
-    let w = std::sync::Arc::new(w);
-    while let Some(job) = rx.recv().await {
-        let w = w.clone();
-        let t = Duration::from_secs_f64((ms * a.time_scale / 1e3).max(0.0));
-        let span = job.span();
-        let item = async move {
-            tokio::time::sleep(t).await;
-            let _ = w.report(&job, Ok::<(), String>(())).await;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| format!("SIGTERM handler: {e}"))?;
+    let (mut stage, mut switched) = (stage, None);
+    loop {
+        let spec = mobility.spec((stage, a.slots.max(1)), (&host, &join.labels), switched);
+        let (w, mut rx) =
+            WorkerClient::join(target.clone(), secret.as_ref(), spec, Duration::from_secs(1))
+                .await
+                .map_err(|e| e.to_string())?;
+        join.joined.set(true);
+        println!("worker {} ({stage}) joined {target:?}", w.id());
+        let ms = match stage {
+            Stage::Encode => m.encode_ms,
+            Stage::Denoise => m.denoise_ms(),
+            Stage::Decode => m.decode_ms,
         };
-        tokio::spawn(tracing::Instrument::instrument(item, span));
+        let t = Duration::from_secs_f64((ms * a.time_scale / 1e3).max(0.0));
+        let w = std::sync::Arc::new(w);
+        let run = |job: tensorwire_orchestrator::service::Assignment| {
+            let w = w.clone();
+            let span = job.span();
+            let item = async move {
+                tokio::time::sleep(t).await;
+                let _ = w.report(&job, Ok::<(), String>(())).await;
+            };
+            tokio::spawn(tracing::Instrument::instrument(item, span));
+        };
+        let drain = Duration::from_secs(120);
+        match crate::switching::serve_pool(&w, &mut rx, &mut term, drain, run).await? {
+            crate::switching::Left::Terminated => return Ok(()),
+            crate::switching::Left::Switch(to) => {
+                join.joined.set(false);
+                drop(w);
+                switched =
+                    Some(crate::switching::switch(stage, to, mobility.cost[to.index()]).await);
+                stage = to;
+            }
+        }
     }
-    Err(format!("the orchestrator at {target:?} closed the connection"))
 }

@@ -109,26 +109,39 @@ pub(crate) struct SimArgs {
     /// Classifier-free guidance off (a CFG model's step runs one branch: about half the time).
     #[arg(long)]
     pub(crate) no_cfg: bool,
+    /// Elastic pools: a rebalancer moves GPUs between the E, D and V pools during a shifting
+    /// workload (--phases), compared with static splits on the same GPUs.
+    #[arg(long)]
+    pub(crate) elastic: bool,
+    /// The shifting workload for --elastic: MIX@RATE:SECONDS;... (MIX as for --mix).
+    #[arg(long)]
+    pub(crate) phases: Option<String>,
+    /// With --elastic: the rebalancer's settings.
+    #[command(flatten)]
+    pub(crate) rebalance: crate::switching::RebalanceArgs,
+    /// With --elastic: what switching a GPU costs.
+    #[command(flatten)]
+    pub(crate) switch: crate::switching::SwitchCost,
 }
 
 /// GPUs when --gpus is not given.
 const DEFAULT_GPUS: u32 = 8;
 
 /// Everything a mode needs, loaded and checked once.
-struct Ctx {
-    a: SimArgs,
-    mix: Mix,
-    classes: Vec<GpuClass>,
-    knobs: Knobs,
-    target: Option<Duration>,
+pub(crate) struct Ctx {
+    pub(crate) a: SimArgs,
+    pub(crate) mix: Mix,
+    pub(crate) classes: Vec<GpuClass>,
+    pub(crate) knobs: Knobs,
+    pub(crate) target: Option<Duration>,
 }
 
 impl Ctx {
-    fn gpus(&self) -> u32 {
+    pub(crate) fn gpus(&self) -> u32 {
         self.a.gpus.unwrap_or(DEFAULT_GPUS)
     }
 
-    fn prepare(&self, l: &Layout) -> Result<Prepared, String> {
+    pub(crate) fn prepare(&self, l: &Layout) -> Result<Prepared, String> {
         Prepared::new(l, &self.classes, &self.mix, self.knobs.cfg)
     }
 
@@ -152,6 +165,9 @@ impl Ctx {
 /// Runs the simulation.
 pub(crate) fn run(a: SimArgs) -> Result<(), String> {
     let (cx, all) = context(a)?;
+    if cx.a.elastic {
+        return crate::elastic::run(&cx, &all);
+    }
     if cx.a.calibrate {
         return run_calibrate(&cx, &all);
     }
@@ -238,26 +254,7 @@ fn run_splits(cx: &Ctx) -> Result<(), String> {
     if a.sweep {
         return sweep(cx, sweep_n, rate);
     }
-    let splits: Vec<String> = match &a.split {
-        Some(s) => {
-            let sp = parse_split(s, gpus)?;
-            vec![format!("E:{}|D:{}|V:{}", sp.encode, sp.denoise, sp.decode)]
-        }
-        None => {
-            let mut v = Vec::new();
-            for e in 1..gpus {
-                for m in 1..gpus {
-                    if e + m < gpus {
-                        v.push(format!("E:{e}|D:{}|V:{m}", gpus - e - m));
-                    }
-                }
-            }
-            if v.is_empty() {
-                return Err(format!("--gpus {gpus}: a disaggregated pipeline needs at least 3"));
-            }
-            v
-        }
-    };
+    let splits = splits(a.split.as_deref(), gpus)?;
     let wall = Instant::now();
     let mut decisions = 0;
     let mut best: Option<(Prepared, Outcome)> = None;
@@ -295,6 +292,26 @@ fn run_splits(cx: &Ctx) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// The `E:N:M` splits to try on `gpus`: the one `--split` names, else every one.
+pub(crate) fn splits(split: Option<&str>, gpus: u32) -> Result<Vec<String>, String> {
+    if let Some(s) = split {
+        let sp = parse_split(s, gpus)?;
+        return Ok(vec![format!("E:{}|D:{}|V:{}", sp.encode, sp.denoise, sp.decode)]);
+    }
+    let mut v = Vec::new();
+    for e in 1..gpus {
+        for m in 1..gpus {
+            if e + m < gpus {
+                v.push(format!("E:{e}|D:{}|V:{m}", gpus - e - m));
+            }
+        }
+    }
+    if v.is_empty() {
+        return Err(format!("--gpus {gpus}: a disaggregated pipeline needs at least 3"));
+    }
+    Ok(v)
 }
 
 /// How a --sweep ended.
@@ -608,6 +625,12 @@ fn parse_args(args: &[&str]) -> Result<SimArgs, String> {
     Ok(<Cmdline as clap::Parser>::try_parse_from(all).map_err(|e| e.to_string())?.a)
 }
 
+/// The context `tensorwire simulate ARGS` runs in.
+#[cfg(test)]
+pub(crate) fn context_of(args: &[&str]) -> Result<(Ctx, Vec<profiles::Model>), String> {
+    context(parse_args(args)?)
+}
+
 /// `simulate --plan ARGS` for a report: its layouts and the offered load.
 pub(crate) fn plan_figures(args: &[&str]) -> Result<(Vec<LayoutFigures>, f64, String), String> {
     let (cx, _) = context(parse_args(args)?)?;
@@ -678,7 +701,7 @@ fn table(cx: &Ctx, rows: &[Measured]) {
 }
 
 /// US$ per 1,000 requests at full capacity.
-fn per_1k(usd_per_hour: f64, capacity: f64) -> f64 {
+pub(crate) fn per_1k(usd_per_hour: f64, capacity: f64) -> f64 {
     usd_per_hour / (capacity * 3.6).max(1e-12)
 }
 
@@ -793,7 +816,7 @@ fn run_calibrate(cx: &Ctx, all: &[profiles::Model]) -> Result<(), String> {
     }
 }
 
-fn show(label: &str, p: &Prepared, r: &Outcome, target: Option<Duration>) {
+pub(crate) fn show(label: &str, p: &Prepared, r: &Outcome, target: Option<Duration>) {
     let slo = target.map_or(String::new(), |t| format!(", TTFF SLO met {:.1}%", slo_met(r, t)));
     let util: Vec<String> = p
         .layout

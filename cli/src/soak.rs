@@ -91,6 +91,8 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
         seed: a.seed,
         checkpoint_every: 10,
         metrics: crate::observe::MetricsArgs::default(),
+        rebalance: None,
+        store_bytes: crate::demo::STORE_BYTES,
     };
     println!(
         "tensorwire soak: {} min, batches of {} requests, {}:{}:{} worker processes, {}",

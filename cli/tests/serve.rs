@@ -30,7 +30,7 @@ async fn serve_and_three_workers_complete_requests() {
     let exe = env!("CARGO_BIN_EXE_tensorwire");
     let made = Command::new(exe).arg("secret").arg("new").arg(&secret_file).output().unwrap();
     assert!(made.status.success(), "{made:?}");
-    let mut serve = Command::new(exe)
+    let serve = Command::new(exe)
         .args([
             "serve",
             "--listen",
@@ -49,13 +49,7 @@ async fn serve_and_three_workers_complete_requests() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let out = BufReader::new(serve.child_stdout());
-    let _serve = Kill(serve);
-    let orch = out
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| l.strip_prefix("orchestrator ").map(str::to_string))
-        .expect("serve printed the orchestrator address");
+    let (_serve, orch) = serving(serve);
     let mut workers = Vec::new();
     for role in ["encode", "denoise", "decode"] {
         let c = Command::new(exe)
@@ -89,6 +83,19 @@ async fn serve_and_three_workers_complete_requests() {
         assert!(r.is_ok(), "{r:?}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A `serve` process (stdout piped) once it printed its orchestrator's address, and the
+/// address.
+fn serving(mut serve: Child) -> (Kill, String) {
+    let out = BufReader::new(serve.child_stdout());
+    let serve = Kill(serve);
+    let orch = out
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix("orchestrator ").map(str::to_string))
+        .expect("serve printed the orchestrator address");
+    (serve, orch)
 }
 
 /// `tensorwire serve` with the orchestrator on `at` and its journal in `dir`; returns the
@@ -306,4 +313,63 @@ fn secret_files_are_private_and_bad_ones_are_refused_with_their_reason() {
         assert!(!err.contains(text), "the error shows the secret: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_rebalance_moves_a_worker_that_can_decode_to_the_short_decode_pool() {
+    let exe = env!("CARGO_BIN_EXE_tensorwire");
+    let serve = Command::new(exe)
+        .args(["serve", "--listen", "127.0.0.1:0", "--store-listen", "127.0.0.1:0"])
+        .args(["--orchestrator-listen", "127.0.0.1:0", "--store-mib", "16", "--for-secs", "90"])
+        .args(["--rebalance", "--rebalance-interval-s", "0.1", "--dwell-s", "0"])
+        .args(["--horizon-s", "30"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (_serve, orch) = serving(serve);
+    // Denoise 236 ms an item on each of three workers; decode 236 ms on one: decode is short.
+    let worker = |role: &str, scale: &str, extra: &[&str]| {
+        Command::new(exe)
+            .args(["worker", "--role", role, "--connect", &orch, "--time-scale", scale])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut mobile = worker("denoise", "0.005", &["--can", "decode"]);
+    let lines = BufReader::new(mobile.child_stdout());
+    let _mobile = Kill(mobile);
+    let _others: Vec<Kill> = [
+        worker("encode", "0.005", &[]),
+        worker("denoise", "0.005", &[]),
+        worker("denoise", "0.005", &[]),
+        worker("decode", "0.1", &[]),
+    ]
+    .into_iter()
+    .map(Kill)
+    .collect();
+    let (tx, switched) = std::sync::mpsc::sync_channel(16);
+    std::thread::spawn(move || {
+        for l in lines.lines().map_while(Result::ok) {
+            if l.starts_with("@@SWITCHED") {
+                let _ = tx.send(l);
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await; // every worker joined
+    let sub = SubmitClient::connect(orch.parse().unwrap(), None).await.unwrap();
+    let mut outs = Vec::new();
+    for r in 0..24 {
+        outs.push(sub.submit(r, Priority::Batch).await.unwrap());
+    }
+    let l = tokio::task::spawn_blocking(move || switched.recv_timeout(Duration::from_secs(60)))
+        .await
+        .unwrap()
+        .expect("the worker that can decode was moved");
+    assert!(l.starts_with("@@SWITCHED denoise decode "), "{l}");
+    for o in outs {
+        let r =
+            tokio::time::timeout(Duration::from_secs(60), o).await.expect("request hung").unwrap();
+        assert!(r.is_ok(), "{r:?}");
+    }
 }

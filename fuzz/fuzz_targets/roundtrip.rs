@@ -201,7 +201,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
     let priority = |u: &mut Unstructured<'_>| -> Result<Priority> {
         Ok(if u.arbitrary()? { Priority::Interactive } else { Priority::Batch })
     };
-    let m = match u.int_in_range(0..=22u8)? {
+    let m = match u.int_in_range(0..=23u8)? {
         0 => Msg::Hello {
             role: Role::Worker {
                 stage,
@@ -210,6 +210,14 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
                 labels: (0..u.int_in_range(0..=8usize)?)
                     .map(|_| short(u))
                     .collect::<Result<_>>()?,
+                can: (0..u.int_in_range(0..=3usize)?)
+                    .map(|_| Ok((stage, Duration::from_millis(u.arbitrary()?))))
+                    .collect::<Result<_>>()?,
+                switched: if u.arbitrary()? {
+                    Some(Duration::from_millis(u.arbitrary()?))
+                } else {
+                    None
+                },
             },
         },
         1 => Msg::Hello { role: Role::Submitter },
@@ -267,6 +275,7 @@ fn orchestrator(u: &mut Unstructured<'_>) -> Result<()> {
             bytes: u.arbitrary()?,
             micros: u.arbitrary()?,
         },
+        22 => Msg::Switch { stage },
         _ => {
             let timeline = if u.arbitrary()? {
                 let n = u.int_in_range(0..=timeline::MAX_EVENTS)?;

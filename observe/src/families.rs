@@ -120,6 +120,10 @@ pub const FAMILIES: &[Family] = &[
       "Worker slots of a stage free for an item."),
     f("tensorwire_workers", Gauge, "stage,state", "orchestrator",
       "Workers joined, per pool (stage) and state (live or draining)."),
+    f("tensorwire_switches_total", Counter, "from,to", "orchestrator",
+      "Workers told to move from one stage's pool to another's (elastic pools)."),
+    f("tensorwire_switch_seconds", Histogram, "stage", "orchestrator",
+      "Time a moved worker took to switch (load the stage) before joining its new pool."),
     f("tensorwire_journal_sync_seconds", Histogram, "", "orchestrator",
       "Time to write and sync one batch of journal facts."),
     // Every process that exports.

@@ -601,6 +601,11 @@ impl<W, R> Driver<W, R> {
         asks.into_iter().filter_map(|(id, key)| Some((key, id, self.workers.get(&id)?))).collect()
     }
 
+    /// The endpoint `worker` joined with.
+    pub fn endpoint(&self, worker: WorkerId) -> Option<&W> {
+        self.workers.get(&worker)
+    }
+
     /// Scale-down of `worker`: see [`Scheduler::drain`]. Returns false for an unknown worker.
     pub fn drain(&mut self, worker: WorkerId, now: Duration) -> bool {
         self.sched.drain(worker, now)

@@ -33,6 +33,7 @@ mod fasthash;
 pub mod journal;
 mod library;
 pub mod queue;
+pub mod rebalance;
 pub mod sched;
 pub mod service;
 mod stage;

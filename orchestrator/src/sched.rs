@@ -720,6 +720,11 @@ impl Scheduler {
         true
     }
 
+    /// Whether `id` is draining (it takes no new items).
+    pub fn is_draining(&self, id: WorkerId) -> bool {
+        self.draining.contains(&id)
+    }
+
     /// Draining workers that came to hold nothing since the last call (each reported once).
     pub fn take_drained(&mut self) -> Vec<WorkerId> {
         std::mem::take(&mut self.drained)

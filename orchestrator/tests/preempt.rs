@@ -13,8 +13,10 @@ use tensorwire_core::{DType, Engine, MemBackend, Permissions, TensorMeta};
 use tensorwire_diffusion::cache::{
     CheckpointOf, CheckpointRef, Checkpoints, Sampler, Shape, checkpoint_key, embedding_key,
 };
+use tensorwire_orchestrator::rebalance::RebalanceConfig;
+use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
-    Assignment, OrchestratorService, SubmitClient, WorkerClient,
+    Assignment, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient, WorkerSpec,
 };
 use tensorwire_orchestrator::{Priority, Stage};
 use tensorwire_store::{EmbeddedStore, Store, StoreConfig};
@@ -55,60 +57,98 @@ impl Pipeline {
     /// A service with trivial encode and decode workers; decode releases what it is handed
     /// (checkpoints from the store), except the requests `keep` names.
     async fn start(keep: &'static [u64]) -> (Pipeline, mpsc::Receiver<Ran>) {
+        Self::start_with(keep, ServiceConfig::default(), (4, Duration::ZERO)).await
+    }
+
+    /// [`Pipeline::start`] with `cfg`, and a decode worker with `slots` taking `took` per item.
+    async fn start_with(
+        keep: &'static [u64],
+        cfg: ServiceConfig,
+        (slots, took): (u32, Duration),
+    ) -> (Pipeline, mpsc::Receiver<Ran>) {
         let engine = Engine::builder().backend(MemBackend::new()).start().await.unwrap();
-        let cfg = StoreConfig { capacity: 16 << 20, ..StoreConfig::default() };
-        let store: Arc<dyn Store> = EmbeddedStore::new(&engine, cfg).await.unwrap();
+        let store_cfg = StoreConfig { capacity: 16 << 20, ..StoreConfig::default() };
+        let store: Arc<dyn Store> = EmbeddedStore::new(&engine, store_cfg).await.unwrap();
         let ck = Checkpoints::new(store.clone(), Duration::from_secs(600));
-        let svc = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), Default::default())
-            .await
-            .unwrap();
+        let svc = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
         let released: Released = Arc::default();
-        for stage in [Stage::Encode, Stage::Decode] {
-            let (w, mut rx) =
-                WorkerClient::connect(svc.addr(), None, stage, 4, "h", HB).await.unwrap();
-            let (ck, released) = (ck.clone(), released.clone());
-            tokio::spawn(async move {
-                while let Some(a) = rx.recv().await {
-                    if a.release_only {
-                        for h in &a.held {
-                            if CheckpointRef::is(h) && !keep.contains(&a.request) {
-                                ck.release(&CheckpointRef::decode(h).unwrap()).await.unwrap();
-                            }
-                            released.lock().push((a.request, h.clone()));
-                        }
-                        w.released(&a).await.unwrap();
-                        continue;
-                    }
-                    let out = format!("{:?} of {}", a.stage, a.request).into_bytes();
-                    w.report_with(&a, Ok::<_, String>(out)).await.unwrap();
-                }
-            });
-        }
         let (ran, rx) = mpsc::channel(256);
-        (Pipeline { svc, engine, store, ck, ran, released }, rx)
+        let p = Pipeline { svc, engine, store, ck, ran, released };
+        for (stage, slots, took) in
+            [(Stage::Encode, 4, Duration::ZERO), (Stage::Decode, slots, took)]
+        {
+            let (w, rx) =
+                WorkerClient::connect(p.svc.addr(), None, stage, slots, "h", HB).await.unwrap();
+            tokio::spawn(p.serve_items(Arc::new(w), rx, keep, (took, "v")));
+        }
+        (p, rx)
+    }
+
+    /// Runs the encode or decode items `rx` brings (each taking `took`; a decode item is a
+    /// `Ran` of step `STEPS` by `name`) and releases ended requests' outputs (checkpoints from
+    /// the store, except those of the requests `keep` names).
+    fn serve_items(
+        &self,
+        w: Arc<WorkerClient>,
+        mut rx: mpsc::Receiver<Assignment>,
+        keep: &'static [u64],
+        (took, name): (Duration, &'static str),
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (ck, released, ran) = (self.ck.clone(), self.released.clone(), self.ran.clone());
+        async move {
+            while let Some(a) = rx.recv().await {
+                if a.release_only {
+                    for h in &a.held {
+                        if CheckpointRef::is(h) && !keep.contains(&a.request) {
+                            ck.release(&CheckpointRef::decode(h).unwrap()).await.unwrap();
+                        }
+                        released.lock().push((a.request, h.clone()));
+                    }
+                    w.released(&a).await.unwrap();
+                    continue;
+                }
+                tokio::time::sleep(took).await;
+                if a.stage == Stage::Decode {
+                    let _ = ran.send(Ran { worker: name, request: a.request, step: STEPS }).await;
+                }
+                let out = format!("{:?} of {}", a.stage, a.request).into_bytes();
+                w.report_with(&a, Ok::<_, String>(out)).await.unwrap();
+            }
+        }
     }
 
     /// A denoise worker named `name` with one slot: it runs each job step by step from its
     /// checkpoint, saves a checkpoint every 3 steps, and yields at the next step boundary when
     /// asked (saving one there).
     async fn denoiser(&self, name: &'static str) -> Arc<WorkerClient> {
-        let (w, mut rx) =
-            WorkerClient::connect(self.svc.addr(), None, Stage::Denoise, 1, "h", HB).await.unwrap();
+        let spec = WorkerSpec::new(Stage::Denoise, 1, "h");
+        self.denoiser_as(name, spec, Duration::from_millis(25)).await.0
+    }
+
+    /// [`Pipeline::denoiser`] joined as `spec` says, taking `step` a step; with the task
+    /// running its jobs.
+    async fn denoiser_as(
+        &self,
+        name: &'static str,
+        spec: WorkerSpec,
+        step: Duration,
+    ) -> (Arc<WorkerClient>, tokio::task::JoinHandle<()>) {
+        let (w, mut rx) = WorkerClient::join(self.svc.addr().into(), None, spec, HB).await.unwrap();
         let w = Arc::new(w);
         let (client, ck, engine, ran) =
             (w.clone(), self.ck.clone(), self.engine.clone(), self.ran.clone());
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             while let Some(a) = rx.recv().await {
                 if a.release_only {
                     client.released(&a).await.unwrap();
                     continue;
                 }
-                if let Some(out) = denoise(&client, &a, &ck, &engine, &ran, name).await {
+                if let Some(out) = denoise(&client, &a, &ck, &engine, &ran, (name, step)).await {
                     client.report_with(&a, Ok::<_, String>(out)).await.unwrap();
                 }
             }
         });
-        w
+        (w, task)
     }
 }
 
@@ -142,7 +182,7 @@ async fn denoise(
     ck: &Checkpoints,
     engine: &Engine,
     ran: &mpsc::Sender<Ran>,
-    name: &'static str,
+    (name, took): (&'static str, Duration),
 ) -> Option<Vec<u8>> {
     let latent = engine.alloc(N, Permissions::NONE).await.unwrap();
     // An edit names the request whose trajectory it resumes in its inputs.
@@ -165,7 +205,7 @@ async fn denoise(
             w.yield_job(a, step, r).await.unwrap();
             return None;
         }
-        tokio::time::sleep(Duration::from_millis(25)).await;
+        tokio::time::sleep(took).await;
         latent.write_bytes(0, &latents(traj, step + 1)).unwrap();
         let _ = ran.send(Ran { worker: name, request: a.request, step }).await;
         let done = step + 1;
@@ -192,9 +232,17 @@ async fn until(rx: &mut mpsc::Receiver<Ran>, seen: &mut Vec<Ran>, request: u64, 
     .expect("the step ran");
 }
 
-/// The steps `request` ran, by worker, in order.
+/// The denoise steps `request` ran, by worker, in order.
 fn steps(seen: &[Ran], request: u64) -> Vec<(&'static str, u32)> {
-    seen.iter().filter(|r| r.request == request).map(|r| (r.worker, r.step)).collect()
+    seen.iter()
+        .filter(|r| r.request == request && r.step < STEPS)
+        .map(|r| (r.worker, r.step))
+        .collect()
+}
+
+/// The workers that decoded `request`.
+fn decoded(seen: &[Ran], request: u64) -> Vec<&'static str> {
+    seen.iter().filter(|r| r.request == request && r.step == STEPS).map(|r| r.worker).collect()
 }
 
 async fn outcome(
@@ -328,4 +376,74 @@ async fn bad_yields_edits_and_drains_fail_with_their_reason() {
         "{e}"
     );
     assert!(w.yield_requested(&a), "the drain asked for the job back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_elastic_service_moves_a_denoise_worker_to_decode_and_its_job_resumes_elsewhere() {
+    // Decode (one slot, 400 ms an item) cannot keep up with denoise; latents may pile up
+    // before decode (a large headroom), so denoise stays busy. "a", the one denoiser that can
+    // also decode (100 ms a step), takes the first job alone; the rebalancer may not empty the
+    // denoise pool, so it moves "a" only once "b" and "c" joined, while "a" runs that job: the
+    // job yields a checkpoint and resumes on "b" or "c", and "a" joins the decode pool after
+    // its 50 ms switch.
+    let headroom = 100;
+    let cfg = ServiceConfig {
+        sched: SchedConfig { decode_headroom: headroom, ..SchedConfig::default() },
+        rebalance: Some(RebalanceConfig {
+            interval: Duration::from_millis(200),
+            dwell: Duration::ZERO,
+            horizon: Duration::from_secs(30),
+            decode_headroom: headroom,
+            ..RebalanceConfig::default()
+        }),
+        ..ServiceConfig::default()
+    };
+    let (p, mut ran) = Pipeline::start_with(&[], cfg, (1, Duration::from_millis(400))).await;
+    let switch = Duration::from_millis(50);
+    let spec = WorkerSpec {
+        can: vec![(Stage::Decode, switch)],
+        ..WorkerSpec::new(Stage::Denoise, 1, "h")
+    };
+    let (a, a_jobs) = p.denoiser_as("a", spec, Duration::from_millis(100)).await;
+    let sub = SubmitClient::connect(p.svc.addr(), None).await.unwrap();
+    let mut waits = Vec::new();
+    for r in 1..=12 {
+        waits.push(sub.submit(r, Priority::Batch).await.unwrap());
+    }
+    let mut seen = Vec::new();
+    let first = tokio::time::timeout(WAIT, ran.recv()).await.unwrap().unwrap();
+    assert_eq!((first.worker, first.step), ("a", 0));
+    seen.push(first);
+    let _b = p.denoiser("b").await;
+    let _c = p.denoiser("c").await;
+    // The switch order, the drain, the switch, and "a" joins decode.
+    let to = tokio::time::timeout(WAIT, a.switch_order()).await.expect("a switch order");
+    assert_eq!(to, Stage::Decode);
+    assert_eq!(a.switch_requested(), Some(Stage::Decode));
+    tokio::time::timeout(WAIT, a.drain(WAIT)).await.unwrap().unwrap();
+    a_jobs.abort();
+    drop(a);
+    tokio::time::sleep(switch).await;
+    let spec = WorkerSpec { switched: Some(switch), ..WorkerSpec::new(Stage::Decode, 1, "h") };
+    let (a2, rx) = WorkerClient::join(p.svc.addr().into(), None, spec, HB).await.unwrap();
+    tokio::spawn(p.serve_items(Arc::new(a2), rx, &[], (Duration::from_millis(400), "a")));
+    for w in waits {
+        outcome(w, &mut seen, &mut ran).await;
+    }
+    // Every request denoised once, step by step, and decoded once.
+    let mut moved = 0;
+    for r in 1..=12 {
+        let s = steps(&seen, r);
+        assert_eq!(s.iter().map(|s| s.1).collect::<Vec<_>>(), (0..STEPS).collect::<Vec<_>>());
+        let k = s.iter().take_while(|s| s.0 == "a").count();
+        if k > 0 && k < s.len() {
+            assert!(s[k..].iter().all(|x| x.0 == s[k].0), "resumed on one worker: {s:?}");
+            moved += 1;
+        }
+        assert_eq!(decoded(&seen, r).len(), 1, "decoded once");
+    }
+    assert_eq!(moved, 1, "the job running on a moved on from its checkpoint: {seen:?}");
+    assert!((1..=12).any(|r| decoded(&seen, r) == ["a"]), "a decoded after the switch");
+    let st = p.svc.stats().await.unwrap();
+    assert_eq!((st.sched.yielded, st.duplicated, st.sched.requeued), (1, 0, 0));
 }

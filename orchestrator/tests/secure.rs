@@ -27,7 +27,14 @@ async fn a_reachable_service_needs_a_secret_or_insecure() {
 async fn a_client_without_the_secret_is_never_welcomed() {
     let cfg = ServiceConfig { secret: secret(), ..ServiceConfig::default() };
     let s = OrchestratorService::serve("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
-    let role = Role::Worker { stage: Stage::Decode, slots: 4, host: "x".into(), labels: vec![] };
+    let role = Role::Worker {
+        stage: Stage::Decode,
+        slots: 4,
+        host: "x".into(),
+        labels: vec![],
+        can: vec![],
+        switched: None,
+    };
     let (kind, body) = Msg::Hello { role }.encode_body();
     for claim in [Claim::WrongProof, Claim::NoProof] {
         let frames = frames_received(s.addr(), &FRAMING, claim, (kind, &body)).await;

@@ -9,8 +9,9 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use tensorwire_observe::{Endpoint, Health, Target};
+use tensorwire_orchestrator::rebalance::RebalanceConfig;
 use tensorwire_orchestrator::service::{
-    self, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
+    self, OrchestratorService, ServiceConfig, SubmitClient, WorkerClient, WorkerSpec,
 };
 use tensorwire_orchestrator::timeline::Mark;
 use tensorwire_orchestrator::{OrchestratorError, Priority, Stage};
@@ -51,6 +52,44 @@ fn optional_addr(a: Option<&str>) -> Res<Option<SocketAddr>> {
     a.map(addr).transpose()
 }
 
+/// A length of time in seconds, zero allowed (`name` for the error).
+fn span(name: &str, x: f64) -> Res<Duration> {
+    if x.is_finite() && (0.0..1e9).contains(&x) {
+        Ok(Duration::from_secs_f64(x))
+    } else {
+        Err(Failure::invalid(format!("{name}: {x} is not a number of seconds >= 0")))
+    }
+}
+
+/// The rebalancer's settings from `Service(elastic={...})`: seconds for `interval`, `dwell` and
+/// `horizon`, a count for `max_moves`, a factor for `hysteresis`.
+fn rebalance(d: &Bound<'_, PyDict>, headroom: u32) -> Res<RebalanceConfig> {
+    let mut cfg = RebalanceConfig { decode_headroom: headroom, ..RebalanceConfig::default() };
+    for (k, v) in d.iter() {
+        let key: String = k.extract().map_err(|_| Failure::invalid("elastic: keys are names"))?;
+        let x: f64 = v
+            .extract()
+            .map_err(|_| Failure::invalid(format!("elastic[{key:?}]: expected a number")))?;
+        match key.as_str() {
+            "interval" => cfg.interval = span("elastic interval", x)?,
+            "dwell" => cfg.dwell = span("elastic dwell", x)?,
+            "horizon" => cfg.horizon = span("elastic horizon", x)?,
+            "hysteresis" => cfg.hysteresis = x,
+            "max_moves" if x >= 0.0 && x.fract() == 0.0 && x <= 1e6 => cfg.max_moves = x as usize,
+            "max_moves" => {
+                return Err(Failure::invalid(format!("elastic max_moves {x}: a count")));
+            }
+            _ => {
+                return Err(Failure::invalid(format!(
+                    "elastic: unknown setting {key:?} (interval, dwell, horizon, max_moves, hysteresis)"
+                )));
+            }
+        }
+    }
+    cfg.check().map_err(Failure::invalid)?;
+    Ok(cfg)
+}
+
 /// The orchestrator service (scheduler, work queues, re-queue on worker loss).
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct Service {
@@ -70,7 +109,11 @@ impl Service {
     /// serves Prometheus metrics at /metrics, /healthz, /readyz and, at /sd, the metrics
     /// endpoints of the workers that joined with one; `metrics_expose=True` allows an address
     /// other hosts can reach.
-    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, heartbeat_timeout = 10.0, max_attempts = 3, journal = None, timeout = 30.0, metrics_listen = None, metrics_expose = false))]
+    ///
+    /// With `elastic` (a dict, e.g. `{"interval": 10, "dwell": 60, "horizon": 300}`, seconds;
+    /// also `max_moves`, `hysteresis`; `{}` for the defaults) the service moves workers that
+    /// said they can serve other stages (`Worker(can=...)`) between pools as the load shifts.
+    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, heartbeat_timeout = 10.0, max_attempts = 3, journal = None, timeout = 30.0, metrics_listen = None, metrics_expose = false, elastic = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,13 +126,16 @@ impl Service {
         timeout: f64,
         metrics_listen: Option<&str>,
         metrics_expose: bool,
+        elastic: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Service> {
         let listen = addr(listen).raise(py)?;
         let metrics_listen = optional_addr(metrics_listen).raise(py)?;
+        let headroom = ServiceConfig::default().sched.decode_headroom;
         let mut cfg = ServiceConfig {
             secret: secret(secret_file).raise(py)?,
             insecure,
             journal,
+            rebalance: elastic.map(|d| rebalance(d, headroom)).transpose().raise(py)?,
             ..ServiceConfig::default()
         };
         cfg.sched.heartbeat_timeout = seconds(heartbeat_timeout).raise(py)?;
@@ -189,8 +235,13 @@ impl Worker {
     /// Joins the pool of `stage` at the orchestrator `address` with `slots` concurrent items.
     /// With `metrics_listen`, this process serves its metrics there (see `Service`; ready once
     /// joined) and tells the orchestrator where, so that its /sd lists this worker.
+    ///
+    /// Elastic pools: `can` maps the other stages this worker can serve to the seconds a
+    /// switch there takes (loading that stage's weights), e.g. `{"decode": 12.0}`; a service
+    /// with `elastic` may then tell it to switch (`switch_requested`, `wait_switch`). Joining
+    /// again after a switch, pass `switched` (the seconds it took).
     #[new]
-    #[pyo3(signature = (address, stage, *, slots = 1, secret_file = None, host = "localhost", heartbeat = 1.0, timeout = 30.0, metrics_listen = None, metrics_expose = false))]
+    #[pyo3(signature = (address, stage, *, slots = 1, secret_file = None, host = "localhost", heartbeat = 1.0, timeout = 30.0, metrics_listen = None, metrics_expose = false, can = None, switched = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -203,8 +254,16 @@ impl Worker {
         timeout: f64,
         metrics_listen: Option<&str>,
         metrics_expose: bool,
+        can: Option<std::collections::BTreeMap<String, f64>>,
+        switched: Option<f64>,
     ) -> PyResult<Worker> {
         let (a, st) = (addr(address).raise(py)?, self::stage(stage).raise(py)?);
+        let mut others = Vec::new();
+        for (name, secs) in can.unwrap_or_default() {
+            let cost = span(&format!("can[{name:?}]"), secs).raise(py)?;
+            others.push((self::stage(&name).raise(py)?, cost));
+        }
+        let switched = switched.map(|x| span("switched", x)).transpose().raise(py)?;
         let k = secret(secret_file).raise(py)?;
         let beat = seconds(heartbeat).raise(py)?;
         let metrics_listen = optional_addr(metrics_listen).raise(py)?;
@@ -219,15 +278,13 @@ impl Worker {
                 let ep = metrics_endpoint(metrics_listen, metrics_expose, &process, health).await?;
                 let labels: Vec<String> =
                     ep.iter().map(|e| service::metrics_label(e.addr())).collect();
-                let (client, rx) = WorkerClient::connect_to(
-                    a.into(),
-                    k.as_ref(),
-                    st,
-                    slots.max(1),
-                    (&host, &labels),
-                    beat,
-                )
-                .await?;
+                let spec = WorkerSpec {
+                    labels,
+                    can: others,
+                    switched,
+                    ..WorkerSpec::new(st, slots.max(1), &host)
+                };
+                let (client, rx) = WorkerClient::join(a.into(), k.as_ref(), spec, beat).await?;
                 joined.store(true, Ordering::Release);
                 Ok((client, rx, ep))
             })?;
@@ -244,6 +301,24 @@ impl Worker {
     #[getter]
     fn id(&self) -> u64 {
         self.client.id()
+    }
+
+    /// The stage the orchestrator told this worker to serve instead (elastic pools), or None.
+    /// It is draining meanwhile: finish or yield what it runs (`drain`), close it, load that
+    /// stage and join again as a `Worker` of it with `switched=` the seconds the switch took.
+    #[getter]
+    fn switch_requested(&self) -> Option<&'static str> {
+        self.client.switch_requested().map(|s| s.name())
+    }
+
+    /// Waits up to `timeout` seconds for a switch order; returns the stage, or None.
+    #[pyo3(signature = (*, timeout = 30.0))]
+    fn wait_switch(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<&'static str>> {
+        let t = seconds(timeout).raise(py)?;
+        let got = wait(py, t + Duration::from_secs(1), "a switch order", async {
+            Ok(tokio::time::timeout(t, self.client.switch_order()).await.ok())
+        })?;
+        Ok(got.map(|s| s.name()))
     }
 
     /// The next assignment, or None when none came within `timeout` seconds. Raises

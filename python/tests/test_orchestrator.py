@@ -333,3 +333,75 @@ def test_a_worker_reports_how_its_inputs_arrived():
     assert handoffs == [{"at": handoffs[0]["at"], "stage": "encode", "mark": "handoff",
                          "worker": None, "bytes": 1000, "seconds": 0.0025}]
     w.report(a, b"")
+
+
+def test_an_elastic_service_moves_a_worker_that_can_serve_another_stage():
+    """Decode (one slot, 0.3 s an item) holds three denoise workers (0.2 s a job) back; the
+    service tells "a", the denoiser that can also decode, to switch; it drains, joins the
+    decode pool saying how long the switch took, and every request completes once."""
+    from tensorwire._native import Worker
+
+    service = Service(elastic={"interval": 0.1, "dwell": 0, "horizon": 30})
+    stop = threading.Event()
+
+    def slow(seconds, out):
+        def run(a):
+            time.sleep(seconds)
+            return out
+        return run
+
+    for stage, handler in (("encode", slow(0, b"e")), ("decode", slow(0.3, b"v"))):
+        threading.Thread(target=serve_stage, args=(service.address, stage, handler),
+                         kwargs={"stop": stop, "poll": 0.05}, daemon=True).start()
+    for _ in range(2):
+        threading.Thread(target=serve_stage, args=(service.address, "denoise", slow(0.2, b"d")),
+                         kwargs={"stop": stop, "poll": 0.05}, daemon=True).start()
+    a = Worker(service.address, "denoise", heartbeat=0.1, can={"decode": 0.05})
+    assert a.switch_requested is None
+    sub = Submitter(service.address)
+    outcomes = [sub.submit(r, "batch") for r in range(1, 13)]
+    deadline = time.time() + 30
+
+    def jobs(w, until):
+        """The worker's jobs until `until()`, releasing what ended requests held."""
+        while not until():
+            job = w.next(timeout=0.05)
+            if job is not None and job.release_only:
+                w.released(job)
+            elif job is not None:
+                yield job
+
+    def switched():
+        assert time.time() < deadline, "no switch order"
+        return a.switch_requested is not None
+
+    for job in jobs(a, switched):
+        for step in range(8):
+            if step > 0 and a.yield_requested(job):
+                a.yield_job(job, step, b"latents at step %d" % step)
+                break
+            time.sleep(0.025)
+        else:
+            a.report(job, b"d")
+    assert a.switch_requested == "decode" == a.wait_switch(timeout=1)
+    a.drain(timeout=20)
+    del a
+    time.sleep(0.05)
+    decoded = []
+
+    def decode_as_a():
+        w = Worker(service.address, "decode", heartbeat=0.1, switched=0.05, can={"denoise": 0.05})
+        for job in jobs(w, stop.is_set):
+            time.sleep(0.3)
+            decoded.append(job.request)
+            w.report(job, b"v")
+
+    threading.Thread(target=decode_as_a, daemon=True).start()
+    for o in outcomes:
+        o.wait(timeout=60)
+    stop.set()
+    assert decoded, "the switched worker decoded"
+    with pytest.raises(tw.InvalidArgumentError, match="unknown setting"):
+        Service(elastic={"period": 1})
+    with pytest.raises(tw.InvalidArgumentError, match="expected encode, denoise or decode"):
+        Worker(service.address, "denoise", can={"vae": 1.0})

@@ -19,6 +19,7 @@ use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::time::Duration;
 
 use tensorwire_benches::rng::Rng;
+use tensorwire_orchestrator::rebalance::{Flow, Member, RebalanceConfig, Rebalancer};
 use tensorwire_orchestrator::sched::{
     AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Submit, WorkerId,
 };
@@ -79,6 +80,49 @@ pub(crate) enum Load {
         /// How many.
         requests: u64,
     },
+}
+
+/// A workload that shifts: phases run one after the other, each with its own shares of the
+/// mix's entries and its own Poisson rate (a diurnal rate is a run of phases).
+#[derive(Debug, Clone)]
+pub(crate) struct Shift {
+    /// The phases, in order.
+    pub(crate) phases: Vec<Phase>,
+}
+
+/// One phase of a [`Shift`].
+#[derive(Debug, Clone)]
+pub(crate) struct Phase {
+    /// Share of each mix entry (summing to 1).
+    pub(crate) shares: Vec<f64>,
+    /// Requests per second.
+    pub(crate) rate: f64,
+    /// How long it lasts.
+    pub(crate) length: Duration,
+}
+
+/// Elastic pools: a rebalancer moves GPUs between single-stage pools during the run.
+#[derive(Debug, Clone)]
+pub(crate) struct Elastic {
+    /// The rebalancer's settings.
+    pub(crate) cfg: RebalanceConfig,
+    /// Time to switch a GPU to each stage (loading that stage's weights).
+    pub(crate) switch: [Duration; 3],
+}
+
+/// A GPU moved between pools during a run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Moved {
+    /// When the rebalancer decided it.
+    pub(crate) at: Duration,
+    /// When the GPU joined its new pool (drained, then switched).
+    pub(crate) joined: Duration,
+    /// The GPU.
+    pub(crate) gpu: usize,
+    /// From this stage's pool...
+    pub(crate) from: Stage,
+    /// ... to this one.
+    pub(crate) to: Stage,
 }
 
 /// A layout checked against the memory of its classes, ready to simulate.
@@ -142,6 +186,8 @@ pub(crate) struct Outcome {
     pub(crate) decisions: u64,
     /// What reuse did.
     pub(crate) reuse: Reused,
+    /// GPUs moved between pools (elastic runs).
+    pub(crate) moves: Vec<Moved>,
 }
 
 /// What reuse did in a run.
@@ -178,6 +224,10 @@ enum Ev {
     Done(ItemKey, WorkerId),
     /// A denoise job yields at this step, its checkpoint saved.
     Yield(ItemKey, WorkerId, u32),
+    /// The rebalancer's turn (elastic runs).
+    Rebalance,
+    /// A GPU done switching joins the pool of this index.
+    Switched(usize, usize),
 }
 
 /// (time, sequence, event).
@@ -192,12 +242,12 @@ enum Role {
     Pass,
 }
 
-/// One simulated GPU.
+/// One simulated GPU: its pool (None while it switches), when it joined it, when it is free.
 #[derive(Debug, Clone, Copy, Default)]
 struct Gpu {
-    pool: usize,
+    pool: Option<usize>,
+    since: Duration,
     free_at: Duration,
-    busy: Duration,
 }
 
 /// A denoise run in progress: its GPU, when it started, the time before its first step, the
@@ -216,6 +266,61 @@ struct DenoiseRun {
 
 /// Runs `p` under `load`.
 pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result<Outcome, String> {
+    simulate_with(p, mix, k, load, None, None)
+}
+
+/// The arrival times of `shift`'s requests, with the phase of each.
+fn shift_arrivals(shift: &Shift, rng: &mut Rng) -> Vec<(Duration, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0.0;
+    for (i, ph) in shift.phases.iter().enumerate() {
+        let end = start + ph.length.as_secs_f64();
+        let mut t = start;
+        loop {
+            t += rng.exp(ph.rate);
+            if t >= end {
+                break;
+            }
+            out.push((Duration::from_secs_f64(t), i));
+        }
+        start = end;
+    }
+    out
+}
+
+/// The pool of each stage, for an elastic run (every pool serves one stage, each stage once).
+fn stage_pools(p: &Prepared) -> Result<[usize; 3], String> {
+    let mut of = [usize::MAX; 3];
+    for (pi, pool) in p.layout.pools.iter().enumerate() {
+        let runs = pool.runs();
+        if runs.len() != 1 || runs[0].len() != 1 || of[runs[0][0].index()] != usize::MAX {
+            return Err(format!(
+                "--elastic moves GPUs between single-stage pools (E:x|D:y|V:z); {} is not one",
+                p.layout
+            ));
+        }
+        of[runs[0][0].index()] = pi;
+    }
+    if of.contains(&usize::MAX) {
+        return Err(format!("--elastic: {} lacks a pool for a stage", p.layout));
+    }
+    Ok(of)
+}
+
+/// Runs `p` under `load`, or under `shift` when given (its phases replace the load's arrivals),
+/// with GPUs moved between pools when `elastic` is given.
+pub(crate) fn simulate_with(
+    p: &Prepared,
+    mix: &Mix,
+    k: &Knobs,
+    load: Load,
+    shift: Option<&Shift>,
+    elastic: Option<&Elastic>,
+) -> Result<Outcome, String> {
+    let pool_of_stage = match elastic {
+        Some(_) => Some(stage_pools(p)?),
+        None => None,
+    };
     let ms = |x: f64| Duration::from_secs_f64(x.max(0.0) / 1e3);
     let xfer = |bytes: u64| {
         Duration::from_secs_f64(
@@ -237,7 +342,7 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
     for (pi, pool) in p.layout.pools.iter().enumerate() {
         for g in 0..pool.count {
             let gpu = gpus.len();
-            gpus.push(Gpu { pool: pi, ..Gpu::default() });
+            gpus.push(Gpu { pool: Some(pi), ..Gpu::default() });
             for (run, stages) in runs_of[pi].iter().enumerate() {
                 let host = format!("p{pi}g{g}");
                 let id = d.join(stages[0], 1, &host, vec![], (), Duration::ZERO);
@@ -257,13 +362,26 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
     };
     let mut rng = Rng::new(k.seed);
     let mut events: BinaryHeap<Reverse<SimEvent>> = BinaryHeap::new();
-    let mut t = 0.0;
-    for r in 0..requests {
-        if let Some(rate) = rate {
-            t += rng.exp(rate);
+    let mut phase_of = Vec::new();
+    let requests = match shift {
+        Some(sh) => {
+            for (r, (at, ph)) in shift_arrivals(sh, &mut rng).into_iter().enumerate() {
+                events.push(Reverse((at, r as u64, Ev::Arrive(r as u64))));
+                phase_of.push(ph);
+            }
+            phase_of.len() as u64
         }
-        events.push(Reverse((Duration::from_secs_f64(t), r, Ev::Arrive(r))));
-    }
+        None => {
+            let mut t = 0.0;
+            for r in 0..requests {
+                if let Some(rate) = rate {
+                    t += rng.exp(rate);
+                }
+                events.push(Reverse((Duration::from_secs_f64(t), r, Ev::Arrive(r))));
+            }
+            requests
+        }
+    };
     let n = usize::try_from(requests).map_err(|_| "too many requests")?;
     let mut entry_of = vec![0u32; n];
     let mut arrived = vec![Duration::ZERO; n];
@@ -274,6 +392,17 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
     let mut out = Outcome::default();
     let mut seq = requests;
     let mut now = Duration::ZERO;
+    // Busy and member time per pool (GPUs may move between pools).
+    let mut busy = vec![Duration::ZERO; p.layout.pools.len()];
+    let mut member = vec![Duration::ZERO; p.layout.pools.len()];
+    // Elastic: the rebalancer, what it measures, and the GPUs told to move (worker -> pool).
+    let mut started: HashMap<(ItemKey, WorkerId), Duration> = HashMap::new();
+    let mut reb = elastic.map(|e| Rebalancer::new(e.cfg.clone()));
+    let mut flow = Flow::new(Duration::ZERO, prior_service(p, mix, shift, pool_of_stage));
+    let mut moving: HashMap<WorkerId, (usize, usize)> = HashMap::new();
+    if let Some(e) = elastic {
+        events.push(Reverse((e.cfg.interval, u64::MAX, Ev::Rebalance)));
+    }
     let every = k.checkpoint_every;
     // Checkpoint saves at steps in (from, to) (the last step's latents go to decode instead).
     let saves = |from: u32, to: u32, steps: u32| -> u32 {
@@ -289,7 +418,11 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
             Ev::Arrive(r) => {
                 let i = r as usize;
                 arrived[i] = at;
-                let e = if mix.entries.len() > 1 { mix.pick(rng.next_f64()) } else { 0 };
+                let e = match shift {
+                    Some(sh) => pick(&sh.phases[phase_of[i]].shares, rng.next_f64()),
+                    None if mix.entries.len() > 1 => mix.pick(rng.next_f64()),
+                    None => 0,
+                };
                 entry_of[i] = e as u32;
                 let draw = rng.next_f64() < k.interactive;
                 let pr = mix.entries[e].priority.unwrap_or(if draw {
@@ -309,6 +442,9 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
             Ev::Done(key, w) => {
                 if cut.remove(&sq) {
                     continue; // it yielded before
+                }
+                if let Some(s) = started.remove(&(key, w)) {
+                    flow.ended(key.stage, at - s);
                 }
                 let i = key.request as usize;
                 if let Some(run) = runs.remove(&key) {
@@ -332,14 +468,86 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
                     out.reuse.checkpoint_bytes += u64::from(saved) * m.latent_bytes;
                     let g = &mut gpus[run.gpu];
                     if g.free_at == run.end {
-                        g.busy = g.busy.saturating_sub(run.end.saturating_sub(at));
+                        if let Some(pi) = g.pool {
+                            busy[pi] = busy[pi].saturating_sub(run.end.saturating_sub(at));
+                        }
                         g.free_at = at;
                     }
+                }
+                if let Some(s) = started.remove(&(key, w)) {
+                    flow.ended(key.stage, at - s);
                 }
                 first_frame.remove(&key);
                 out.reuse.preempted += 1;
                 d.yielded(w, key, step, b"checkpoint".to_vec(), at);
             }
+            Ev::Rebalance => {
+                let (Some(e), Some(r), Some(of)) = (elastic, reb.as_mut(), pool_of_stage) else {
+                    continue;
+                };
+                let sc = d.sched();
+                let loads = flow.window(
+                    at,
+                    Stage::ALL.map(|s| sc.queued(s)),
+                    Stage::ALL.map(|s| sc.running(s)),
+                );
+                let members: Vec<Member> = roles
+                    .iter()
+                    .filter(|(w, _)| !moving.contains_key(w))
+                    .filter_map(|(&worker, role)| match *role {
+                        Role::Gpu { gpu, pool, .. } => {
+                            let stage = Stage::ALL.into_iter().find(|s| of[s.index()] == pool)?;
+                            let can = Stage::ALL
+                                .into_iter()
+                                .filter(|&s| s != stage)
+                                .map(|s| (s, e.switch[s.index()]))
+                                .collect();
+                            Some(Member { worker, stage, slots: 1, since: gpus[gpu].since, can })
+                        }
+                        Role::Pass => None,
+                    })
+                    .collect();
+                let mut members = members;
+                members.sort_by_key(|m| m.worker);
+                for mv in r.decide(at, &loads, &members) {
+                    let Some(&Role::Gpu { gpu, .. }) = roles.get(&mv.worker) else { continue };
+                    moving.insert(mv.worker, (gpu, of[mv.to.index()]));
+                    out.moves.push(Moved { at, joined: at, gpu, from: mv.from, to: mv.to });
+                    d.drain(mv.worker, at);
+                }
+                // Keep deciding while anything is left to happen.
+                if !events.is_empty() {
+                    events.push(Reverse((at + e.cfg.interval, u64::MAX, Ev::Rebalance)));
+                }
+            }
+            Ev::Switched(gpu, pool) => {
+                let stage = p.layout.pools[pool].runs()[0][0];
+                let g = &mut gpus[gpu];
+                g.pool = Some(pool);
+                g.since = at;
+                g.free_at = g.free_at.max(at);
+                let id = d.join(stage, 1, &format!("g{gpu}"), vec![], (), at);
+                roles.insert(id, Role::Gpu { gpu, pool, run: 0 });
+                if let Some(m) = out.moves.iter_mut().rev().find(|m| m.gpu == gpu) {
+                    m.joined = at;
+                }
+            }
+        }
+        // Drained GPUs leave their pool and switch.
+        let drained: Vec<WorkerId> = d.take_drained().into_iter().map(|(w, _)| w).collect();
+        for w in drained {
+            let Some((gpu, pool)) = moving.remove(&w) else { continue };
+            roles.remove(&w);
+            d.leave(w, now);
+            let g = &mut gpus[gpu];
+            let free = now.max(g.free_at);
+            if let Some(pi) = g.pool.take() {
+                member[pi] += free.saturating_sub(g.since);
+            }
+            let cost = elastic
+                .map_or(Duration::ZERO, |e| e.switch[p.layout.pools[pool].runs()[0][0].index()]);
+            seq += 1;
+            events.push(Reverse((free + cost, seq, Ev::Switched(gpu, pool))));
         }
         for t0 in d.take_outcomes().into_iter().filter_map(|e| e.waiter) {
             out.e2e.push(now - t0);
@@ -393,7 +601,8 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
             }
             let g = &mut gpus[gpu];
             g.free_at = start + t;
-            g.busy += t;
+            busy[pool] += t;
+            started.insert((key, w), start);
             seq += 1;
             if let Some((base, per_step)) = denoise {
                 let end = start + t;
@@ -421,19 +630,59 @@ pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result
     }
     let span = now.as_secs_f64().max(1e-9);
     out.throughput = out.e2e.len() as f64 / span;
-    out.utilisation = p
-        .layout
-        .pools
+    for g in &gpus {
+        if let Some(pi) = g.pool {
+            member[pi] += now.saturating_sub(g.since);
+        }
+    }
+    out.utilisation = busy
         .iter()
-        .enumerate()
-        .map(|(pi, pool)| {
-            let busy: f64 =
-                gpus.iter().filter(|g| g.pool == pi).map(|g| g.busy.as_secs_f64()).sum();
-            busy / (span * f64::from(pool.count))
-        })
+        .zip(&member)
+        .map(|(b, m)| b.as_secs_f64() / m.as_secs_f64().max(1e-9))
         .collect();
     out.decisions = d.sched().stats().dispatched;
     Ok(out)
+}
+
+/// The entry for a draw `u` in [0, 1) among `shares`.
+fn pick(shares: &[f64], u: f64) -> usize {
+    let mut acc = 0.0;
+    for (i, s) in shares.iter().enumerate() {
+        acc += s;
+        if u < acc {
+            return i;
+        }
+    }
+    shares.len().saturating_sub(1)
+}
+
+/// The capacity model's mean time of one item per stage on its pool (denoise: every step), over
+/// the first phase's shares (or the mix's): what the rebalancer assumes until items end.
+fn prior_service(
+    p: &Prepared,
+    mix: &Mix,
+    shift: Option<&Shift>,
+    pools: Option<[usize; 3]>,
+) -> [Duration; 3] {
+    let Some(of) = pools else { return [Duration::ZERO; 3] };
+    let shares: Vec<f64> = match shift.and_then(|s| s.phases.first()) {
+        Some(ph) => ph.shares.clone(),
+        None => mix.entries.iter().map(|e| e.share).collect(),
+    };
+    Stage::ALL.map(|s| {
+        let ms: f64 = mix
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(e, en)| {
+                let c = p.fits[of[s.index()]].costs[e][s.index()].map_or(0.0, |c| c.ms);
+                let per =
+                    if s == Stage::Denoise { c * f64::from(en.model.steps.max(1)) } else { c };
+                shares.get(e).copied().unwrap_or(0.0) * per
+            })
+            .sum();
+        Duration::from_secs_f64(ms.max(0.0) / 1e3)
+    })
 }
 
 #[cfg(test)]

@@ -8,4 +8,5 @@ pub(crate) mod engine;
 pub(crate) mod fit;
 pub(crate) mod layout;
 pub(crate) mod plan;
+pub(crate) mod shift;
 pub(crate) mod workload;

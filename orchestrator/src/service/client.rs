@@ -308,6 +308,8 @@ struct WorkerState {
     draining: std::sync::atomic::AtomicBool,
     /// ...and the service said it is.
     drained: tokio::sync::watch::Sender<bool>,
+    /// The stage the service told it to serve instead (elastic pools).
+    switch_to: tokio::sync::watch::Sender<Option<Stage>>,
 }
 
 impl Default for WorkerState {
@@ -317,6 +319,7 @@ impl Default for WorkerState {
             held: Mutex::default(),
             draining: false.into(),
             drained: tokio::sync::watch::Sender::new(false),
+            switch_to: tokio::sync::watch::Sender::new(None),
         }
     }
 }
@@ -339,6 +342,38 @@ impl WorkerState {
             v.push(Msg::Drain);
         }
         v
+    }
+}
+
+/// What a worker says of itself when it joins.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// The stage it serves.
+    pub stage: Stage,
+    /// Concurrent items it takes.
+    pub slots: u32,
+    /// Its host.
+    pub host: String,
+    /// Labels (rail / NUMA; `metrics=HOST:PORT`).
+    pub labels: Vec<String>,
+    /// The other stages it can serve, each with the time to switch to it (elastic pools; empty:
+    /// it stays where it is).
+    pub can: Vec<(Stage, Duration)>,
+    /// It joins after a switch that took this long.
+    pub switched: Option<Duration>,
+}
+
+impl WorkerSpec {
+    /// A worker of `stage` with `slots` on `host`, no labels, serving nothing else.
+    pub fn new(stage: Stage, slots: u32, host: &str) -> WorkerSpec {
+        WorkerSpec {
+            stage,
+            slots,
+            host: host.into(),
+            labels: Vec::new(),
+            can: Vec::new(),
+            switched: None,
+        }
     }
 }
 
@@ -379,13 +414,35 @@ impl WorkerClient {
         (host, labels): (&str, &[String]),
         heartbeat: Duration,
     ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
-        let role = Role::Worker { stage, slots, host: host.into(), labels: labels.to_vec() };
+        let spec = WorkerSpec { labels: labels.to_vec(), ..WorkerSpec::new(stage, slots, host) };
+        Self::join(target, secret, spec, heartbeat).await
+    }
+
+    /// [`WorkerClient::connect_to`] with everything a worker can say of itself: for elastic
+    /// pools, the other stages it can serve and what switching costs (the service may then
+    /// send it a switch order: [`WorkerClient::switch_order`]), and, joining after a switch,
+    /// how long the switch took.
+    pub async fn join(
+        target: Target,
+        secret: Option<&ClusterSecret>,
+        spec: WorkerSpec,
+        heartbeat: Duration,
+    ) -> Result<(WorkerClient, mpsc::Receiver<Assignment>)> {
+        let WorkerSpec { stage, slots, host, labels, can, switched } = spec;
+        let role = Role::Worker { stage, slots, host, labels, can, switched };
         let (rd, wr, id) = target.open(secret, role.clone()).await?;
         let state = Arc::new(WorkerState { id: AtomicU64::new(id), ..WorkerState::default() });
         let (out, out_rx) = mpsc::channel::<Msg>(1024);
         let (inbox, mut arrived) = mpsc::channel::<Msg>(1024);
         let (tx, rx) = mpsc::channel(1024);
         let mut tasks = JoinSet::new();
+        // A reconnection is no new switch.
+        let role = match role {
+            Role::Worker { switched: Some(_), stage, slots, host, labels, can } => {
+                Role::Worker { stage, slots, host, labels, can, switched: None }
+            }
+            r => r,
+        };
         let link = Link { target, secret: secret.cloned(), role };
         let st = state.clone();
         // Results and announcements are in the catch-up; a release report is not.
@@ -445,6 +502,10 @@ impl WorkerClient {
                         st.drained.send_replace(true);
                         continue;
                     }
+                    Msg::Switch { stage } => {
+                        st.switch_to.send_replace(Some(stage));
+                        continue;
+                    }
                     _ => continue,
                 };
                 if tx.send(a).await.is_err() {
@@ -463,6 +524,28 @@ impl WorkerClient {
             }
         });
         Ok((WorkerClient { state, out, _tasks: tasks }, rx))
+    }
+
+    /// The stage the service told this worker to serve instead, if it did (elastic pools). The
+    /// service is draining it meanwhile; see [`WorkerClient::switch_order`].
+    pub fn switch_requested(&self) -> Option<Stage> {
+        *self.state.switch_to.borrow()
+    }
+
+    /// Waits for the service to tell this worker to serve another stage (elastic pools). What
+    /// follows is the worker's: [`WorkerClient::drain`] (its denoise jobs give their
+    /// checkpoints back at their next step), load that stage, then join again with
+    /// [`WorkerClient::join`], saying in [`WorkerSpec::switched`] how long the switch took.
+    pub async fn switch_order(&self) -> Stage {
+        let mut rx = self.state.switch_to.subscribe();
+        loop {
+            if let Some(s) = *rx.borrow_and_update() {
+                return s;
+            }
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// The id the service gave this worker (a new one after each reconnect).

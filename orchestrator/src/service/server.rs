@@ -25,10 +25,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use super::elastic::Pools;
 use super::logfile::{JournalFile, JournalStore};
 use super::wire::{Ending, FRAMING, MAX_HELD, Msg, Role, read_msg, write_msgs};
 use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker, metrics_due};
 use crate::error::{OrchestratorError, Result};
+use crate::rebalance::RebalanceConfig;
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
 use crate::timeline::Mark;
 
@@ -56,6 +58,9 @@ pub struct ServiceConfig {
     pub recovery_grace: Option<Duration>,
     /// A journal past this size (and twice its last compacted size) is compacted.
     pub compact_bytes: u64,
+    /// Elastic pools: move workers that can serve other stages between pools as the load
+    /// shifts (see [`crate::rebalance`]); None: pools keep the workers that joined them.
+    pub rebalance: Option<RebalanceConfig>,
 }
 
 impl Default for ServiceConfig {
@@ -72,6 +77,7 @@ impl Default for ServiceConfig {
             journal_store: None,
             recovery_grace: None,
             compact_bytes: 8 << 20,
+            rebalance: None,
         }
     }
 }
@@ -154,6 +160,10 @@ impl OrchestratorService {
         })?;
         let addr = l.local_addr().map_err(Error::from)?;
         let grace = cfg.recovery_grace.unwrap_or(cfg.sched.heartbeat_timeout);
+        if let Some(r) = &cfg.rebalance {
+            r.check().map_err(OrchestratorError::InvalidArgument)?;
+        }
+        let pools = cfg.rebalance.map(|r| Pools::new(r, Duration::ZERO));
         let mut driver = Driver::new(cfg.sched, cfg.policy);
         let journal: Option<Box<dyn JournalStore>> = match (&cfg.journal, cfg.journal_store) {
             (Some(_), Some(_)) => {
@@ -183,7 +193,7 @@ impl OrchestratorService {
         let (tx, rx) = mpsc::channel(4096);
         let mut tasks = JoinSet::new();
         let targets = Targets::default();
-        tasks.spawn(run(driver, journal, rx, targets.clone()));
+        tasks.spawn(run(driver, journal, rx, targets.clone(), pools));
         let secret = cfg.secret.clone().map(Arc::new);
         let hs = cfg.handshake_timeout;
         let events = tx.clone();
@@ -360,21 +370,39 @@ type Outbox = Vec<(mpsc::Sender<Msg>, Msg)>;
 /// Most events taken in one loop turn (one journal sync covers them all).
 const BATCH: usize = 256;
 
-fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
+fn handle(
+    d: &mut ServiceDriver,
+    pools: &mut Option<Pools>,
+    ev: Event,
+    now: Duration,
+    out: &mut Outbox,
+) {
     match ev {
         Event::Join { role, tx, reply } => {
             let id = match role {
-                Role::Worker { stage, slots, host, labels } => {
-                    d.join(stage, slots, &host, labels, tx, now).0
+                Role::Worker { stage, slots, host, labels, can, switched } => {
+                    let id = d.join(stage, slots, &host, labels, tx, now).0;
+                    if let Some(p) = pools {
+                        p.joined(id, (stage, slots), can, switched, now);
+                    }
+                    id
                 }
                 Role::Submitter => 0,
             };
             let _ = reply.send(id);
         }
-        Event::Gone { worker } => d.leave(WorkerId(worker), now),
+        Event::Gone { worker } => {
+            d.leave(WorkerId(worker), now);
+            if let Some(p) = pools {
+                p.gone(worker);
+            }
+        }
         Event::Heartbeat { worker } => d.heartbeat(WorkerId(worker), now),
         Event::Credit { worker, slots } => d.credit(WorkerId(worker), slots, now),
         Event::Result { worker, key, result, ack } => {
+            if let Some(p) = pools {
+                p.ended(key, now);
+            }
             d.result(WorkerId(worker), key, result, now);
             // Accepted or not, the worker may forget it once this turn is durable.
             if let Some(tx) = ack {
@@ -415,6 +443,9 @@ fn handle(d: &mut ServiceDriver, ev: Event, now: Duration, out: &mut Outbox) {
             d.checkpoint(WorkerId(worker), key, step, data);
         }
         Event::Yielded { worker, key, step, data, ack } => {
+            if let Some(p) = pools {
+                p.ended(key, now);
+            }
             d.yielded(WorkerId(worker), key, step, data, now);
             if let Some(tx) = ack {
                 out.push((tx, Msg::Ack { request: key.request, stage: key.stage }));
@@ -431,23 +462,27 @@ async fn run(
     mut journal: Option<Box<dyn JournalStore>>,
     mut rx: mpsc::Receiver<Event>,
     targets: Targets,
+    mut pools: Option<Pools>,
 ) {
     let mut clock = Ticker::new(Duration::from_millis(100));
     let mut published = Duration::ZERO;
     while let Some((now, ev)) = clock.next(&mut rx).await {
         let mut out = Outbox::new();
         if let Some(ev) = ev {
-            handle(&mut d, ev, now, &mut out);
+            handle(&mut d, &mut pools, ev, now, &mut out);
         }
         for _ in 1..BATCH {
             let Ok(ev) = rx.try_recv() else { break };
-            handle(&mut d, ev, now, &mut out);
+            handle(&mut d, &mut pools, ev, now, &mut out);
         }
         let assigned: Vec<(WorkerId, mpsc::Sender<Msg>, Msg)> = d
             .dispatch(now)
             .into_iter()
             .map(|a| {
                 let item = &a.dispatch.item;
+                if let Some(p) = &mut pools {
+                    p.dispatched(item.key, now);
+                }
                 let (resume_step, resume) =
                     a.resume.map_or((0, Vec::new()), |(s, d)| (s, d.to_vec()));
                 let m = Msg::Assign {
@@ -495,6 +530,11 @@ async fn run(
             .collect();
         for w in refused {
             d.leave(w, now);
+        }
+        // Workers moved between pools are drained (and told where to go) now, so that their
+        // jobs' yield asks leave below.
+        if let Some(p) = &mut pools {
+            p.turn(&mut d, now);
         }
         // Jobs asked back (preemption, drains) and drained workers, after the assignments (an
         // ask may name a job assigned this turn).

@@ -4,6 +4,8 @@
 //! and receive assignments, and submitters send requests and receive outcomes. A refusal is the
 //! handshake's `Reject` frame. Bodies are built with the core codec; decoders are total.
 
+use std::time::Duration;
+
 use crate::timeline::Timeline;
 use crate::{Priority, Stage};
 use tensorwire_core::wire::codec::{Reader, Writer};
@@ -12,15 +14,16 @@ use tensorwire_core::{Error, Result};
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
-/// The service's framing (version 6: a submitter may ask for a request's timeline, and a
-/// worker says when its inputs arrived; version 5:
+/// The service's framing (version 7: a worker says which other stages it can serve and what a
+/// switch costs, and the service may tell it to switch; version 6: a submitter may ask for a
+/// request's timeline, and a worker says when its inputs arrived; version 5:
 /// results are acknowledged; a reconnecting worker says what
 /// it still runs, a reconnecting submitter what it still waits for; a request may start past the
 /// first stage with that stage's inputs and a checkpoint to resume from; workers checkpoint
 /// items and a next try resumes there; the service asks a worker to yield a job (preemption,
 /// drain) and a worker may ask to be drained).
 pub const FRAMING: Framing =
-    Framing { name: "orchestrator", magic: *b"TO", version: 6, max_payload: MAX_PAYLOAD };
+    Framing { name: "orchestrator", magic: *b"TO", version: 7, max_payload: MAX_PAYLOAD };
 const MAX_TEXT: usize = 1024;
 const MAX_LABELS: usize = 8;
 /// Largest opaque stage data (inputs / outputs) in one message.
@@ -52,6 +55,10 @@ pub enum Role {
         host: String,
         /// Rail / NUMA labels.
         labels: Vec<String>,
+        /// The other stages it can serve, each with the time to switch to it (elastic pools).
+        can: Vec<(Stage, Duration)>,
+        /// It joins after switching from another stage, which took this long.
+        switched: Option<Duration>,
     },
     /// A client that submits requests.
     Submitter,
@@ -147,6 +154,9 @@ pub enum Msg {
     /// Worker: the item's input payloads arrived, `bytes` in all, the last byte in hand
     /// `micros` after it started consuming (for the request's timeline).
     Handoff { request: u64, stage: Stage, bytes: u64, micros: u64 },
+    /// Server -> worker: serve `stage` instead (elastic pools). The service drains the worker
+    /// (`Drained` follows once it holds nothing); it then loads that stage and joins again.
+    Switch { stage: Stage },
 }
 
 fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
@@ -159,6 +169,11 @@ fn put_held(w: &mut Writer, held: &[Vec<u8>]) {
 fn get_held(r: &mut Reader<'_>) -> Result<Vec<Vec<u8>>> {
     let n = r.count(MAX_HELD, "held outputs")?;
     (0..n).map(|_| Ok(r.bytes(MAX_DATA, "held output")?.to_vec())).collect()
+}
+
+/// A duration in whole milliseconds, saturating.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn clip(s: &str) -> &str {
@@ -176,7 +191,7 @@ impl Msg {
         let kind = match self {
             Msg::Hello { role } => {
                 match role {
-                    Role::Worker { stage, slots, host, labels } => {
+                    Role::Worker { stage, slots, host, labels, can, switched } => {
                         w.u8(1);
                         stage.encode(&mut w);
                         w.u32(*slots).str(clip(host));
@@ -184,6 +199,15 @@ impl Msg {
                         for l in labels.iter().take(MAX_LABELS) {
                             w.str(clip(l));
                         }
+                        w.u32(can.len().min(Stage::ALL.len()) as u32);
+                        for (s, cost) in can.iter().take(Stage::ALL.len()) {
+                            s.encode(&mut w);
+                            w.u64(millis(*cost));
+                        }
+                        match switched {
+                            Some(d) => w.u8(1).u64(millis(*d)),
+                            None => w.u8(0),
+                        };
                     }
                     Role::Submitter => {
                         w.u8(2);
@@ -305,6 +329,10 @@ impl Msg {
                 w.u64(*bytes).u64(*micros);
                 22
             }
+            Msg::Switch { stage } => {
+                stage.encode(&mut w);
+                23
+            }
         };
         (kind, w.finish())
     }
@@ -328,7 +356,20 @@ impl Msg {
                         let n = r.count(MAX_LABELS, "labels")?;
                         let labels =
                             (0..n).map(|_| r.str(MAX_TEXT, "label")).collect::<Result<_>>()?;
-                        Role::Worker { stage, slots, host, labels }
+                        let n = r.count(Stage::ALL.len(), "stages a worker can serve")?;
+                        let can = (0..n)
+                            .map(|_| Ok((Stage::decode(&mut r)?, Duration::from_millis(r.u64()?))))
+                            .collect::<Result<_>>()?;
+                        let switched = match r.u8()? {
+                            0 => None,
+                            1 => Some(Duration::from_millis(r.u64()?)),
+                            t => {
+                                return Err(Error::protocol(format!(
+                                    "orchestrator: switched flag {t}"
+                                )));
+                            }
+                        };
+                        Role::Worker { stage, slots, host, labels, can, switched }
                     }
                     2 => Role::Submitter,
                     t => return Err(Error::protocol(format!("orchestrator: unknown role {t}"))),
@@ -422,6 +463,7 @@ impl Msg {
                 bytes: r.u64()?,
                 micros: r.u64()?,
             },
+            23 => Msg::Switch { stage: Stage::decode(&mut r)? },
             k => return Err(Error::protocol(format!("orchestrator: unknown message kind {k}"))),
         };
         r.finish()?;
@@ -470,6 +512,8 @@ mod tests {
                     slots: 2,
                     host: "h".into(),
                     labels: vec!["rail0".into()],
+                    can: vec![(Stage::Denoise, Duration::from_millis(2500))],
+                    switched: Some(Duration::from_millis(31)),
                 },
             },
             Msg::Hello { role: Role::Submitter },
@@ -522,6 +566,7 @@ mod tests {
             Msg::Heartbeat,
             Msg::AskTimeline { request: 4 },
             Msg::Handoff { request: 4, stage: Stage::Decode, bytes: 1 << 20, micros: 350 },
+            Msg::Switch { stage: Stage::Encode },
             Msg::TimelineIs { request: 4, timeline: None },
             Msg::TimelineIs {
                 request: 4,

@@ -347,6 +347,8 @@ fn orchestrator(c: &mut Corpus) {
         slots: 4,
         host: "gpu-node-3".into(),
         labels: vec!["rail0".into(), "numa1".into()],
+        can: vec![(Stage::Decode, Duration::from_secs(12))],
+        switched: Some(Duration::from_millis(31_900)),
     };
     let msgs = [
         Msg::Hello { role: worker },
@@ -440,6 +442,7 @@ fn orchestrator(c: &mut Corpus) {
         },
         Msg::Drain,
         Msg::Drained,
+        Msg::Switch { stage: Stage::Decode },
     ];
     for m in msgs {
         let (kind, mut body) = m.encode_body();
