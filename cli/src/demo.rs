@@ -615,9 +615,6 @@ async fn colocated(models: &[Model], reqs: &[Req], gpus: u32, scale: f64) -> Sum
 
 /// Runs the demo.
 pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
-    if a.scenario == crate::scenario::SHIFT {
-        return crate::shift_demo::run(&a).await;
-    }
     let (d, c) = compare(&a).await?;
     crate::report::print(&d, &c);
     crate::report::print_decided(&d, &c);

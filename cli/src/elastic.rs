@@ -14,7 +14,7 @@ use crate::capacity::shift;
 use crate::capacity::workload::Mix;
 use crate::profiles::Model;
 use crate::report::percentile;
-use crate::simulate::{Ctx, per_1k, show, splits};
+use crate::simulate::{Ctx, SimArgs, context, per_1k, show, splits};
 
 /// One run of the comparison.
 pub(crate) struct Row {
@@ -87,8 +87,10 @@ pub(crate) fn figures(cx: &Ctx, all: &[Model]) -> Result<Figures, String> {
 }
 
 /// `simulate --elastic`: prints the phases, the three runs, the moves and the comparison.
-pub(crate) fn run(cx: &Ctx, all: &[Model]) -> Result<(), String> {
-    let f = figures(cx, all)?;
+pub(crate) fn run(a: SimArgs) -> Result<(), String> {
+    let (cx, all) = context(a)?;
+    let cx = &cx;
+    let f = figures(cx, &all)?;
     let requests = f.rows[0].run.e2e.len();
     println!(
         "tensorwire simulate --elastic: {} GPUs of {}, {requests} requests over {} phases; switching a GPU to encode / denoise / decode takes {:.1} / {:.1} / {:.1} s",

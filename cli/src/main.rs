@@ -88,9 +88,13 @@ fn main() -> ExitCode {
         }
     };
     let r = match cli.cmd {
+        Cmd::Demo(a) if a.scenario == scenario::SHIFT => rt.block_on(async {
+            tokio::spawn(shift_demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+        }),
         Cmd::Demo(a) => rt.block_on(async {
             tokio::spawn(demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),
+        Cmd::Simulate(a) if a.elastic => elastic::run(a),
         Cmd::Simulate(a) => simulate::run(a),
         Cmd::Bench(a) => rt.block_on(async {
             tokio::spawn(bench::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))

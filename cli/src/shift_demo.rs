@@ -138,7 +138,7 @@ async fn run_once(
 }
 
 /// Runs the scenario.
-pub(crate) async fn run(a: &DemoArgs) -> Result<(), String> {
+pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
     let all = profiles::load(a.mix.profiles.as_deref())?;
     let names: Vec<String> = MODELS.iter().map(|m| m.to_string()).collect();
     let models: Vec<Model> = profiles::pick(&all, &names)?.into_iter().cloned().collect();
@@ -158,7 +158,7 @@ pub(crate) async fn run(a: &DemoArgs) -> Result<(), String> {
     );
     let mut runs = Vec::new();
     for elastic in [false, true] {
-        runs.push(run_once(a, &models, &plan, elastic).await?);
+        runs.push(run_once(&a, &models, &plan, elastic).await?);
     }
     let s = |d: Duration| d.as_secs_f64();
     for r in &runs {

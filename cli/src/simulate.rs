@@ -165,9 +165,6 @@ impl Ctx {
 /// Runs the simulation.
 pub(crate) fn run(a: SimArgs) -> Result<(), String> {
     let (cx, all) = context(a)?;
-    if cx.a.elastic {
-        return crate::elastic::run(&cx, &all);
-    }
     if cx.a.calibrate {
         return run_calibrate(&cx, &all);
     }
@@ -181,7 +178,7 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
 }
 
 /// Checks the arguments and loads what they name.
-fn context(a: SimArgs) -> Result<(Ctx, Vec<profiles::Model>), String> {
+pub(crate) fn context(a: SimArgs) -> Result<(Ctx, Vec<profiles::Model>), String> {
     if a.requests == 0 || a.requests > 10_000_000 {
         return Err(format!("--requests {}: must be in 1..=10000000", a.requests));
     }
