@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use parking_lot::Mutex;
-use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::{DType, Engine, EngineConfig, Permissions, TensorMeta};
+use tensorwire_core::{DType, Permissions, TensorMeta};
 use tensorwire_diffusion::cache::{CacheKey, Sampler, Shape, StoreCache, cfg_key, embedding_key};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
@@ -24,9 +23,13 @@ use tensorwire_orchestrator::sched::{MaxFreeCredit, SchedConfig, Submit};
 use tensorwire_orchestrator::{
     HandlerError, Orchestrator, Outcome, Priority, Stage, StageHandler, Work,
 };
-use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
-use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_store::{RemoteStore, Store};
 
+use crate::pipeline::{
+    STORE_BYTES, Split, auto_split, embed_meta, fill, latent_meta, now_us, parse_split, store_node,
+    tcp_engine,
+};
+use crate::procs::{Cluster, ClusterArgs, Steps};
 use crate::profiles::{self, Model};
 use crate::report::Summary;
 
@@ -125,54 +128,6 @@ pub(crate) struct DemoArgs {
     pub(crate) metrics: crate::observe::MetricsArgs,
 }
 
-/// Workers per stage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Split {
-    /// Encode workers.
-    pub encode: u32,
-    /// Denoise workers.
-    pub denoise: u32,
-    /// Decode workers.
-    pub decode: u32,
-}
-
-/// Parses "E:N:M".
-pub(crate) fn parse_split(s: &str, gpus: u32) -> Result<Split, String> {
-    let v: Vec<u32> = s
-        .split(':')
-        .map(|x| x.trim().parse::<u32>())
-        .collect::<Result<_, _>>()
-        .map_err(|_| format!("--split {s:?}: expected E:N:M, e.g. 1:6:1"))?;
-    let [e, n, m] = v[..] else {
-        return Err(format!("--split {s:?}: expected three numbers E:N:M"));
-    };
-    if e == 0 || n == 0 || m == 0 || e + n + m != gpus {
-        return Err(format!(
-            "--split {s:?}: each pool needs a worker and the pools must add up to --gpus {gpus}"
-        ));
-    }
-    Ok(Split { encode: e, denoise: n, decode: m })
-}
-
-/// Workers proportional to the mix's total stage times (LightX2V's rule), at least one each.
-pub(crate) fn auto_split(mix: &[&Model], gpus: u32) -> Result<Split, String> {
-    if gpus < 3 {
-        return Err(format!(
-            "--gpus {gpus}: a disaggregated pipeline needs at least 3 (one per stage)"
-        ));
-    }
-    let (e, n, m) = mix.iter().fold((0.0, 0.0, 0.0), |(e, n, m), x| {
-        (e + x.encode_ms, n + x.denoise_ms(), m + x.decode_ms)
-    });
-    let total = e + n + m;
-    let share = |t: f64| ((t / total * f64::from(gpus)).round() as u32).max(1);
-    let (mut se, mut sm) = (share(e), share(m));
-    while se + sm + 1 > gpus {
-        if se >= sm { se -= 1 } else { sm -= 1 }
-    }
-    Ok(Split { encode: se.max(1), denoise: gpus - se.max(1) - sm.max(1), decode: sm.max(1) })
-}
-
 struct Req {
     model: usize,
     prompt: u64,
@@ -180,20 +135,6 @@ struct Req {
 
 fn scaled(ms: f64, scale: f64) -> Duration {
     Duration::from_secs_f64((ms * scale / 1000.0).max(0.0))
-}
-
-pub(crate) fn fill(len: u64, seed: u64) -> Vec<u8> {
-    (0..len as usize)
-        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9).wrapping_add(seed) as u8)
-        .collect()
-}
-
-pub(crate) fn embed_meta(m: &Model) -> TensorMeta {
-    TensorMeta::contiguous(DType::BF16, &[m.embed_bytes / 2])
-}
-
-pub(crate) fn latent_meta(m: &Model) -> TensorMeta {
-    TensorMeta::contiguous(DType::BF16, &m.latent_shape)
 }
 
 fn err(e: impl std::fmt::Display) -> String {
@@ -355,28 +296,6 @@ async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     c.e2e.lock().push(c.submitted.elapsed());
     c.bars[2].inc(1);
     Ok(())
-}
-
-/// The demo's store node: an engine on loopback with a 512 MiB shared pool served over the RPC.
-pub(crate) async fn store_node(
-    capacity: u64,
-) -> Result<(Engine, Arc<EmbeddedStore>, StoreNode), String> {
-    let engine = tcp_engine(None).await?;
-    let cfg = StoreConfig { capacity, shared: true, ..StoreConfig::default() };
-    let store = EmbeddedStore::new(&engine, cfg).await.map_err(err)?;
-    let listen = "127.0.0.1:0".parse().map_err(|_| "address")?;
-    let node = StoreNode::serve(store.clone(), listen).await.map_err(err)?;
-    Ok((engine, store, node))
-}
-
-/// The demo's store node pool.
-pub(crate) const STORE_BYTES: u64 = 512 << 20;
-
-/// An engine on loopback over tcp, with `secret` as its cluster secret.
-pub(crate) async fn tcp_engine(cluster_secret: Option<ClusterSecret>) -> Result<Engine, String> {
-    let tcp = TcpBackend::new(TcpConfig::default()).map_err(err)?;
-    let config = EngineConfig { cluster_secret, ..EngineConfig::default() };
-    Engine::builder().backend(tcp).config(config).start().await.map_err(err)
 }
 
 fn bars(n: u64, label: &str) -> (MultiProgress, [ProgressBar; 3]) {
@@ -673,7 +592,7 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
         std::fs::create_dir_all(&dir).map_err(err)?;
         let file = dir.join("models.toml");
         std::fs::write(&file, profiles::to_toml(dm)?).map_err(err)?;
-        let d = crate::procs::disaggregated(a, dm, split, Some(file)).await;
+        let d = in_processes(a, dm, split, Some(file)).await;
         let _ = std::fs::remove_dir_all(&dir);
         (d?, colocated(cm, &unique, a.mix.gpus, a.mix.time_scale).await)
     } else {
@@ -695,4 +614,99 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
     (d.time_scale, c.time_scale) = (a.mix.time_scale, a.mix.time_scale);
     d.differences = timed.differences;
     Ok((d, c))
+}
+
+/// The disaggregated run with worker processes, supervised (and, with `--chaos`, killed at
+/// random once every worker has joined).
+pub(crate) async fn in_processes(
+    a: &DemoArgs,
+    models: &[Model],
+    split: Split,
+    profiles: Option<std::path::PathBuf>,
+) -> Result<Summary, String> {
+    let ca = ClusterArgs {
+        time_scale: a.mix.time_scale,
+        profiles: profiles.or_else(|| a.mix.profiles.clone()),
+        chaos: a.chaos,
+        seed: a.seed,
+        checkpoint_every: a.checkpoint_every,
+        metrics: a.metrics.clone(),
+        rebalance: None,
+        store_bytes: STORE_BYTES,
+    };
+    let mut c = Cluster::start(&ca, models, split).await?;
+    let start = Instant::now();
+    let t0 = now_us();
+    let (done, lost) = c.run(0..a.requests, start).await?;
+    let elapsed = start.elapsed();
+    let mut e2e = Vec::new();
+    let mut moved = 0u64;
+    for &(r, t) in &done {
+        e2e.push(t);
+        let m = &models[(r as usize) % models.len()];
+        moved += m.embed_bytes + m.latent_bytes;
+    }
+    let mut firsts: HashMap<u64, u64> = HashMap::new();
+    let mut steps = Steps::default();
+    for l in c.drain_lines(Duration::from_millis(300)).await {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if let ["FIRST", r, us] = f[..] {
+            if let (Ok(r), Ok(us)) = (r.parse::<u64>(), us.parse::<u64>()) {
+                firsts.entry(r).or_insert(us);
+            }
+        }
+        steps.count(&f);
+    }
+    if a.checkpoint_every > 0 && a.chaos.is_none() {
+        let next = a.requests;
+        let probe = c.preemption_probe(next, split.denoise, models).await?;
+        // Past the ids the preemption probe used.
+        let next = next + models.len() as u64 * (u64::from(split.denoise) + 2);
+        let (moved, seen) = c.migration_probe(next, split.denoise, models).await?;
+        for l in seen.into_iter().chain(c.drain_lines(Duration::from_millis(300)).await) {
+            steps.count(&l.split_whitespace().collect::<Vec<_>>());
+        }
+        println!("{probe}");
+        println!("{moved}");
+    }
+    if a.checkpoint_every > 0 {
+        println!("{}", steps.line(a.checkpoint_every));
+    }
+    let slowest = match done.iter().max_by_key(|(_, t)| *t) {
+        Some((r, _)) => c.timeline(*r).await,
+        None => None,
+    };
+    let left = c.settled_store().await?;
+    let report = c.stop().await?;
+    let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
+    if a.chaos.is_some() || report.supervisor.restarts > 0 {
+        println!("{}", report.line(done.len(), lost.len(), left.objects));
+    }
+    if let Some(first) = lost.first() {
+        return Err(format!("{} of {} requests lost; first: {first}", lost.len(), a.requests));
+    }
+    if report.orchestrator.duplicated > 0 {
+        return Err(format!(
+            "{} stage results were accepted twice",
+            report.orchestrator.duplicated
+        ));
+    }
+    Ok(Summary {
+        requests: a.requests,
+        elapsed,
+        ttff,
+        e2e,
+        utilisation: None,
+        moved,
+        engine_bytes: None,
+        handoff_gbps: 0.0,
+        cache_hits: 0,
+        cfg_hits: None,
+        store_left: left.objects,
+        usd_per_hour: 0.0,
+        time_scale: 1.0,
+        differences: Vec::new(),
+        layout: format!("{}:{}:{} worker processes", split.encode, split.denoise, split.decode),
+        slowest: slowest.map(|t| t.render()),
+    })
 }

@@ -22,6 +22,7 @@ mod cluster;
 mod demo;
 mod elastic;
 mod observe;
+mod pipeline;
 mod plot;
 mod procs;
 mod profiles;

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tensorwire_core::Permissions;
 use tensorwire_core::auth::ClusterSecret;
@@ -44,14 +44,9 @@ use tensorwire_orchestrator::service::{
 use tensorwire_orchestrator::{HandlerError, Priority, Stage};
 use tensorwire_store::{RemoteStore, Store};
 
-use crate::demo::{DemoArgs, Split, embed_meta, fill, latent_meta, store_node, tcp_engine};
+use crate::pipeline::{Split, embed_meta, fill, latent_meta, now_us, store_node, tcp_engine};
 use crate::profiles::Model;
-use crate::report::Summary;
 use crate::supervise::{Chaos, Slot, Supervisor};
-
-fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
-}
 
 fn encode_refs(refs: &[PayloadRef]) -> Vec<u8> {
     let mut w = Writer::new();
@@ -599,6 +594,14 @@ impl Cluster {
         Ok((done.into_iter().map(|(r, _, ended)| (r, ended)).collect(), lost))
     }
 
+    /// The orchestrator's timeline of `request`, if it still has it.
+    pub(crate) async fn timeline(
+        &self,
+        request: u64,
+    ) -> Option<tensorwire_orchestrator::timeline::Timeline> {
+        self.sub.timeline(request, Duration::from_secs(10)).await.ok().flatten()
+    }
+
     /// The workers' `@@` lines that arrive within `quiet` of each other.
     pub(crate) async fn drain_lines(&mut self, quiet: Duration) -> Vec<String> {
         let mut v = Vec::new();
@@ -835,99 +838,4 @@ impl Steps {
             self.saved, self.resumed, self.kept, self.yielded
         )
     }
-}
-
-/// The disaggregated run with worker processes, supervised (and, with `--chaos`, killed at
-/// random once every worker has joined).
-pub(crate) async fn disaggregated(
-    a: &DemoArgs,
-    models: &[Model],
-    split: Split,
-    profiles: Option<std::path::PathBuf>,
-) -> Result<Summary, String> {
-    let ca = ClusterArgs {
-        time_scale: a.mix.time_scale,
-        profiles: profiles.or_else(|| a.mix.profiles.clone()),
-        chaos: a.chaos,
-        seed: a.seed,
-        checkpoint_every: a.checkpoint_every,
-        metrics: a.metrics.clone(),
-        rebalance: None,
-        store_bytes: crate::demo::STORE_BYTES,
-    };
-    let mut c = Cluster::start(&ca, models, split).await?;
-    let start = Instant::now();
-    let t0 = now_us();
-    let (done, lost) = c.run(0..a.requests, start).await?;
-    let elapsed = start.elapsed();
-    let mut e2e = Vec::new();
-    let mut moved = 0u64;
-    for &(r, t) in &done {
-        e2e.push(t);
-        let m = &models[(r as usize) % models.len()];
-        moved += m.embed_bytes + m.latent_bytes;
-    }
-    let mut firsts: HashMap<u64, u64> = HashMap::new();
-    let mut steps = Steps::default();
-    for l in c.drain_lines(Duration::from_millis(300)).await {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        if let ["FIRST", r, us] = f[..] {
-            if let (Ok(r), Ok(us)) = (r.parse::<u64>(), us.parse::<u64>()) {
-                firsts.entry(r).or_insert(us);
-            }
-        }
-        steps.count(&f);
-    }
-    if a.checkpoint_every > 0 && a.chaos.is_none() {
-        let next = a.requests;
-        let probe = c.preemption_probe(next, split.denoise, models).await?;
-        // Past the ids the preemption probe used.
-        let next = next + models.len() as u64 * (u64::from(split.denoise) + 2);
-        let (moved, seen) = c.migration_probe(next, split.denoise, models).await?;
-        for l in seen.into_iter().chain(c.drain_lines(Duration::from_millis(300)).await) {
-            steps.count(&l.split_whitespace().collect::<Vec<_>>());
-        }
-        println!("{probe}");
-        println!("{moved}");
-    }
-    if a.checkpoint_every > 0 {
-        println!("{}", steps.line(a.checkpoint_every));
-    }
-    let slowest = match done.iter().max_by_key(|(_, t)| *t) {
-        Some((r, _)) => c.sub.timeline(*r, Duration::from_secs(10)).await.ok().flatten(),
-        None => None,
-    };
-    let left = c.settled_store().await?;
-    let report = c.stop().await?;
-    let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
-    if a.chaos.is_some() || report.supervisor.restarts > 0 {
-        println!("{}", report.line(done.len(), lost.len(), left.objects));
-    }
-    if let Some(first) = lost.first() {
-        return Err(format!("{} of {} requests lost; first: {first}", lost.len(), a.requests));
-    }
-    if report.orchestrator.duplicated > 0 {
-        return Err(format!(
-            "{} stage results were accepted twice",
-            report.orchestrator.duplicated
-        ));
-    }
-    Ok(Summary {
-        requests: a.requests,
-        elapsed,
-        ttff,
-        e2e,
-        utilisation: None,
-        moved,
-        engine_bytes: None,
-        handoff_gbps: 0.0,
-        cache_hits: 0,
-        cfg_hits: None,
-        store_left: left.objects,
-        usd_per_hour: 0.0,
-        time_scale: 1.0,
-        differences: Vec::new(),
-        layout: format!("{}:{}:{} worker processes", split.encode, split.denoise, split.decode),
-        slowest: slowest.map(|t| t.render()),
-    })
 }

@@ -8,13 +8,14 @@
 //! payloads moving between processes.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tensorwire_benches::rng::Rng;
 use tensorwire_orchestrator::Stage;
 use tensorwire_orchestrator::sched::SchedConfig;
 
-use crate::demo::{DemoArgs, Split};
+use crate::demo::DemoArgs;
+use crate::pipeline::{Split, now_us};
 use crate::procs::{Cluster, ClusterArgs};
 use crate::profiles::{self, Model};
 use crate::report::percentile;
@@ -59,10 +60,6 @@ fn schedule(seed: u64) -> Vec<(u64, Duration)> {
         start += len;
     }
     out
-}
-
-fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Runs the schedule on a fresh cluster, elastic or not.

@@ -92,7 +92,7 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
         checkpoint_every: 10,
         metrics: crate::observe::MetricsArgs::default(),
         rebalance: None,
-        store_bytes: crate::demo::STORE_BYTES,
+        store_bytes: crate::pipeline::STORE_BYTES,
     };
     println!(
         "tensorwire soak: {} min, batches of {} requests, {}:{}:{} worker processes, {}",

@@ -5,10 +5,8 @@ use std::fmt::Debug;
 use async_trait::async_trait;
 use tensorwire_core::{MemSlice, MemoryKind, Region, TensorMeta};
 
+pub use crate::error::MAX_KEY;
 use crate::error::{Result, StoreError};
-
-/// Longest key in bytes.
-pub const MAX_KEY: usize = 256;
 
 /// How an object may be evicted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

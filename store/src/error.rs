@@ -11,6 +11,10 @@ use tensorwire_core::wire::error::{MAX_ERROR_BYTES, MAX_ERROR_TEXT, decode_error
 /// Result with [`StoreError`].
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
+/// Longest key in bytes (defined beside the key type errors carry, so that the API above and
+/// the error codec below read one bound).
+pub const MAX_KEY: usize = 256;
+
 /// A store key as it appears in errors (printable when UTF-8, hex otherwise).
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct StoreKey(pub Vec<u8>);
@@ -102,7 +106,7 @@ fn clip(s: &str) -> &str {
 }
 
 /// Longest key an encoded error carries.
-const MAX_KEY_IN_ERROR: usize = crate::api::MAX_KEY;
+const MAX_KEY_IN_ERROR: usize = MAX_KEY;
 
 /// Encodes a store error for the RPC (bounded by [`MAX_STORE_ERROR_BYTES`]).
 pub(crate) fn encode(e: &StoreError) -> Vec<u8> {

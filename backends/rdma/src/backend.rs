@@ -3,10 +3,9 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
-pub(crate) use tensorwire_core::backend::kit::lock;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -18,65 +17,19 @@ use tensorwire_core::{Error, MemoryKinds, RegionId, Result};
 
 use crate::blob::Endpoint;
 use crate::conn::ConnShared;
-use crate::region::LocalRegion;
 use crate::serve::InConn;
+use crate::shared::{NicCounters, Shared, lock};
 use crate::soft::{SoftFabric, SoftNicSpec, SoftProvider};
-use crate::verbs::{Cq, Nic, NicInfo, Provider};
+use crate::verbs::{NicInfo, Provider};
 use crate::{NAME, RdmaConfig};
-
-/// Per-NIC counters (what `Engine::backend_stats` shows).
-#[derive(Debug, Default)]
-pub(crate) struct NicCounters {
-    pub(crate) bytes: AtomicU64,
-    pub(crate) ops: AtomicU64,
-    pub(crate) errors: AtomicU64,
-    pub(crate) inflight: AtomicI64,
-}
-
-/// The backend's state, shared by its connections and serving tasks.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) cfg: RdmaConfig,
-    pub(crate) provider: &'static str,
-    pub(crate) nics: Vec<Arc<dyn Nic>>,
-    pub(crate) infos: Vec<NicInfo>,
-    pub(crate) counters: Vec<NicCounters>,
-    /// A CQ per NIC for the target's QPs (they take no requests of their own).
-    pub(crate) passive_cqs: Vec<Arc<dyn Cq>>,
-    pub(crate) regions: Mutex<HashMap<RegionId, Arc<LocalRegion>>>,
-    pub(crate) serving: Serving<std::net::TcpListener>,
-    pub(crate) endpoint: Bytes,
-    pub(crate) outbound: WeakList<ConnShared>,
-    pub(crate) inbound: WeakList<InConn>,
-    /// Signalled when a peer gives a lease back.
-    pub(crate) released: tokio::sync::Notify,
-}
-
-impl Shared {
-    pub(crate) fn region(&self, id: RegionId) -> Option<Arc<LocalRegion>> {
-        lock(&self.regions).get(&id).cloned()
-    }
-
-    pub(crate) fn host(&self) -> Result<Arc<dyn BackendHost>> {
-        self.serving.ensure_open()?;
-        self.serving.host().ok_or_else(|| Error::PeerClosed("rdma: backend not started".into()))
-    }
-
-    fn close(&self) {
-        self.serving.close();
-        for c in self.outbound.take() {
-            c.close(self.serving.closed_error());
-        }
-        for c in self.inbound.take() {
-            c.close();
-        }
-    }
-}
 
 /// The RDMA backend (one per engine).
 #[derive(Debug)]
 pub struct RdmaBackend {
     shared: Arc<Shared>,
+    /// Connections to peers and from peers (closed with the backend).
+    outbound: WeakList<ConnShared>,
+    inbound: Arc<WeakList<InConn>>,
 }
 
 impl RdmaBackend {
@@ -137,10 +90,10 @@ impl RdmaBackend {
                 regions: Mutex::new(HashMap::new()),
                 serving: Serving::new(NAME, listener),
                 endpoint,
-                outbound: WeakList::default(),
-                inbound: WeakList::default(),
                 released: tokio::sync::Notify::new(),
             }),
+            outbound: WeakList::default(),
+            inbound: Arc::default(),
         }))
     }
 
@@ -169,15 +122,30 @@ impl RdmaBackend {
     pub fn provider(&self) -> &'static str {
         self.shared.provider
     }
+
+    /// Stops serving and closes every connection both ways.
+    fn close(&self) {
+        self.shared.serving.close();
+        for c in self.outbound.take() {
+            c.close(self.shared.serving.closed_error());
+        }
+        for c in self.inbound.take() {
+            c.close();
+        }
+    }
 }
 
 impl Drop for RdmaBackend {
     fn drop(&mut self) {
-        self.shared.close();
+        self.close();
     }
 }
 
-async fn accept_loop(listener: tokio::net::TcpListener, shared: Weak<Shared>) {
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    shared: Weak<Shared>,
+    inbound: Arc<WeakList<InConn>>,
+) {
     loop {
         let (sock, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -192,7 +160,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Weak<Shared>) {
             return;
         }
         let _ = sock.set_nodelay(true);
-        s.serving.spawn(crate::serve::serve(Arc::downgrade(&s), sock, peer));
+        s.serving.spawn(crate::serve::serve(Arc::downgrade(&s), inbound.clone(), sock, peer));
     }
 }
 
@@ -222,7 +190,7 @@ impl Backend for RdmaBackend {
         let s = &self.shared;
         let listener = s.serving.start_tcp(host, "rdma control channel", s.cfg.insecure)?;
         let bound = listener.local_addr()?;
-        s.serving.spawn(accept_loop(listener, Arc::downgrade(s)));
+        s.serving.spawn(accept_loop(listener, Arc::downgrade(s), self.inbound.clone()));
         tracing::debug!(
             provider = s.provider,
             nics = ?s.infos.iter().map(|n| &n.address.name).collect::<Vec<_>>(),
@@ -258,7 +226,7 @@ impl Backend for RdmaBackend {
             r.closing.store(true, Ordering::SeqCst);
         }
         let holders: Vec<Arc<InConn>> =
-            s.inbound.live().into_iter().filter(|c| c.holds(id)).collect();
+            self.inbound.live().into_iter().filter(|c| c.holds(id)).collect();
         for c in &holders {
             c.forget(id);
         }
@@ -288,12 +256,12 @@ impl Backend for RdmaBackend {
     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
         self.shared.serving.ensure_open()?;
         let c = crate::conn::connect(&self.shared, peer).await?;
-        self.shared.outbound.push(&c);
+        self.outbound.push(&c);
         Ok(Arc::new(crate::conn::RdmaConnection::new(c)))
     }
 
     async fn shutdown(&self) {
-        self.shared.close();
+        self.close();
     }
 
     fn stats(&self) -> Vec<(String, u64)> {

@@ -23,11 +23,11 @@ use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::{oneshot, watch};
 
 use crate::NAME;
-use crate::backend::{Shared, lock};
 use crate::blob::{Endpoint, RegionKeys};
 use crate::control::{self, Requests, Sender};
 use crate::dispatch::{Action, Dispatch, OpKey};
 use crate::region::{LocalRegion, unregistered};
+use crate::shared::{Shared, lock};
 use crate::verbs::{Cq, Qp, QpCaps, Sge, VerbsError, Wc, WcStatus, Wr, WrOp};
 use crate::wire::{Msg, RailOffer};
 

@@ -51,6 +51,7 @@ mod ibv;
 pub mod rails;
 mod region;
 mod serve;
+mod shared;
 pub mod soft;
 pub mod verbs;
 pub mod wire;

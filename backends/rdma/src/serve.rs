@@ -15,13 +15,14 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 
 use tensorwire_core::backend::RemoteRange;
+use tensorwire_core::backend::kit::WeakList;
 use tensorwire_core::region::{Access, MemSlice};
 use tensorwire_core::{Error, Missing, RegionId, Result};
 use tokio::net::TcpStream;
 
 use crate::NAME;
-use crate::backend::{Shared, lock};
 use crate::control::{self, Sender};
+use crate::shared::{Shared, lock};
 use crate::verbs::{Qp, QpAddress, QpCaps};
 use crate::wire::{FRAMING, MAX_RAILS, Msg, RailOffer};
 
@@ -64,8 +65,14 @@ impl InConn {
 }
 
 /// Serves one peer until it leaves or fails.
-pub(crate) async fn serve(shared: Weak<Shared>, sock: TcpStream, peer: SocketAddr) {
-    if let Err(e) = run(&shared, sock, peer).await {
+/// Serves one peer's connection; the connection joins `inbound` once it is open.
+pub(crate) async fn serve(
+    shared: Weak<Shared>,
+    inbound: Arc<WeakList<InConn>>,
+    sock: TcpStream,
+    peer: SocketAddr,
+) {
+    if let Err(e) = run(&shared, &inbound, sock, peer).await {
         tracing::debug!(%peer, error = %e, "rdma: peer connection ended");
     }
     if let Some(s) = shared.upgrade() {
@@ -73,7 +80,12 @@ pub(crate) async fn serve(shared: Weak<Shared>, sock: TcpStream, peer: SocketAdd
     }
 }
 
-async fn run(shared: &Weak<Shared>, mut sock: TcpStream, peer: SocketAddr) -> Result<()> {
+async fn run(
+    shared: &Weak<Shared>,
+    inbound: &WeakList<InConn>,
+    mut sock: TcpStream,
+    peer: SocketAddr,
+) -> Result<()> {
     let (secret, limit) = {
         let s = up(shared)?;
         (s.host()?.cluster_secret(), s.cfg.answer_timeout)
@@ -108,7 +120,7 @@ async fn run(shared: &Weak<Shared>, mut sock: TcpStream, peer: SocketAddr) -> Re
             leases: Mutex::new(HashMap::new()),
             qps: Mutex::new(qps),
         });
-        s.inbound.push(&conn);
+        inbound.push(&conn);
         sender.send(Msg::HelloAck { rails: answers }).await?;
         conn
     };

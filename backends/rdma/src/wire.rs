@@ -25,9 +25,9 @@ use tensorwire_core::{AccessKey, Error, RegionId, Result};
 use crate::blob::MAX_NICS;
 use crate::verbs::QpAddress;
 
-/// The control channel's framing ("TR").
+/// The control channel's framing ("TV"; version 2: version 1 shared the store RPC's magic "TR").
 pub const FRAMING: Framing =
-    Framing { name: "rdma control", magic: *b"TR", version: 1, max_payload: 256 << 10 };
+    Framing { name: "rdma control", magic: *b"TV", version: 2, max_payload: 256 << 10 };
 /// Most rails (QPs) one connection has.
 pub const MAX_RAILS: usize = 256;
 

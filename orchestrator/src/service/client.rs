@@ -357,7 +357,9 @@ pub struct WorkerSpec {
     /// Labels (rail / NUMA; `metrics=HOST:PORT`).
     pub labels: Vec<String>,
     /// The other stages it can serve, each with the time to switch to it (elastic pools; empty:
-    /// it stays where it is).
+    /// it stays where it is). A worker that says so must follow switch orders
+    /// ([`WorkerClient::switch_order`]): the service drains it when it sends one, so one that
+    /// ignores the order gets no more work.
     pub can: Vec<(Stage, Duration)>,
     /// It joins after a switch that took this long.
     pub switched: Option<Duration>,

@@ -45,6 +45,23 @@ pub const TARGETS: &[&str] = &[
 /// The framings whose whole frames `frame_header` decodes.
 pub const FRAMINGS: [Framing; 3] = [CONTROL, rpc::FRAMING, service::FRAMING];
 
+/// Every protocol's framing in the workspace: each has a magic of its own, so that a connection
+/// to the wrong listener is refused at its first header (and a handshake proof, which binds
+/// the magic, is never valid for another protocol).
+pub const ALL_FRAMINGS: [Framing; 11] = [
+    CONTROL,
+    rpc::FRAMING,
+    service::FRAMING,
+    queue::FRAMING,
+    control::FRAMING,
+    tensorwire_cuda::ipc::FRAMING,
+    tensorwire_shm::wire::FRAMING,
+    tensorwire_tcp::wire::FRAMING,
+    tensorwire_ucx::wire::FRAMING,
+    tensorwire_rdma::wire::FRAMING,
+    tensorwire_nccl::wire::FRAMING,
+];
+
 /// Whether `input` is a well-formed input of `target` (its decoder accepts it): every seed is.
 pub fn valid(target: &str, input: &[u8]) -> bool {
     let meta = |b: &[u8]| TensorMeta::decode(&mut Reader::new(b, "seed")).is_ok();
@@ -152,4 +169,18 @@ pub fn cuda_share() -> Vec<u8> {
         handle: [0x5a; 64],
     }
     .encode()
+}
+
+#[cfg(test)]
+mod framing_tests {
+    use super::ALL_FRAMINGS;
+
+    #[test]
+    fn every_protocol_has_a_magic_of_its_own() {
+        for (i, a) in ALL_FRAMINGS.iter().enumerate() {
+            for b in &ALL_FRAMINGS[i + 1..] {
+                assert_ne!(a.magic, b.magic, "{} and {} share a magic", a.name, b.name);
+            }
+        }
+    }
 }
