@@ -17,7 +17,8 @@ use tensorwire_core::{Error, RegionId, Result};
 use tokio::sync::oneshot;
 
 use crate::gate::OpGate;
-use crate::progress::{self, Cmd, Handle, Submitted};
+use crate::progress::{self, Cmd, Handle};
+use crate::tokens::Submitted;
 use crate::{NAME, UcxConfig};
 
 fn gone() -> Error {

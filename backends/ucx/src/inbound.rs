@@ -14,42 +14,19 @@
 //! UCX transports themselves enforce no tensorwire permission (see the crate docs).
 
 use std::collections::HashMap;
-use std::rc::Rc;
 
 use bytes::Bytes;
 use tensorwire_core::backend::kit::encode_error;
 use tensorwire_core::region::{Access, MemSlice};
 use tensorwire_core::{Error, Result};
 
-use crate::ffi::{Endpoint, MemHandle};
-use crate::progress::{Graveyard, INBOUND, Progress};
+use crate::conns::{Hold, InConn};
+use crate::progress::Progress;
+use crate::tokens::INBOUND;
 use crate::wire::{Kind, LEASE, Msg, OK, WRITE};
 
 /// Regions one peer may hold at once (Begin without End).
 const MAX_HOLDS: usize = 1 << 16;
-
-/// A region range a peer was granted, held until its End.
-#[derive(Debug)]
-pub(crate) struct Hold {
-    slice: MemSlice,
-    memh: Option<Rc<MemHandle>>,
-}
-
-impl Hold {
-    /// Keeps the range for puts the peer may still have queued (see [`Graveyard`]).
-    pub(crate) fn bury(self, graveyard: &mut Graveyard) {
-        graveyard.bury(self.slice, self.memh, None);
-    }
-}
-
-/// A peer's connection to this backend.
-#[derive(Debug)]
-pub(crate) struct InConn {
-    pub(crate) holds: HashMap<u64, Hold>,
-    /// Whole regions leased, by (region, write access), until the peer's Released.
-    pub(crate) leases: HashMap<(tensorwire_core::RegionId, bool), Hold>,
-    pub(crate) ep: Endpoint,
-}
 
 impl Progress {
     pub(crate) fn hello(&mut self, msg: &Msg<'_>) {

@@ -43,6 +43,8 @@
 #[cfg(feature = "ucx")]
 mod backend;
 #[cfg(feature = "ucx")]
+mod conns;
+#[cfg(feature = "ucx")]
 mod exit;
 #[cfg(feature = "ucx")]
 mod ffi;
@@ -55,6 +57,8 @@ mod mapped;
 mod outbound;
 #[cfg(feature = "ucx")]
 mod progress;
+#[cfg(feature = "ucx")]
+mod tokens;
 pub mod wire;
 
 use std::sync::Arc;

@@ -11,168 +11,24 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tensorwire_core::backend::Direction;
 use tensorwire_core::backend::kit::{MAX_NOTIFY_WIRE, decode_error};
-use tensorwire_core::backend::{Direction, Op};
 use tensorwire_core::{Error, Missing, RegionId, Result};
 use tensorwire_ucx_sys as sys;
 use tokio::sync::oneshot;
 
-use crate::ffi::{self, Endpoint, MemHandle, RemoteKey, Rma, Started};
-use crate::gate::OpGate;
+use crate::conns::{HELLO, Lease, OpState, OutConn};
+use crate::ffi::{self, RemoteKey, Rma, Started};
 use crate::mapped::Mapped;
-use crate::progress::{Graveyard, INBOUND, Progress, Submitted, Token};
+use crate::progress::Progress;
+use crate::tokens::{INBOUND, Submitted, Token};
 use crate::wire::{Kind, LEASE, Msg, WRITE};
 
 /// Remote keys cached per connection before the cache starts over.
 const MAX_RKEYS: usize = 4096;
-/// Request id of the Hello.
-const HELLO: u64 = 0;
-
-/// One connection to a peer's backend.
-#[derive(Debug)]
-pub(crate) struct OutConn {
-    /// Unpacked remote keys by region, with the blob they came from. Declared before `ep`: keys
-    /// are destroyed before their endpoint.
-    rkeys: HashMap<RegionId, (Bytes, Rc<RemoteKey>)>,
-    ep: Endpoint,
-    dead: Option<Error>,
-    connecting: Option<oneshot::Sender<Result<u64>>>,
-    grants: HashMap<u64, u64>,
-    notifies: HashMap<u64, oneshot::Sender<Result<()>>>,
-    deadlines: VecDeque<(Instant, u64)>,
-    next_req: u64,
-    ops: HashSet<u64>,
-    closing: bool,
-    /// Whole regions the peer leased to this connection, by (region, write access).
-    leases: HashMap<(RegionId, bool), Lease>,
-}
-
-/// A region the peer holds for this connection until Released.
-#[derive(Debug)]
-struct Lease {
-    /// The region's base address at the peer, and its length.
-    base: u64,
-    len: u64,
-    key: tensorwire_core::AccessKey,
-    rkey: Rc<RemoteKey>,
-    /// Ops running on it.
-    users: u32,
-    /// The peer asked for it back: no new ops.
-    revoked: bool,
-}
-
-impl OutConn {
-    /// Whether an answer from the peer is awaited.
-    pub(crate) fn waiting(&self) -> bool {
-        self.connecting.is_some() || !self.grants.is_empty() || !self.notifies.is_empty()
-    }
-
-    fn awaits(&self, req: u64) -> bool {
-        if req == HELLO {
-            self.connecting.is_some()
-        } else {
-            self.grants.contains_key(&req) || self.notifies.contains_key(&req)
-        }
-    }
-
-    /// Whether an awaited answer is past its deadline (answered requests are skipped).
-    pub(crate) fn overdue(&mut self, now: Instant) -> bool {
-        while let Some(&(deadline, req)) = self.deadlines.front() {
-            if self.dead.is_some() || !self.awaits(req) {
-                self.deadlines.pop_front();
-                continue;
-            }
-            return deadline <= now;
-        }
-        false
-    }
-}
-
-/// One op in flight.
-#[derive(Debug)]
-pub(crate) struct OpState {
-    pub(crate) conn: u64,
-    req: u64,
-    write: bool,
-    /// The op: its local memory, kept (with the engine's notification fence) until it ends.
-    work: Op,
-    memh: Option<Rc<MemHandle>>,
-    region: RegionId,
-    blob: Option<Bytes>,
-    rkey: Option<Rc<RemoteKey>>,
-    addr: u64,
-    next: u64,
-    inflight: u32,
-    granted: bool,
-    flush_started: bool,
-    flushing: bool,
-    /// Requests were forgotten after a forced close (see `Progress::abandon`).
-    abandoned: bool,
-    /// It runs on a lease (no End; the lease counts it).
-    leased: bool,
-    error: Option<Error>,
-    gate: Arc<OpGate>,
-    done: oneshot::Sender<Result<()>>,
-    last: Instant,
-}
-
-impl OpState {
-    /// An op submitted on `conn` (request `req` of its Begin; 0 on a lease), not yet granted.
-    fn new(
-        conn: u64,
-        req: u64,
-        write: bool,
-        memh: Option<Rc<MemHandle>>,
-        s: Submitted,
-        now: Instant,
-    ) -> OpState {
-        let blob = s.op.remote().blob.clone();
-        OpState {
-            conn,
-            req,
-            write,
-            memh,
-            region: s.op.remote().region,
-            blob: (!blob.is_empty()).then_some(blob),
-            rkey: None,
-            addr: 0,
-            next: 0,
-            inflight: 0,
-            granted: false,
-            flush_started: false,
-            flushing: false,
-            abandoned: false,
-            leased: false,
-            error: None,
-            gate: s.gate,
-            done: s.done,
-            work: s.op,
-            last: now,
-        }
-    }
-
-    /// Whether requests are outstanding with no progress for `bound`.
-    pub(crate) fn stalled(&self, now: Instant, bound: Duration) -> bool {
-        (self.inflight > 0 || self.flushing) && now.duration_since(self.last) > bound
-    }
-
-    /// Whether UCX is moving this op's bytes (requests in flight).
-    pub(crate) fn moving(&self) -> bool {
-        self.inflight > 0 || self.flushing
-    }
-
-    /// Resolves the op with `e` at once (the thread is shutting down); what its requests may
-    /// still touch goes to `graveyard`.
-    pub(crate) fn fail_now(self, e: Error, graveyard: &mut Graveyard) {
-        let _ = self.done.send(Err(e));
-        graveyard.bury(self.work.into_local(), self.memh, self.rkey);
-    }
-}
-
 fn closed() -> Error {
     Error::PeerClosed("ucx connection closed".into())
 }
@@ -667,7 +523,7 @@ impl Progress {
 /// The connection's unpacked key for `region`, unpacking `blob` the first time.
 /// Gives a revoked, unused lease back to the peer.
 fn release(
-    tokens: &mut crate::progress::Tokens,
+    tokens: &mut crate::tokens::Tokens,
     mapped: &Mapped,
     c: &mut OutConn,
     conn: u64,

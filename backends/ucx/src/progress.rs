@@ -13,19 +13,17 @@ use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_cha
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tensorwire_core::backend::kit::{DetachedMemory, MAX_BLOB_BYTES};
-use tensorwire_core::backend::{BackendHost, Op, RegionInfo};
-use tensorwire_core::region::MemSlice;
+use tensorwire_core::backend::kit::MAX_BLOB_BYTES;
+use tensorwire_core::backend::{BackendHost, RegionInfo};
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::sync::oneshot;
 
 use crate::UcxConfig;
+use crate::conns::{InConn, OpState, OutConn};
 use crate::exit::InUcx;
-use crate::ffi::{self, Endpoint, Event, MemHandle, RemoteKey, Started, Worker};
-use crate::gate::OpGate;
-use crate::inbound::InConn;
+use crate::ffi::{self, Event, MemHandle, Worker};
 use crate::mapped::Mapped;
-use crate::outbound::{OpState, OutConn};
+use crate::tokens::{Graveyard, INBOUND, Submitted, Token, Tokens};
 use crate::wire::Msg;
 
 /// Bound on starting UCX (context, worker, address).
@@ -47,17 +45,6 @@ const LINGER: Duration = Duration::from_micros(50);
 pub(crate) const WAKE_BATCH: usize = 4;
 /// Most `ucp_worker_progress` calls in a row before the thread looks at its deadlines.
 const PROGRESS_ROUNDS: usize = 64;
-/// Endpoint tokens with this bit belong to inbound connections.
-pub(crate) const INBOUND: u64 = 1 << 63;
-
-/// One op handed to the thread.
-#[derive(Debug)]
-pub(crate) struct Submitted {
-    pub(crate) op: Op,
-    pub(crate) gate: Arc<OpGate>,
-    pub(crate) done: oneshot::Sender<Result<()>>,
-}
-
 /// What the backend and its connections ask of the thread.
 #[derive(Debug)]
 pub(crate) enum Cmd {
@@ -198,101 +185,6 @@ pub(crate) fn start(cfg: UcxConfig) -> Result<(Arc<Handle>, Vec<u8>)> {
     Ok((Arc::new(handle), address))
 }
 
-/// What a pending request's token stands for.
-#[derive(Debug)]
-pub(crate) enum Token {
-    /// One put/get segment of an op.
-    Rma(u64),
-    /// The flush that ends a WRITE op.
-    Flush(u64),
-    /// A control message being sent on a connection (its buffer must outlive the send).
-    Send { conn: u64, _buf: Vec<u8> },
-}
-
-/// What requests UCX may still run can touch, after they were abandoned (see `abandon`) or their
-/// peer left mid-op (see `drop_inbound`): kept until the thread ends, after the worker (and every
-/// request on it) is destroyed. Engine-allocated memory is detached (its region can deregister;
-/// the mapping stays); memory registered with `register_raw` keeps its region's deregistration
-/// waiting. It grows only when connections end abnormally with requests in flight.
-#[derive(Debug, Default)]
-pub(crate) struct Graveyard {
-    memory: Vec<std::result::Result<DetachedMemory, MemSlice>>,
-    handles: Vec<Rc<MemHandle>>,
-    /// Destroyed before the worker: UCX allocates unpacked keys from it.
-    rkeys: Vec<Rc<RemoteKey>>,
-    /// Control messages still queued for sending (their buffers).
-    sends: Vec<Token>,
-}
-
-impl Graveyard {
-    pub(crate) fn bury(
-        &mut self,
-        memory: MemSlice,
-        memh: Option<Rc<MemHandle>>,
-        rkey: Option<Rc<RemoteKey>>,
-    ) {
-        self.memory.push(memory.detach());
-        self.handles.extend(memh);
-        self.rkeys.extend(rkey);
-    }
-
-    pub(crate) fn bury_send(&mut self, token: Token) {
-        if matches!(token, Token::Send { .. }) {
-            self.sends.push(token);
-        }
-    }
-}
-
-/// Pending requests by token.
-#[derive(Debug, Default)]
-pub(crate) struct Tokens {
-    next: u64,
-    map: HashMap<u64, Token>,
-}
-
-impl Tokens {
-    pub(crate) fn add(&mut self, t: Token) -> u64 {
-        self.next += 1;
-        self.map.insert(self.next, t);
-        self.next
-    }
-
-    pub(crate) fn forget(&mut self, token: u64) {
-        self.map.remove(&token);
-    }
-
-    /// Removes and returns the pending requests `pick` selects.
-    pub(crate) fn take_if(&mut self, pick: impl Fn(&Token) -> bool) -> Vec<Token> {
-        let ids: Vec<u64> = self.map.iter().filter(|(_, t)| pick(t)).map(|(&k, _)| k).collect();
-        ids.into_iter().filter_map(|k| self.map.remove(&k)).collect()
-    }
-
-    fn take(&mut self, token: u64) -> Option<Token> {
-        self.map.remove(&token)
-    }
-
-    /// Sends one control message on `ep`, keeping its buffer until the send completes.
-    pub(crate) fn send(&mut self, ep: &Endpoint, conn: u64, msg: &Msg<'_>) -> Result<()> {
-        let buf = msg.encode();
-        let token = self.add(Token::Send { conn, _buf: Vec::new() });
-        match ep.send(&buf, token) {
-            Ok(Started::Done) => {
-                self.forget(token);
-                Ok(())
-            }
-            Ok(Started::Pending) => {
-                // The Vec's heap buffer does not move when the Vec does.
-                self.map.insert(token, Token::Send { conn, _buf: buf });
-                Ok(())
-            }
-            Err(e) => {
-                self.forget(token);
-                Err(e)
-            }
-        }
-    }
-}
-
 /// The thread's state.
 #[derive(Debug)]
 pub(crate) struct Progress {
@@ -425,7 +317,7 @@ impl Progress {
                 continue;
             }
             let busy = !self.ops.is_empty()
-                || !self.tokens.map.is_empty()
+                || !self.tokens.is_empty()
                 || self.out.values().any(OutConn::waiting);
             let tick = if busy || self.stopping.is_some() { BUSY_TICK } else { IDLE_TICK };
             let armed = match efd {
@@ -665,7 +557,7 @@ impl Progress {
         }
         let replies = std::mem::take(&mut self.stop_replies);
         let mut graveyard = std::mem::take(&mut self.graveyard);
-        graveyard.rkeys.clear();
+        graveyard.drop_rkeys();
         // Worker and context go last of the UCX objects (endpoints and handles hold Rcs to them);
         // the memory abandoned requests might touch only after them.
         drop(self);
