@@ -16,6 +16,10 @@
 //!
 //! Library warnings and errors go to stderr (`RUST_LOG` sets the level; default info).
 
+// The options' doc comments are their --help texts, where brackets write a syntax
+// (`MODEL[=SHARE]`), not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 mod bench;
 mod capacity;
 mod cluster;

@@ -5,7 +5,7 @@
 //!
 //! - [`payload`]: payload kinds, lease policies, chunking, the payload a stage publishes.
 //! - [`lease`]: the lease state machine (plain data, time passed in).
-//! - [`reference`]: [`PayloadRef`], what a consumer needs, small enough for a queue message.
+//! - [`reference`](mod@reference): [`PayloadRef`], what a consumer needs, small enough for a queue message.
 //! - [`connector`]: [`DiffusionConnector`], publish and consume, p2p or store-relayed, with chunked
 //!   handoff that overlaps transfer and decode; its decisions are the sans-IO state machines of
 //!   [`handoff`], its messages those of [`control`], its errors [`ConnectorError`].

@@ -15,7 +15,7 @@
 //!   pool, then closes. Uncommitted puts and unclosed reads expire, so a client that dies leaks
 //!   nothing.
 
-//! - [`testing`] (feature `testing`): the store suite, written once and run against any [`Store`].
+//! - `testing` (feature `testing`): the store suite, written once and run against any [`Store`].
 
 pub mod alloc;
 mod api;

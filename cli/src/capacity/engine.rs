@@ -4,8 +4,8 @@
 //! make every dispatch decision; nothing sleeps and no bytes move.
 //!
 //! Each GPU of a pool joins the driver once per run of consecutive stages it serves (see
-//! [`Pool::runs`]): a run is one item whose service time is its stages' times on that GPU (from
-//! [`fit`](super::fit)) plus the transfer of its input, with no transfer inside the run. A stage
+//! [`Pool::runs`](super::layout::Pool::runs)): a run is one item whose service time is its stages' times on that GPU (from
+//! [`super::fit`]) plus the transfer of its input, with no transfer inside the run. A stage
 //! inside a run (decode in a `DV` pool) is passed by a worker that ends its items at once, so
 //! the driver still sees every stage. A GPU runs one item at a time: an item dispatched to a GPU
 //! busy with its other run (an `EV` pool's encode and decode) starts when the GPU is free.
