@@ -72,8 +72,6 @@ mod fence;
 #[cfg(not(loom))]
 pub mod handshake;
 #[cfg(not(loom))]
-pub mod reference;
-#[cfg(not(loom))]
 pub mod region;
 #[cfg(not(loom))]
 mod secret_file;
@@ -90,6 +88,8 @@ pub use tensor::{DlTensorFields, TensorMeta};
 #[cfg(not(loom))]
 pub use auth::ClusterSecret;
 #[cfg(not(loom))]
+pub use backend::mem::MemBackend;
+#[cfg(not(loom))]
 pub use backend::{
     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
     RegionInfo, RemoteRange, RemoteSlice,
@@ -101,8 +101,6 @@ pub use engine::{
 };
 #[cfg(not(loom))]
 pub use memory::{DeviceCopier, Gpu};
-#[cfg(not(loom))]
-pub use reference::MemBackend;
 #[cfg(not(loom))]
 pub use region::{Access, MemSlice, Permissions, Region, RemoteRegion};
 #[cfg(not(loom))]

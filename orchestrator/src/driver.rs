@@ -19,9 +19,7 @@
 //! ([`Driver::claim`]); submitters ask for their requests again ([`Driver::resume`]).
 
 use crate::fasthash::FastMap;
-use std::time::{Duration, Instant};
-
-use tokio::sync::mpsc;
+use std::time::Duration;
 
 use crate::journal::{Book, Fact, RECENT, release_list};
 use crate::sched::{
@@ -67,34 +65,6 @@ const METRICS_EVERY: Duration = Duration::from_millis(500);
 /// Whether a driver loop that last published its levels at `published` publishes them at `now`.
 pub(crate) fn metrics_due(now: Duration, published: Duration) -> bool {
     now.saturating_sub(published) >= METRICS_EVERY
-}
-
-/// The clock of a driver loop: time since the loop started, and a tick so the scheduler's timers
-/// (heartbeats, aging) run when no event comes.
-#[derive(Debug)]
-pub(crate) struct Ticker {
-    start: Instant,
-    tick: tokio::time::Interval,
-}
-
-impl Ticker {
-    pub(crate) fn new(every: Duration) -> Ticker {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        Ticker { start: Instant::now(), tick }
-    }
-
-    /// The next event (`None` on a tick) with the time, or `None` once every sender is gone.
-    pub(crate) async fn next<E>(
-        &mut self,
-        rx: &mut mpsc::Receiver<E>,
-    ) -> Option<(Duration, Option<E>)> {
-        let ev = tokio::select! {
-            e = rx.recv() => Some(e?),
-            _ = self.tick.tick() => None,
-        };
-        Some((self.start.elapsed(), ev))
-    }
 }
 
 /// A dispatch decision with what the worker needs to act on it.

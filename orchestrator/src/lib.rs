@@ -27,6 +27,7 @@
 //! # Ok::<(), tensorwire_orchestrator::OrchestratorError>(()) }).unwrap();
 //! ```
 
+mod clock;
 mod driver;
 mod error;
 mod fasthash;

@@ -10,7 +10,8 @@ use std::time::Duration;
 use crate::Stage;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::driver::{Driver, OrchestratorStats, StageResult, Ticker, metrics_due};
+use crate::clock::Ticker;
+use crate::driver::{Driver, OrchestratorStats, StageResult, metrics_due};
 use crate::error::{OrchestratorError, Result};
 use crate::sched::{ItemKey, Outcome, RoutingPolicy, SchedConfig, Submit, WorkerId};
 use crate::timeline::Timeline;

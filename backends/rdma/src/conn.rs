@@ -35,8 +35,13 @@ fn verbs(e: VerbsError) -> Error {
     Error::Backend { backend: NAME, source: Arc::new(e) }
 }
 
-/// A lease: (region, write access, access key).
-type LeaseKey = (RegionId, bool, u128);
+/// A lease: a region, with write access or not, under one access key (its bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct LeaseKey {
+    region: RegionId,
+    write: bool,
+    key: u128,
+}
 
 /// What a granted lease says of the remote region, with the NIC keys of the blob it was asked
 /// with (an op with another blob gets its own keys).
@@ -322,7 +327,7 @@ impl State {
     /// A lease the target asked back: given back now if no op uses it, else once the last ends.
     fn retire(&mut self, key: LeaseKey, users: u32, sender: &Sender) {
         if users == 0 {
-            sender.send_later(Msg::Released { region: key.0, write: key.1 });
+            sender.send_later(Msg::Released { region: key.region, write: key.write });
         } else {
             self.retiring.insert(key, users);
         }
@@ -336,7 +341,7 @@ impl State {
             *n = n.saturating_sub(1);
             if *n == 0 {
                 self.retiring.remove(key);
-                sender.send_later(Msg::Released { region: key.0, write: key.1 });
+                sender.send_later(Msg::Released { region: key.region, write: key.write });
             }
         }
     }
@@ -558,13 +563,15 @@ impl ConnShared {
     /// so do the leases of it still being asked for, once granted.
     fn forget(&self, region: RegionId) {
         let mut st = lock(&self.state);
-        let keys: Vec<LeaseKey> = st.leases.keys().filter(|k| k.0 == region).copied().collect();
+        let keys: Vec<LeaseKey> =
+            st.leases.keys().filter(|k| k.region == region).copied().collect();
         for k in keys {
             if let Some((_, users)) = st.leases.remove(&k) {
                 st.retire(k, users, &self.sender);
             }
         }
-        let asked: Vec<LeaseKey> = st.asked.iter().filter(|k| k.0 == region).copied().collect();
+        let asked: Vec<LeaseKey> =
+            st.asked.iter().filter(|k| k.region == region).copied().collect();
         st.forgotten.extend(asked);
     }
 
@@ -703,7 +710,11 @@ impl Connection for RdmaConnection {
                     continue;
                 };
                 let r = op.remote();
-                let key = (r.region, op.dir() == Direction::Write, r.key.to_bits());
+                let key = LeaseKey {
+                    region: r.region,
+                    write: op.dir() == Direction::Write,
+                    key: r.key.to_bits(),
+                };
                 let ctx = OpCtx { local, lease: None, op, id, key, tx };
                 match st.leases.get(&key).map(|l| l.0.clone()) {
                     Some(lease) => st.start(ctx, &lease, now, &mut out, &mut after),
@@ -800,7 +811,7 @@ async fn handed(conn: Weak<ConnShared>, id: u64, slot: Handed, tx: oneshot::Send
 async fn ask_lease(conn: Weak<ConnShared>, key: LeaseKey, blob: Bytes) {
     let Some(c) = conn.upgrade() else { return };
     let limit = c.backend.cfg.answer_timeout;
-    let (region, write, bits) = key;
+    let LeaseKey { region, write, key: bits } = key;
     let asked = control::ask(&c.sender, &c.requests, limit, "lease answer", |req| Msg::Lease {
         req,
         region,

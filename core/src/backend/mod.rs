@@ -27,6 +27,8 @@
 
 pub mod channel;
 pub mod kit;
+#[cfg(not(loom))]
+pub mod mem;
 mod serving;
 
 use std::fmt::Debug;

@@ -1,4 +1,4 @@
-//! The in-process reference backend ("mem"): two engines in one process move bytes with a memcpy
+//! The in-memory backend ("mem"), the reference for backend authors: two engines in one process move bytes with a memcpy
 //! between their registered regions, like libp2p's memory transport. Upper layers and the
 //! conformance suite use it without sockets; it honours the whole backend contract (per-op
 //! completion, cancellation, ops dropped when they end, peer shutdown).
