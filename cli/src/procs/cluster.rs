@@ -18,27 +18,30 @@ use crate::supervise::{Chaos, Slot, Supervisor};
 
 /// An outcome to wait for: the request, when it was submitted (from the run's start), and the
 /// service's answer to come.
-pub(super) type Pending =
-    (u64, Duration, tokio::sync::oneshot::Receiver<tensorwire_orchestrator::Result<()>>);
+pub(super) type Pending = tokio::task::JoinHandle<Result<(u64, Duration, Duration), String>>;
 
-/// Waits for every outcome, each timed when it arrives (not when this loop gets to it); returns
-/// (request, submitted, ended) for the completed ones, from `start`, and a line per lost one.
-pub(super) async fn outcomes(
-    outs: Vec<Pending>,
+/// Waits, from now on, for the outcome of request `r` submitted at `sent` (from `start`): the
+/// outcome is timed when it arrives, whatever the caller does meanwhile.
+pub(super) fn watch(
+    r: u64,
+    sent: Duration,
+    o: tokio::sync::oneshot::Receiver<tensorwire_orchestrator::Result<()>>,
     start: Instant,
+) -> Pending {
+    tokio::spawn(async move {
+        match tokio::time::timeout(Duration::from_secs(600), o).await {
+            Ok(Ok(Ok(()))) => Ok((r, sent, start.elapsed())),
+            Ok(Ok(Err(e))) => Err(e.to_string()),
+            _ => Err(format!("request {r}: no outcome")),
+        }
+    })
+}
+
+/// Every watched outcome: (request, submitted, ended) for the completed ones, and a line per
+/// lost one.
+pub(super) async fn outcomes(
+    waits: Vec<Pending>,
 ) -> Result<(Vec<(u64, Duration, Duration)>, Vec<String>), String> {
-    let waits: Vec<_> = outs
-        .into_iter()
-        .map(|(r, sent, o)| {
-            tokio::spawn(async move {
-                match tokio::time::timeout(Duration::from_secs(600), o).await {
-                    Ok(Ok(Ok(()))) => Ok((r, sent, start.elapsed())),
-                    Ok(Ok(Err(e))) => Err(e.to_string()),
-                    _ => Err(format!("request {r}: no outcome")),
-                }
-            })
-        })
-        .collect();
     let (mut done, mut lost) = (Vec::new(), Vec::new());
     for w in waits {
         match w.await.map_err(|e| e.to_string())? {
@@ -212,13 +215,13 @@ impl Cluster {
         schedule: &[(u64, Duration)],
         start: Instant,
     ) -> Result<(Vec<(u64, Duration, Duration)>, Vec<String>), String> {
-        let mut outs = Vec::new();
+        let mut waits = Vec::new();
         for &(r, at) in schedule {
             tokio::time::sleep_until((start + at).into()).await;
             let o = self.sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?;
-            outs.push((r, start.elapsed(), o));
+            waits.push(watch(r, start.elapsed(), o, start));
         }
-        outcomes(outs, start).await
+        outcomes(waits).await
     }
 
     /// [`Cluster::run`] with requests of class `p`.
@@ -228,15 +231,12 @@ impl Cluster {
         p: Priority,
         start: Instant,
     ) -> Result<(Vec<(u64, Duration)>, Vec<String>), String> {
-        let mut outs = Vec::new();
+        let mut waits = Vec::new();
         for r in requests {
-            outs.push((
-                r,
-                start.elapsed(),
-                self.sub.submit(r, p).await.map_err(|e| e.to_string())?,
-            ));
+            let o = self.sub.submit(r, p).await.map_err(|e| e.to_string())?;
+            waits.push(watch(r, start.elapsed(), o, start));
         }
-        let (done, lost) = outcomes(outs, start).await?;
+        let (done, lost) = outcomes(waits).await?;
         Ok((done.into_iter().map(|(r, _, ended)| (r, ended)).collect(), lost))
     }
 
