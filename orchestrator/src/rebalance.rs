@@ -30,8 +30,8 @@
 //! P(queue >= c + h) = C(c, a) rho^(c + h)): a decoder added can lower denoise's load.
 //!
 //! Each move strictly lowers the largest load, so under loads that stay put no assignment of
-//! workers comes back and the moves stop (the property tests check it); the dwell time and `max_moves` per `interval` bound how fast
-//! a worker can be sent back when the loads do shift.
+//! workers comes back and the moves stop (the property tests check it); the dwell time and
+//! `max_moves` per `interval` bound how fast a worker can be sent back when the loads do shift.
 
 use std::time::Duration;
 
@@ -49,7 +49,7 @@ pub struct RebalanceConfig {
     pub horizon: Duration,
     /// Moves per decision, at most.
     pub max_moves: usize,
-    /// A move must cut the larger load of its two pools by this factor (> 1).
+    /// A move must cut the largest pool load by this factor (>= 1).
     pub hysteresis: f64,
     /// Workers a pool keeps, at least (a pool with demand always keeps one).
     pub min_workers: usize,
@@ -164,16 +164,6 @@ impl Rebalancer {
         Rebalancer { cfg, next_at, recent: Vec::new() }
     }
 
-    /// Its settings.
-    pub fn config(&self) -> &RebalanceConfig {
-        &self.cfg
-    }
-
-    /// Makes the first decision due one interval after `now` (a rebalancer started late).
-    pub fn start(&mut self, now: Duration) {
-        self.next_at = now + self.cfg.interval;
-    }
-
     /// Whether a decision is due at `now`.
     pub fn due(&self, now: Duration) -> bool {
         now >= self.next_at
@@ -231,8 +221,13 @@ fn plan_except(
     let mut moved: Vec<WorkerId> = Vec::new();
     let mut out = Vec::new();
     while out.len() < cfg.max_moves {
-        // (improvement, B's backlog, worker id reversed for the lowest id, move)
-        let mut best: Option<(f64, usize, std::cmp::Reverse<u64>, Move)> = None;
+        let before = largest(&slots);
+        if before <= 1.0 {
+            break; // every pool keeps up
+        }
+        // (improvement, B's backlog, worker id reversed for the lowest id), the move, its slots
+        type Key = (f64, usize, std::cmp::Reverse<u64>);
+        let mut best: Option<(Key, Move, f64)> = None;
         for m in members {
             if moved.contains(&m.worker) || now < m.since.saturating_add(cfg.dwell) {
                 continue;
@@ -248,16 +243,11 @@ fn plan_except(
                     continue;
                 }
                 let ms = f64::from(m.slots);
-                let before = largest(&slots);
                 let mut moved_slots = slots;
                 moved_slots[a] -= ms;
                 moved_slots[b] += ms;
                 let after = largest(&moved_slots);
-                if before <= 1.0
-                    || after.is_nan()
-                    || after * cfg.hysteresis > before
-                    || after >= before
-                {
+                if after.is_nan() || after * cfg.hysteresis > before || after >= before {
                     continue;
                 }
                 // Relative service gained over the horizon against the share idled by the switch.
@@ -267,22 +257,16 @@ fn plan_except(
                     continue;
                 }
                 let gain = if before.is_infinite() { f64::MAX } else { before - after };
-                let key = (gain, loads[b].queued, std::cmp::Reverse(m.worker.0));
-                let better = best.as_ref().is_none_or(|(g, q, w, _)| {
+                let key: Key = (gain, loads[b].queued, std::cmp::Reverse(m.worker.0));
+                let better = best.as_ref().is_none_or(|((g, q, w), _, _)| {
                     key.0.total_cmp(g).then(key.1.cmp(q)).then(key.2.cmp(w)).is_gt()
                 });
                 if better {
-                    best = Some((
-                        key.0,
-                        key.1,
-                        key.2,
-                        Move { worker: m.worker, from: m.stage, to, cost },
-                    ));
+                    best = Some((key, Move { worker: m.worker, from: m.stage, to, cost }, ms));
                 }
             }
         }
-        let Some((_, _, _, mv)) = best else { break };
-        let ms = members.iter().find(|m| m.worker == mv.worker).map_or(0.0, |m| f64::from(m.slots));
+        let Some((_, mv, ms)) = best else { break };
         slots[mv.from.index()] -= ms;
         slots[mv.to.index()] += ms;
         count[mv.from.index()] -= 1;

@@ -28,7 +28,7 @@ use tensorwire_orchestrator::{Driver, Priority, Stage, StageResult};
 use super::classes::{self, GpuClass};
 use super::fit::{self, PoolFit};
 use super::layout::Layout;
-use super::workload::Mix;
+use super::workload::{Mix, pick};
 
 /// Slots of a worker that passes a stage inside a run (never the limit).
 const PASS_SLOTS: u32 = 1 << 24;
@@ -419,7 +419,7 @@ pub(crate) fn simulate_with(
                 let i = r as usize;
                 arrived[i] = at;
                 let e = match shift {
-                    Some(sh) => pick(&sh.phases[phase_of[i]].shares, rng.next_f64()),
+                    Some(sh) => pick(sh.phases[phase_of[i]].shares.iter().copied(), rng.next_f64()),
                     None if mix.entries.len() > 1 => mix.pick(rng.next_f64()),
                     None => 0,
                 };
@@ -482,6 +482,7 @@ pub(crate) fn simulate_with(
                 d.yielded(w, key, step, b"checkpoint".to_vec(), at);
             }
             Ev::Rebalance => {
+                // Elastic pools serve one stage each: a pool's stage is its only run's.
                 let (Some(e), Some(r), Some(of)) = (elastic, reb.as_mut(), pool_of_stage) else {
                     continue;
                 };
@@ -491,12 +492,12 @@ pub(crate) fn simulate_with(
                     Stage::ALL.map(|s| sc.queued(s)),
                     Stage::ALL.map(|s| sc.running(s)),
                 );
-                let members: Vec<Member> = roles
+                let mut members: Vec<Member> = roles
                     .iter()
                     .filter(|(w, _)| !moving.contains_key(w))
                     .filter_map(|(&worker, role)| match *role {
                         Role::Gpu { gpu, pool, .. } => {
-                            let stage = Stage::ALL.into_iter().find(|s| of[s.index()] == pool)?;
+                            let stage = runs_of[pool][0][0];
                             let can = Stage::ALL
                                 .into_iter()
                                 .filter(|&s| s != stage)
@@ -507,7 +508,6 @@ pub(crate) fn simulate_with(
                         Role::Pass => None,
                     })
                     .collect();
-                let mut members = members;
                 members.sort_by_key(|m| m.worker);
                 for mv in r.decide(at, &loads, &members) {
                     let Some(&Role::Gpu { gpu, .. }) = roles.get(&mv.worker) else { continue };
@@ -521,7 +521,7 @@ pub(crate) fn simulate_with(
                 }
             }
             Ev::Switched(gpu, pool) => {
-                let stage = p.layout.pools[pool].runs()[0][0];
+                let stage = runs_of[pool][0][0];
                 let g = &mut gpus[gpu];
                 g.pool = Some(pool);
                 g.since = at;
@@ -544,8 +544,7 @@ pub(crate) fn simulate_with(
             if let Some(pi) = g.pool.take() {
                 member[pi] += free.saturating_sub(g.since);
             }
-            let cost = elastic
-                .map_or(Duration::ZERO, |e| e.switch[p.layout.pools[pool].runs()[0][0].index()]);
+            let cost = elastic.map_or(Duration::ZERO, |e| e.switch[runs_of[pool][0][0].index()]);
             seq += 1;
             events.push(Reverse((free + cost, seq, Ev::Switched(gpu, pool))));
         }
@@ -642,18 +641,6 @@ pub(crate) fn simulate_with(
         .collect();
     out.decisions = d.sched().stats().dispatched;
     Ok(out)
-}
-
-/// The entry for a draw `u` in [0, 1) among `shares`.
-fn pick(shares: &[f64], u: f64) -> usize {
-    let mut acc = 0.0;
-    for (i, s) in shares.iter().enumerate() {
-        acc += s;
-        if u < acc {
-            return i;
-        }
-    }
-    shares.len().saturating_sub(1)
 }
 
 /// The capacity model's mean time of one item per stage on its pool (denoise: every step), over

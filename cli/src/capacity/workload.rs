@@ -18,6 +18,20 @@ pub(crate) struct Entry {
     pub(crate) priority: Option<Priority>,
 }
 
+/// The index drawn by `u` in [0, 1) among `shares` (summing to 1): the first whose running sum
+/// passes `u`, else the last.
+pub(crate) fn pick(shares: impl ExactSizeIterator<Item = f64>, u: f64) -> usize {
+    let n = shares.len();
+    let mut acc = 0.0;
+    for (i, s) in shares.enumerate() {
+        acc += s;
+        if u < acc {
+            return i;
+        }
+    }
+    n.saturating_sub(1)
+}
+
 /// The workload's mix.
 #[derive(Debug, Clone)]
 pub(crate) struct Mix {
@@ -72,14 +86,7 @@ impl Mix {
 
     /// The entry for a draw `u` in [0, 1).
     pub(crate) fn pick(&self, u: f64) -> usize {
-        let mut acc = 0.0;
-        for (i, e) in self.entries.iter().enumerate() {
-            acc += e.share;
-            if u < acc {
-                return i;
-            }
-        }
-        self.entries.len() - 1
+        pick(self.entries.iter().map(|e| e.share), u)
     }
 
     /// A name for the mix ("flux.1-dev-1024 70% interactive + ...").

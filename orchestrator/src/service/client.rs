@@ -439,12 +439,10 @@ impl WorkerClient {
         let (tx, rx) = mpsc::channel(1024);
         let mut tasks = JoinSet::new();
         // A reconnection is no new switch.
-        let role = match role {
-            Role::Worker { switched: Some(_), stage, slots, host, labels, can } => {
-                Role::Worker { stage, slots, host, labels, can, switched: None }
-            }
-            r => r,
-        };
+        let mut role = role;
+        if let Role::Worker { switched, .. } = &mut role {
+            *switched = None;
+        }
         let link = Link { target, secret: secret.cloned(), role };
         let st = state.clone();
         // Results and announcements are in the catch-up; a release report is not.

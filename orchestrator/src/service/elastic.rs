@@ -36,13 +36,12 @@ pub(crate) struct Pools {
 type ServiceDriver = Driver<mpsc::Sender<Msg>, mpsc::Sender<Msg>>;
 
 impl Pools {
-    /// Rebalancing from `now`, with no service time known yet (the first window measures them).
-    pub(crate) fn new(cfg: RebalanceConfig, now: Duration) -> Pools {
-        let mut reb = Rebalancer::new(cfg);
-        reb.start(now);
+    /// Rebalancing from the service's start (its clock's zero), with no service time known yet
+    /// (the first window measures them).
+    pub(crate) fn new(cfg: RebalanceConfig) -> Pools {
         Pools {
-            reb,
-            flow: Flow::new(now, [Duration::ZERO; 3]),
+            reb: Rebalancer::new(cfg),
+            flow: Flow::new(Duration::ZERO, [Duration::ZERO; 3]),
             joined: HashMap::new(),
             started: HashMap::new(),
             switching: HashSet::new(),

@@ -164,7 +164,7 @@ impl OrchestratorService {
         if let Some(r) = &cfg.rebalance {
             r.check().map_err(OrchestratorError::InvalidArgument)?;
         }
-        let pools = cfg.rebalance.map(|r| Pools::new(r, Duration::ZERO));
+        let pools = cfg.rebalance.map(Pools::new);
         let mut driver = Driver::new(cfg.sched, cfg.policy);
         let journal: Option<Box<dyn JournalStore>> = match (&cfg.journal, cfg.journal_store) {
             (Some(_), Some(_)) => {
