@@ -5,7 +5,7 @@ use crate::Result;
 use std::sync::Arc;
 
 use tensorwire_core::{
-    Backend, Engine, Error, MemBackend, Permissions, Region, Session, TransferOp,
+    Engine, Error, Permissions, Region, Session, TransferOp, backend::Backend, backend::MemBackend,
 };
 use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};

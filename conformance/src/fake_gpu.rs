@@ -1,5 +1,5 @@
 //! A fake GPU for tests that run without one: [`FakeGpu`] implements the engine's GPU seam
-//! ([`tensorwire_core::Gpu`]) with "device memory" the CPU cannot touch: host pages mapped
+//! ([`tensorwire_core::gpu::Gpu`]) with "device memory" the CPU cannot touch: host pages mapped
 //! `PROT_NONE`, made readable and writable only inside the fake's own copies. A backend or an
 //! engine path that dereferences device memory on the CPU (instead of going through the device
 //! copier) crashes the test instead of passing by accident.
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tensorwire_core::backend::kit::lock;
 
-use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, MemoryKind, Result};
+use tensorwire_core::{Error, MemSlice, MemoryKind, Result, gpu::DeviceCopier, gpu::Gpu};
 
 /// One fake device allocation: a private anonymous mapping, `PROT_NONE` outside copies.
 #[derive(Debug)]

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tensorwire_core::{
-    Backend, Capabilities, Engine, EngineConfig, Gpu, MemoryKind, Permissions, Region, Result,
-    Session,
+    Engine, EngineConfig, MemoryKind, Permissions, Region, Result, Session, backend::Backend,
+    backend::Capabilities, gpu::Gpu,
 };
 
 pub mod fake_gpu;

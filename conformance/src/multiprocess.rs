@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorwire_core::{
-    Backend, ChunkPlan, DType, Engine, EngineConfig, Permissions, RegionId, TensorMeta, TransferOp,
+    ChunkPlan, DType, Engine, EngineConfig, Permissions, RegionId, TensorMeta, TransferOp,
+    backend::Backend,
 };
 
 /// [8, 32, 256, 512] bf16 = 64 MiB, chunked in 8 along dim 1.

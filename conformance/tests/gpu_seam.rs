@@ -2,7 +2,7 @@
 //! checks, copies only through the GPU, and `Unsupported` with what is missing without a GPU.
 
 use tensorwire_conformance::fake_gpu::FakeGpu;
-use tensorwire_core::{Engine, Error, MemBackend, MemoryKind, Permissions};
+use tensorwire_core::{Engine, Error, MemoryKind, Permissions, backend::MemBackend};
 
 #[tokio::test]
 async fn without_a_gpu_the_calls_say_what_is_missing() {

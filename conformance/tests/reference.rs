@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tensorwire_conformance::{BackendPair, PairFactory, run_all, test_names};
-use tensorwire_core::{Backend, MemBackend};
+use tensorwire_core::{backend::Backend, backend::MemBackend};
 
 fn mem() -> Arc<dyn Backend> {
     MemBackend::new()

@@ -5,7 +5,7 @@
 use tensorwire_conformance::intruder::{Claim, assert_refused, frames_received};
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::wire::frame::CONTROL;
-use tensorwire_core::{Engine, EngineConfig, Error, MemBackend, Permissions};
+use tensorwire_core::{Engine, EngineConfig, Error, Permissions, backend::MemBackend};
 
 /// The control channel's descriptor frame kind.
 const HELLO: u8 = 1;

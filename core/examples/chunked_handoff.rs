@@ -9,7 +9,9 @@
 use std::time::{Duration, Instant};
 
 #[cfg(not(loom))]
-use tensorwire_core::{ChunkPlan, DType, Engine, MemBackend, Permissions, Result, TensorMeta};
+use tensorwire_core::{
+    ChunkPlan, DType, Engine, Permissions, Result, TensorMeta, backend::MemBackend,
+};
 
 #[cfg(loom)]
 fn main() {} // the loom build has no engine

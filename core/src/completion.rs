@@ -8,9 +8,11 @@ use std::task::{Context, Poll};
 
 use tokio::sync::oneshot;
 
-use crate::backend::Completion;
 use crate::cancel::CancelGate;
 use crate::error::{Error, Result};
+
+/// The completion of one op. Dropping it cancels the op (see the [`crate::backend`] contract).
+pub type Completion = Pin<Box<dyn Future<Output = Result<()>> + Send + 'static>>;
 
 struct GatedCompletion {
     rx: oneshot::Receiver<Result<()>>,

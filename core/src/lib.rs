@@ -1,15 +1,15 @@
 //! tensorwire-core: the transfer engine of tensorwire.
 //!
-//! An [`Engine`] (one per process) owns registered memory ([`Region`]), plugin [`Backend`]s, a control
+//! An [`Engine`] (one per process) owns registered memory ([`Region`]), plugin [`backend::Backend`]s, a control
 //! endpoint for the P2P handshake, and peer [`Session`]s. Transfers are batched READs and WRITEs
 //! between a local region and a peer's region ([`TransferOp`]), each completing on its own
 //! ([`TransferHandle`]). The chunk API splits a tensor ([`TensorMeta`]) into a [`ChunkPlan`]; a
 //! [`ChunkSender`] sends chunk i as soon as it is ready and the consumer's [`ChunkStream`] yields each
-//! chunk as it lands. [`MemBackend`] is the in-process reference backend.
+//! chunk as it lands. [`backend::MemBackend`] is the in-process reference backend.
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
-//! use tensorwire_core::{ChunkPlan, DType, Engine, MemBackend, Permissions, TensorMeta};
+//! use tensorwire_core::{ChunkPlan, DType, Engine, backend::MemBackend, Permissions, TensorMeta};
 //!
 //! let producer = Engine::builder().backend(MemBackend::new()).start().await?;
 //! let consumer = Engine::builder().backend(MemBackend::new()).start().await?;
@@ -45,19 +45,21 @@
 mod sync;
 
 mod cancel;
-pub mod chunk;
-pub mod dtype;
-pub mod error;
+mod chunk;
+mod dtype;
+mod error;
 mod ids;
 mod inflight;
-pub mod memory;
-pub mod tensor;
+mod memory;
+mod tensor;
 pub mod wire;
 
 #[cfg(not(loom))]
 pub mod auth;
 #[cfg(not(loom))]
 pub mod backend;
+#[cfg(not(loom))]
+mod bounce;
 #[cfg(not(loom))]
 mod completion;
 #[cfg(not(loom))]
@@ -70,38 +72,33 @@ mod engine;
 mod exposure;
 mod fence;
 #[cfg(not(loom))]
+pub mod gpu;
+#[cfg(not(loom))]
 pub mod handshake;
 #[cfg(not(loom))]
-pub mod region;
+mod region;
 #[cfg(not(loom))]
 mod secret_file;
 #[cfg(not(loom))]
 mod tasks;
 
-pub use chunk::{ByteRange, Chunk, ChunkPlan, ChunkTracker, LandedChunk};
+pub use chunk::{ByteRange, Chunk, ChunkPlan, ChunkTracker, LandedChunk, MAX_RANGES};
 pub use dtype::{DType, DlDataType};
 pub use error::{Error, Missing, Result};
 pub use ids::{AccessKey, EngineId, RegionId};
 pub use memory::{MemoryKind, MemoryKinds};
-pub use tensor::{DlTensorFields, TensorMeta};
+pub use tensor::{DlTensorFields, MAX_RANK, TensorMeta};
 
 #[cfg(not(loom))]
 pub use auth::ClusterSecret;
-#[cfg(not(loom))]
-pub use backend::mem::MemBackend;
-#[cfg(not(loom))]
-pub use backend::{
-    Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
-    RegionInfo, RemoteRange, RemoteSlice,
-};
 #[cfg(not(loom))]
 pub use engine::{
     ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, Handled,
     Notification, NotificationHandler, Session, TransferHandle, TransferOp, TransferReport,
 };
 #[cfg(not(loom))]
-pub use memory::{DeviceCopier, Gpu};
+pub use region::{MemSlice, Permissions, Region, RemoteRegion};
 #[cfg(not(loom))]
-pub use region::{Access, MemSlice, Permissions, Region, RemoteRegion};
+pub use tensor::row_major_strides;
 #[cfg(not(loom))]
 pub use wire::descriptor::EngineDescriptor;

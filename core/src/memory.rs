@@ -31,7 +31,7 @@ impl MemoryKind {
     }
 }
 
-/// A set of memory kinds (used in [`crate::Capabilities`]).
+/// A set of memory kinds (used in [`crate::backend::Capabilities`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MemoryKinds {
     /// Pageable host memory.

@@ -2,13 +2,15 @@
 //! every byte of registered memory is reached through ([`MemSlice`]: bounds, memory kind and the
 //! in-flight gate checked once, here).
 
+use std::fmt::Debug;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Weak};
 
 use bytes::Bytes;
 
-use crate::engine::EngineShared;
 use crate::error::{Error, Result};
-pub use crate::ids::{AccessKey, EngineId, RegionId};
+use crate::ids::{AccessKey, EngineId, RegionId};
 use crate::inflight::InflightGate;
 use crate::memory::{DeviceCopier, HostMapping, MemoryKind};
 use crate::tensor::{decode_kind, encode_kind};
@@ -335,13 +337,26 @@ impl Drop for MemSlice {
     }
 }
 
+/// What a region is registered with (the engine), as the [`Region`] handle calls it; this module
+/// names nothing of the engine's.
+pub(crate) trait Registry: Send + Sync + Debug {
+    /// Deregisters `inner` and waits for its transfers to drain ([`Region::deregister`]).
+    fn unregister<'a>(
+        self: Arc<Self>,
+        inner: &'a Arc<RegionInner>,
+    ) -> Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
+    /// Refuses access to `inner` now and has the backends forget it in the background (a
+    /// dropped [`Region`]).
+    fn dropped(self: Arc<Self>, inner: &Arc<RegionInner>);
+}
+
 /// A registered region of memory, owned by the user. Dropping it deregisters it (after in-flight
 /// transfers finish, the memory of an engine-allocated region is freed); `deregister` does the same
 /// and waits for in-flight transfers to drain.
 #[derive(Debug)]
 pub struct Region {
     pub(crate) inner: Arc<RegionInner>,
-    pub(crate) engine: Weak<EngineShared>,
+    pub(crate) engine: Weak<dyn Registry>,
 }
 
 impl Region {
@@ -447,9 +462,9 @@ impl Region {
     /// Deregisters: peers are refused from now on, backends forget the region, and this waits (up to
     /// the engine's deregister timeout) until every in-flight transfer using it has finished.
     pub async fn deregister(mut self) -> Result<()> {
-        let engine = std::mem::take(&mut self.engine);
+        let engine = std::mem::replace(&mut self.engine, Weak::<Unregistered>::new());
         match engine.upgrade() {
-            Some(e) => e.deregister(&self.inner).await,
+            Some(e) => e.unregister(&self.inner).await,
             None => Ok(()),
         }
     }
@@ -458,9 +473,23 @@ impl Region {
 impl Drop for Region {
     fn drop(&mut self) {
         if let Some(e) = self.engine.upgrade() {
-            e.forget(&self.inner);
+            e.dropped(&self.inner);
         }
     }
+}
+
+/// The registry of a region handle that has let go of its engine (a `Weak` of it never upgrades).
+#[derive(Debug)]
+struct Unregistered;
+
+impl Registry for Unregistered {
+    fn unregister<'a>(
+        self: Arc<Self>,
+        _: &'a Arc<RegionInner>,
+    ) -> Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn dropped(self: Arc<Self>, _: &Arc<RegionInner>) {}
 }
 
 /// A peer's view of a region: id, key, length, kind, permissions and each backend's public blob.
@@ -484,7 +513,7 @@ pub struct RemoteRegion {
 }
 
 /// Most backend blobs one region carries.
-pub const MAX_BLOBS: usize = 16;
+pub(crate) const MAX_BLOBS: usize = 16;
 /// Largest backend blob.
 pub const MAX_BLOB_BYTES: usize = 4096;
 

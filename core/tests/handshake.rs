@@ -19,7 +19,7 @@ async fn engine(secret: Option<&[u8]>) -> Engine {
         ..EngineConfig::default()
     };
     Engine::builder()
-        .backend(tensorwire_core::MemBackend::new())
+        .backend(tensorwire_core::backend::MemBackend::new())
         .config(config)
         .start()
         .await

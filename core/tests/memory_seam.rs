@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use async_trait::async_trait;
 use bytes::Bytes;
 use tensorwire_core::{
-    Backend, BackendHost, Capabilities, Connection, DeviceCopier, Engine, Error, MemBackend,
-    MemSlice, MemoryKind, PeerBackendInfo, Permissions, RegionId, RegionInfo, Result,
+    Engine, Error, MemSlice, MemoryKind, Permissions, RegionId, Result, backend::Backend,
+    backend::BackendHost, backend::Capabilities, backend::Connection, backend::MemBackend,
+    backend::PeerBackendInfo, backend::RegionInfo, gpu::DeviceCopier,
 };
 
 async fn engine() -> Engine {

@@ -2,7 +2,7 @@
 //! is refused with `Unsupported` by a host-only backend (never touched by the CPU).
 #![cfg(not(loom))] // the loom build has only the sans-IO pieces
 
-use tensorwire_core::{Engine, Error, MemBackend, MemoryKind, Permissions, TransferOp};
+use tensorwire_core::{Engine, Error, MemoryKind, Permissions, TransferOp, backend::MemBackend};
 
 async fn engine() -> Engine {
     Engine::builder().backend(MemBackend::new()).start().await.unwrap()

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::{DType, Engine, MemBackend, Permissions, TensorMeta};
+use tensorwire_core::{DType, Engine, Permissions, TensorMeta, backend::MemBackend};
 use tensorwire_diffusion::cache::{StoreCache, embedding_key};
 use tensorwire_store::{EmbeddedStore, Retention, Store, StoreConfig};
 

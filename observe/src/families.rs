@@ -1,6 +1,6 @@
 //! The one table of metric families: every `tensorwire_*` name any crate records, its kind,
 //! labels and meaning. A test of this crate finds every name recorded in the workspace's
-//! sources here, and every name here in the sources and in the README's table.
+//! sources here, and every name here in the sources and in the table of docs/book/src/metrics.md.
 
 /// What a family counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -115,7 +115,7 @@ fn recorded_names() -> Vec<(String, String)> {
 #[test]
 fn every_recorded_name_is_in_the_table_and_every_family_is_recorded_and_documented() {
     let recorded = recorded_names();
-    let readme = std::fs::read_to_string(root().join("docs/metrics.md")).unwrap();
+    let readme = std::fs::read_to_string(root().join("docs/book/src/metrics.md")).unwrap();
     for (name, file) in &recorded {
         assert!(FAMILIES.iter().any(|f| f.name == name), "{file} records {name}: not in FAMILIES");
     }
@@ -125,7 +125,11 @@ fn every_recorded_name_is_in_the_table_and_every_family_is_recorded_and_document
             "{} is in FAMILIES but nothing records it",
             f.name
         );
-        assert!(readme.contains(&format!("`{}`", f.name)), "docs/metrics.md misses {}", f.name);
+        assert!(
+            readme.contains(&format!("`{}`", f.name)),
+            "docs/book/src/metrics.md misses {}",
+            f.name
+        );
         match f.kind {
             Kind::Counter => assert!(f.name.ends_with("_total"), "{}", f.name),
             Kind::Histogram => assert!(f.name.ends_with("_seconds"), "{}", f.name),

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::{DType, Engine, MemBackend, Permissions, TensorMeta};
+use tensorwire_core::{DType, Engine, Permissions, TensorMeta, backend::MemBackend};
 use tensorwire_diffusion::cache::{StoreCache, embedding_key};
 use tensorwire_diffusion::{ConnectorConfig, DiffusionConnector, PayloadKind, PayloadRef};
 use tensorwire_orchestrator::service::{

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tensorwire_core::{DType, Engine, MemBackend, Permissions, TensorMeta};
+use tensorwire_core::{DType, Engine, Permissions, TensorMeta, backend::MemBackend};
 use tensorwire_diffusion::cache::{
     CheckpointOf, CheckpointRef, Checkpoints, Sampler, Shape, checkpoint_key, embedding_key,
 };

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::{Backend, EngineConfig, MemoryKind, RemoteRegion, TransferOp};
+use tensorwire_core::{EngineConfig, MemoryKind, RemoteRegion, TransferOp, backend::Backend};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 use crate::dlpack::{Tensor, perms};

@@ -17,7 +17,7 @@ def latent(shape=(16, 4, 12, 10), seed=1):
 
 
 def test_the_rfc_sketch_runs():
-    # The README example, as written there (names adapted only in the import).
+    # The RFC sketch of the Python chapter (docs/book/src/python.md), names adapted only in the import.
     producer = DiffusionConnector(role="denoise", transfer_mode="p2p")
     consumer = DiffusionConnector(role="decode", transfer_mode="p2p")
     latents = latent()

@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use tensorwire_core::handshake::Handshake;
 use tensorwire_core::{
-    Direction, Engine, Error, MemSlice, Permissions, Region, RemoteRegion, Session, TensorMeta,
-    TransferOp,
+    Engine, Error, MemSlice, Permissions, Region, RemoteRegion, Session, TensorMeta, TransferOp,
+    backend::Direction,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;

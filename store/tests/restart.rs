@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::{DType, Engine, MemBackend, TensorMeta};
+use tensorwire_core::{DType, Engine, TensorMeta, backend::MemBackend};
 use tensorwire_store::{EmbeddedStore, Retention, Store, StoreConfig};
 
 fn dir(name: &str) -> PathBuf {

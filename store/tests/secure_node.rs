@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use tensorwire_conformance::intruder::{Claim, assert_refused, frames_received};
 use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::{Engine, EngineConfig, MemBackend};
+use tensorwire_core::{Engine, EngineConfig, backend::MemBackend};
 use tensorwire_store::rpc::{FRAMING, Request};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 

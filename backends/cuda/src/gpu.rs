@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use tensorwire_core::{DeviceCopier, Error, Gpu, MemSlice, MemoryKind, Result};
+use tensorwire_core::{Error, MemSlice, MemoryKind, Result, gpu::DeviceCopier, gpu::Gpu};
 
 use crate::NAME;
 

@@ -1,5 +1,5 @@
 //! `tensorwire-cuda`: GPU memory for the engine through the CUDA driver API ([`CudaGpu`], the
-//! engine's [`tensorwire_core::Gpu`]): device allocations (`cuMemAlloc`), page-locked host
+//! engine's [`tensorwire_core::gpu::Gpu`]): device allocations (`cuMemAlloc`), page-locked host
 //! memory (`cuMemHostRegister`), device pointer checks (`cuPointerGetAttribute`) and every copy
 //! that involves device memory (`cuMemcpy`, with unified addressing: host to device, device to
 //! host, device to device and between GPUs).

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use tensorwire_conformance::DevicePair;
-use tensorwire_core::{Backend, Engine, MemoryKind, Permissions};
+use tensorwire_core::{Engine, MemoryKind, Permissions, backend::Backend};
 use tensorwire_cuda::CudaGpu;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 

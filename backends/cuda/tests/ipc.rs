@@ -10,7 +10,7 @@ use std::time::Duration;
 use fake::FakeIpc;
 use tensorwire_conformance::fake_gpu::FakeGpu;
 use tensorwire_conformance::pattern;
-use tensorwire_core::{Backend, Engine, Error, Permissions, Session, TransferOp};
+use tensorwire_core::{Engine, Error, Permissions, Session, TransferOp, backend::Backend};
 use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 

@@ -18,7 +18,7 @@ use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op, PeerBackendInfo,
     RegionInfo, RemoteRange,
 };
-use tensorwire_core::{Access, Error, MemSlice, MemoryKind, RegionId, Result};
+use tensorwire_core::{Error, MemSlice, MemoryKind, RegionId, Result, backend::Access};
 use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::oneshot;

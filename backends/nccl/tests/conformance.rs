@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use tensorwire_conformance::BackendPair;
-use tensorwire_core::Backend;
+use tensorwire_core::backend::Backend;
 use tensorwire_nccl::fake::FakeNccl;
 use tensorwire_nccl::{NcclBackend, NcclConfig};
 

@@ -16,7 +16,7 @@ fn main() -> ExitCode {
     let why = match tensorwire_nccl::CudaNccl::new() {
         Err(e) => e.to_string(),
         Ok(_) => "the two-GPU run is not wired yet (each engine needs its own GPU ordinal; \
-                  see the README's NCCL section)"
+                  see the NCCL chapter of the book, docs/book/src/backends/nccl.md)"
             .into(),
     };
     println!("test {NAME} ... SKIPPED: {why}");

@@ -28,7 +28,7 @@
 //!   the rail with backoff ([`rails`]) and sends the slice to another rail; the rail's QP is
 //!   re-created (through the control channel) once its old requests are flushed. A refused
 //!   access (bad key, bounds) is an error, never retried. When every rail is paused the op is
-//!   handed back to the engine ([`tensorwire_core::Op::fall_back`]), which runs it on its next
+//!   handed back to the engine ([`tensorwire_core::backend::Op::fall_back`]), which runs it on its next
 //!   backend (tcp) within the op's deadline.
 //! - **Cancellation.** A posted request cannot be recalled: dropping a READ's completion posts
 //!   nothing more and waits (bounded by [`RdmaConfig::cancel_timeout`]) for its requests; past

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tensorwire_core::backend::RemoteRange;
 use tensorwire_core::backend::kit::WeakList;
-use tensorwire_core::region::{Access, MemSlice};
 use tensorwire_core::{Error, Missing, RegionId, Result};
+use tensorwire_core::{MemSlice, backend::Access};
 use tokio::net::TcpStream;
 
 use crate::NAME;

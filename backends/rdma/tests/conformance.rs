@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tensorwire_conformance::BackendPair;
-use tensorwire_core::Backend;
+use tensorwire_core::backend::Backend;
 use tensorwire_rdma::soft::SoftFabric;
 use tensorwire_rdma::{RdmaBackend, RdmaConfig};
 

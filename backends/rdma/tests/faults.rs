@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tensorwire_conformance::{bounded, pattern};
 use tensorwire_core::{
-    Backend, Engine, EngineConfig, Error, Permissions, RemoteRegion, TransferOp,
+    Engine, EngineConfig, Error, Permissions, RemoteRegion, TransferOp, backend::Backend,
 };
 use tensorwire_rdma::soft::{SoftFabric, SoftNic, SoftNicSpec, SoftProvider};
 use tensorwire_rdma::verbs::WcStatus;

@@ -107,7 +107,7 @@ async fn without_a_dma_buf_source_device_regions_are_not_taken() {
     let fabric = SoftFabric::new();
     let nics = SoftProvider::new(&fabric, 1, SoftNicSpec::default());
     let rdma = RdmaBackend::new(RdmaConfig::default(), nics).unwrap();
-    assert!(!tensorwire_core::Backend::capabilities(&*rdma).local.device);
+    assert!(!tensorwire_core::backend::Backend::capabilities(&*rdma).local.device);
     let e = Engine::builder().backend(rdma).start().await.unwrap();
     // SAFETY: a made-up device address nothing dereferences; the region is dropped at once.
     let r = unsafe {

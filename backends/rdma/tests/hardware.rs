@@ -33,7 +33,7 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    let make = move || -> std::sync::Arc<dyn tensorwire_core::Backend> {
+    let make = move || -> std::sync::Arc<dyn tensorwire_core::backend::Backend> {
         let p = tensorwire_rdma::ibverbs_provider().expect("the ibverbs provider");
         tensorwire_rdma::RdmaBackend::new(tensorwire_rdma::RdmaConfig::default(), p)
             .expect("an rdma backend on this host's NICs")

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use tensorwire_core::backend::kit::encode_error;
-use tensorwire_core::{Access, BackendHost, Error, MemSlice, RegionId, Result};
+use tensorwire_core::{Error, MemSlice, RegionId, Result, backend::Access, backend::BackendHost};
 
 use crate::Table;
 use crate::uds::{FrameReader, FrameWriter};
@@ -131,7 +131,11 @@ async fn serve_inner(
                 g.len = share.len;
                 // A lease: the whole region, for this access, until the peer releases it.
                 let write = access == Access::Write;
-                let whole = tensorwire_core::RemoteRange { offset: 0, len: share.len, ..h.range() };
+                let whole = tensorwire_core::backend::RemoteRange {
+                    offset: 0,
+                    len: share.len,
+                    ..h.range()
+                };
                 let lease = (h.flags & LEASE != 0 && !held.leases.contains_key(&(h.region, write)))
                     .then(|| host.resolve(whole, access).ok())
                     .flatten();

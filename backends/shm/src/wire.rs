@@ -19,7 +19,7 @@
 //! in flight, and answers `Released`, which lets the deregistration finish.
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
-use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
+use tensorwire_core::{AccessKey, Error, RegionId, Result, backend::RemoteRange};
 
 pub use crate::medium::MAX_SHARE_BYTES;
 

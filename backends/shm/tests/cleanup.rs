@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tensorwire_conformance::harness::Harness;
 use tensorwire_conformance::multiprocess::{child, spawn_child};
-use tensorwire_core::{Backend, Engine, Permissions, TransferOp};
+use tensorwire_core::{Engine, Permissions, TransferOp, backend::Backend};
 use tensorwire_shm::ShmBackend;
 
 fn shm() -> Arc<dyn Backend> {

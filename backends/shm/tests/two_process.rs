@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::Backend;
+use tensorwire_core::backend::Backend;
 use tensorwire_shm::{ShmBackend, ShmConfig};
 
 fn shm() -> Arc<dyn Backend> {

@@ -88,7 +88,7 @@ impl Default for TcpConfig {
 /// receiver on a busy host starts only after the sender's whole send, and the two copies run one
 /// after the other (4 MiB pieces made 4-16 MiB READs 10-30% slower). Smaller pieces cost more
 /// headers and wake-ups than they gain: 256 KiB pieces were slower than 512 KiB at 1 and 4 MiB,
-/// and 1 MiB pieces slower at 4 MiB (README "tcp piece size"). 512 KiB is also the receive
+/// and 1 MiB pieces slower at 4 MiB (docs/decisions/0001-tcp-piece-size.md). 512 KiB is also the receive
 /// low-water mark, so a piece lands in one wake-up.
 pub const DEFAULT_PIECE: u64 = 512 << 10;
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tensorwire_core::backend::kit::{copy_blocking, encode_error};
-use tensorwire_core::{Access, BackendHost, Error, MemSlice, Result};
+use tensorwire_core::{Error, MemSlice, Result, backend::Access, backend::BackendHost};
 use tokio::net::TcpStream;
 
 use crate::io::{self, Watchdog};

@@ -13,7 +13,7 @@
 //! bytes of encoded error; nothing otherwise. Version 2 added the READ's notice.
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
-use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
+use tensorwire_core::{AccessKey, Error, RegionId, Result, backend::RemoteRange};
 
 /// Header length.
 pub const HEADER_LEN: usize = 64;

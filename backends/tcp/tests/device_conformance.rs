@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tensorwire_conformance::DevicePair;
 use tensorwire_conformance::fake_gpu::FakeGpu;
-use tensorwire_core::Backend;
+use tensorwire_core::backend::Backend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 fn tcp() -> Arc<dyn Backend> {

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tensorwire_core::MemSlice;
 use tensorwire_core::backend::Op;
-use tensorwire_core::region::MemSlice;
 use tensorwire_core::{Error, RegionId, Result};
 use tokio::sync::oneshot;
 

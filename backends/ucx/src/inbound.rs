@@ -17,8 +17,8 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use tensorwire_core::backend::kit::encode_error;
-use tensorwire_core::region::{Access, MemSlice};
 use tensorwire_core::{Error, Result};
+use tensorwire_core::{MemSlice, backend::Access};
 
 use crate::conns::{Hold, InConn};
 use crate::progress::Progress;

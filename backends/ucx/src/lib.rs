@@ -67,7 +67,7 @@ pub mod wire;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::{Backend, Result};
+use tensorwire_core::{Result, backend::Backend};
 
 #[cfg(feature = "ucx")]
 pub use backend::{UcxBackend, UcxMemory};

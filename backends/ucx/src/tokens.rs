@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use tensorwire_core::MemSlice;
 use tensorwire_core::Result;
 use tensorwire_core::backend::Op;
 use tensorwire_core::backend::kit::DetachedMemory;
-use tensorwire_core::region::MemSlice;
 use tokio::sync::oneshot;
 
 use crate::ffi::{Endpoint, MemHandle, RemoteKey, Started};

@@ -17,7 +17,7 @@
 //! on it are over (flushed) answers Released (with [`WRITE`] for a write lease).
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
-use tensorwire_core::{AccessKey, Error, RegionId, RemoteRange, Result};
+use tensorwire_core::{AccessKey, Error, RegionId, Result, backend::RemoteRange};
 
 /// Header length.
 pub const HEADER_LEN: usize = 64;

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use tensorwire_conformance::BackendPair;
-use tensorwire_core::Backend;
+use tensorwire_core::backend::Backend;
 use tensorwire_ucx::{UcxBackend, UcxConfig};
 
 mod tcp {

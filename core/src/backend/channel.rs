@@ -1,5 +1,5 @@
 //! A backend's own control channel, written once: a TCP connection opened with the engine's
-//! authenticated handshake (the cluster secret, [`crate::BackendHost::cluster_secret`]),
+//! authenticated handshake (the cluster secret, [`crate::backend::BackendHost::cluster_secret`]),
 //! framed messages of the backend's protocol ([`Message`]), a writer task fed by a bounded
 //! queue ([`Sender`]), and requests matched with their answers by id ([`Requests`], [`ask`]).
 
@@ -38,7 +38,7 @@ pub trait Message: Sized + Send + Sync + std::fmt::Debug + 'static {
 }
 
 /// Dials `addr` and runs the client side of the engine's handshake in `framing` (the cluster
-/// secret from [`crate::BackendHost::cluster_secret`]), bounded by `limit`.
+/// secret from [`crate::backend::BackendHost::cluster_secret`]), bounded by `limit`.
 pub async fn dial(
     addr: SocketAddr,
     framing: &Framing,

@@ -24,12 +24,127 @@
 //!   (tcp) delivers it before serving that request, and saves the message and its answer.
 //! - A peer that goes away fails pending ops with `Error::PeerClosed` (or the engine's timeout
 //!   fires).
+//!
+//! # Writing a backend
+//!
+//! This module is the backend author's API (the crate root is the user's, [`crate::gpu`] the GPU
+//! crate's). Implement [`Backend`] and [`Connection`]; [`kit`] has what a backend needs besides
+//! the traits: completions that cancel on drop ([`kit::spawn_cancellable`], [`kit::gated`]),
+//! [`kit::CancelGate`] and [`kit::gated_copy`] for CPU copies, [`kit::Serving`] (a listener's
+//! host, tasks, live connections and shutdown), the bounded [`kit::Reader`] / [`kit::Writer`]
+//! codec, [`kit::Framing`] checks for data headers, and [`kit::encode_error`] /
+//! [`kit::decode_error`] to return an inbound op's refusal as the same error. A same-host medium
+//! (memory one process can open in another) needs no backend of its own: implement
+//! `tensorwire_shm::Medium` and run it with `ShmBackend::with_medium`, as the cuda backend does.
+//!
+//! - `register` returns the blob a peer needs, or `None` when this backend cannot reach that
+//!   memory. [`RegionInfo::base`] is the address to register with a NIC or driver;
+//!   [`RegionInfo::shareable`] is what a same-host backend passes to its peer.
+//! - Deliver each inbound notification to [`BackendHost::deliver`] and send its result back:
+//!   the sender's `notify` returns it (a full queue, or the receiver's handler's verdict).
+//! - A medium whose requests can carry a few bytes overrides [`Connection::submit_noticed`] and
+//!   delivers the notice before serving the first op's request (tcp puts it in the READ's
+//!   request).
+//!
+//! A complete backend, "toy": both engines in one process, their backends found through a
+//! table, every op a CPU copy between the two engines' registered memory ([`MemBackend`] is the
+//! same with shutdown and peer checks).
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use std::sync::{Arc, Mutex, OnceLock};
+//!
+//! use async_trait::async_trait;
+//! use bytes::Bytes;
+//! use tensorwire_core::backend::kit::spawn_cancellable;
+//! use tensorwire_core::backend::{
+//!     Backend, BackendHost, Capabilities, Completion, Connection, Direction, Op,
+//!     PeerBackendInfo, RegionInfo,
+//! };
+//! use tensorwire_core::{Engine, Error, Missing, Permissions, RegionId, Result, TransferOp};
+//!
+//! /// Every started toy backend's host, by the id in its endpoint.
+//! static HOSTS: Mutex<Vec<Arc<dyn BackendHost>>> = Mutex::new(Vec::new());
+//!
+//! #[derive(Debug, Default)]
+//! struct Toy { id: OnceLock<u32> }
+//!
+//! #[async_trait]
+//! impl Backend for Toy {
+//!     fn name(&self) -> &'static str { "toy" }
+//!     fn capabilities(&self) -> Capabilities { Capabilities::host(true, 1 << 20) }
+//!     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
+//!         let mut hosts = HOSTS.lock().unwrap();
+//!         hosts.push(host);
+//!         self.id.set(hosts.len() as u32 - 1).map_err(|_| Error::Internal("started twice".into()))
+//!     }
+//!     fn endpoint(&self) -> Bytes { Bytes::copy_from_slice(&self.id.get().unwrap().to_le_bytes()) }
+//!     async fn register(&self, region: &RegionInfo) -> Result<Option<Bytes>> {
+//!         Ok(region.kind.is_host().then(Bytes::new)) // the peer reaches it through its host
+//!     }
+//!     async fn deregister(&self, _: RegionId) -> Result<()> { Ok(()) }
+//!     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
+//!         let id = <[u8; 4]>::try_from(&peer.endpoint[..])
+//!             .map_err(|_| Error::Protocol("toy endpoint".into()))?;
+//!         let host = HOSTS.lock().unwrap().get(u32::from_le_bytes(id) as usize).cloned();
+//!         let host = host.ok_or_else(|| Error::NotFound(Missing::Peer("toy".into())))?;
+//!         Ok(Arc::new(ToyConnection { peer: host }))
+//!     }
+//!     async fn shutdown(&self) {}
+//! }
+//!
+//! #[derive(Debug)]
+//! struct ToyConnection { peer: Arc<dyn BackendHost> }
+//!
+//! impl Connection for ToyConnection {
+//!     fn submit(&self, ops: Vec<Op>) -> Vec<Completion> {
+//!         let one = |op: Op| {
+//!             let peer = self.peer.clone();
+//!             spawn_cancellable(move |gate| async move {
+//!                 // The peer's engine checks region, key, permission and bounds.
+//!                 let remote = peer.resolve(op.range(), op.dir().remote_access())?;
+//!                 let (dst, src) = match op.dir() {
+//!                     Direction::Read => (op.local(), &remote),
+//!                     Direction::Write => (&remote, op.local()),
+//!                 };
+//!                 // No byte lands once the completion was dropped; the op ends with this task.
+//!                 gate.run(|| dst.copy_from(src)).unwrap_or(Ok(()))
+//!             })
+//!         };
+//!         ops.into_iter().map(one).collect()
+//!     }
+//!     fn notify(&self, msg: Bytes) -> Completion {
+//!         let r = self.peer.deliver(msg);
+//!         Box::pin(async move { r })
+//!     }
+//! }
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let a = Engine::builder().backend(Arc::new(Toy::default())).start().await?;
+//! let b = Engine::builder().backend(Arc::new(Toy::default())).start().await?;
+//! let src = a.alloc(4096, Permissions::NONE).await?;
+//! src.write_bytes(0, &[7; 4096])?;
+//! let dst = b.alloc(4096, Permissions::WRITE).await?;
+//! let session = a.connect(b.local_addr()).await?;
+//! let report = session.transfer(TransferOp::write(&src, 0, &dst.remote(), 0, 4096)).await?;
+//! assert_eq!(report.backend, "toy");
+//! assert_eq!(dst.to_vec(0, 4096)?, vec![7; 4096]);
+//! # Ok::<(), Error>(()) }).unwrap();
+//! ```
+//!
+//! Then run the conformance suite (`tensorwire-conformance`) against it: a `tests/conformance.rs`
+//! with `conformance_tests!(BackendPair::new(|| my_backend()))`, and the two-process tests with
+//! `multiprocess_main!(my_backend)` in a `harness = false` test target.
 
 pub mod channel;
 pub mod kit;
 #[cfg(not(loom))]
-pub mod mem;
+mod mem;
 mod serving;
+
+pub use crate::region::Access;
+#[cfg(not(loom))]
+pub use mem::MemBackend;
 
 use std::fmt::Debug;
 use std::future::Future;
@@ -43,7 +158,7 @@ use crate::error::{Error, Result};
 use crate::fence::FenceTicket;
 use crate::ids::{AccessKey, EngineId, RegionId};
 use crate::memory::{MemoryKind, MemoryKinds, ShareableMemory};
-use crate::region::{Access, MemSlice, Permissions};
+use crate::region::{MemSlice, Permissions};
 
 /// What a backend can do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,7 +260,7 @@ pub struct Op {
     pub(crate) remote: RemoteSlice,
     pub(crate) ticket: FenceTicket,
     /// How the engine runs the op on another backend ([`Op::fall_back`]).
-    pub(crate) fallback: Option<crate::engine::Fallback>,
+    pub(crate) fallback: Option<Arc<dyn Reroute>>,
 }
 
 impl Op {
@@ -191,8 +306,22 @@ impl Op {
     }
 }
 
-/// The completion of one op. Dropping it cancels the op (see the module contract).
-pub type Completion = Pin<Box<dyn Future<Output = Result<()>> + Send + 'static>>;
+pub use crate::completion::Completion;
+
+/// How the engine runs an op on another of its backends ([`Op::fall_back`]); the engine
+/// implements it, so this module names nothing of the engine's.
+pub(crate) trait Reroute: Send + Sync + Debug {
+    /// Runs the op `dir` of `local` <-> `remote` on the next backend that can; `ticket` (the
+    /// op's place in notification order) is held until it ends there; `why` when none can.
+    fn run(
+        self: Arc<Self>,
+        dir: Direction,
+        local: MemSlice,
+        remote: RemoteSlice,
+        ticket: FenceTicket,
+        why: Error,
+    ) -> Completion;
+}
 
 /// A region as a backend sees it at registration.
 #[derive(Debug, Clone)]
@@ -247,9 +376,7 @@ pub trait BackendHost: Send + Sync + Debug + 'static {
     /// out of a device region the CPU cannot reach (it receives into the bounce and copies it
     /// over with [`MemSlice::copy_from`], or the other way). Waits while every bounce is in
     /// use; `Unsupported` when the engine has no GPU driver.
-    fn bounce(
-        &self,
-    ) -> Pin<Box<dyn Future<Output = Result<crate::engine::staging::Bounce>> + Send>>;
+    fn bounce(&self) -> Pin<Box<dyn Future<Output = Result<crate::bounce::Bounce>> + Send>>;
     /// The engine's cluster secret, for a backend that serves connections of its own (a setup or
     /// control channel) and authenticates them with [`crate::handshake`] like the engine's
     /// control endpoint; `None` when the engine runs without one. Never log it.

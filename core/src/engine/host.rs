@@ -33,7 +33,7 @@ impl HostAdapter {
 impl BackendHost for HostAdapter {
     fn bounce(
         &self,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<super::staging::Bounce>> + Send>>
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<crate::bounce::Bounce>> + Send>>
     {
         let engine = self.engine();
         Box::pin(async move {

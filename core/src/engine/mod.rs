@@ -13,14 +13,13 @@ mod transfer;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
 pub use chunked::{ChunkSender, ChunkStream};
-pub(crate) use session::Fallback;
 pub use session::Session;
 pub use transfer::{TransferHandle, TransferOp, TransferReport};
 
@@ -29,7 +28,7 @@ use crate::chunk::ChunkPlan;
 use crate::error::{Error, Missing, Result};
 use crate::ids::{AccessKey, EngineId, RegionId};
 use crate::memory::{DeviceCopier, Gpu, HostMapping, MemoryKind, ShareableMemory};
-use crate::region::{Permissions, Region, RegionInner, Storage};
+use crate::region::{Permissions, Region, RegionInner, Registry, Storage};
 use crate::wire::descriptor::EngineDescriptor;
 use chunked::ChunkSignal;
 use regions::RegionTable;
@@ -172,6 +171,18 @@ pub(crate) struct EngineShared {
 
 pub(crate) use crate::sync::lock;
 
+impl Registry for EngineShared {
+    fn unregister<'a>(
+        self: Arc<Self>,
+        inner: &'a Arc<RegionInner>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send + 'a>> {
+        Box::pin(async move { self.deregister(inner).await })
+    }
+    fn dropped(self: Arc<Self>, inner: &Arc<RegionInner>) {
+        self.forget(inner);
+    }
+}
+
 impl EngineShared {
     pub(crate) fn descriptor(&self) -> EngineDescriptor {
         EngineDescriptor {
@@ -239,7 +250,7 @@ impl EngineShared {
             copier: self.copier.clone(),
         });
         self.regions.insert(inner.clone());
-        Ok(Region { inner, engine: Arc::downgrade(self) })
+        Ok(Region { inner, engine: Arc::downgrade(self) as Weak<dyn Registry> })
     }
 
     /// Drop path: refuse new access now; backends forget the region in the background.
@@ -313,7 +324,7 @@ impl Drop for EngineShared {
 ///
 /// ```
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-/// use tensorwire_core::{Engine, MemBackend, Permissions, TransferOp};
+/// use tensorwire_core::{Engine, backend::MemBackend, Permissions, TransferOp};
 /// let a = Engine::builder().backend(MemBackend::new()).start().await?;
 /// let b = Engine::builder().backend(MemBackend::new()).start().await?;
 /// let src = a.alloc(4096, Permissions::NONE).await?;

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use super::transfer::{TransferHandle, TransferOp, TransferReport};
 use super::{EngineShared, control, lock};
 use crate::backend::{
-    Backend, Completion, Connection, Direction, Op, PeerBackendInfo, RemoteSlice,
+    Backend, Completion, Connection, Direction, Op, PeerBackendInfo, RemoteSlice, Reroute,
 };
 use crate::error::{Error, Missing, Result};
 use crate::fence::OpFence;
@@ -59,21 +59,16 @@ struct Prepared<'a> {
 /// What an op needs to run on a later backend of the engine than the one it was given to (see
 /// [`Op::fall_back`]): its session, its remote region (every backend's blob for it) and the
 /// backend that gave it back.
-#[derive(Debug, Clone)]
-pub(crate) struct Fallback(Arc<FallbackInner>);
-
 #[derive(Debug)]
-struct FallbackInner {
+struct Fallback {
     session: Weak<SessionInner>,
     region: Arc<RemoteRegion>,
     after: usize,
 }
 
-impl Fallback {
-    /// Runs the op `dir` of `local` <-> `remote` on the next backend that can; `ticket` (the
-    /// op's place in notification order) is held until it ends there.
-    pub(crate) fn run(
-        self,
+impl Reroute for Fallback {
+    fn run(
+        self: Arc<Self>,
         dir: Direction,
         local: MemSlice,
         remote: RemoteSlice,
@@ -82,13 +77,13 @@ impl Fallback {
     ) -> Completion {
         Box::pin(async move {
             let _ticket = ticket;
-            let f = self.0;
+            let f = self;
             let Some(inner) = f.session.upgrade() else { return Err(why) };
             let session = Session { inner };
             let engine = session.engine()?;
             let peer = session.descriptor();
             let kinds = Some((local.kind(), f.region.kind, dir));
-            let Ok(b) = Self::next(&engine, &peer, kinds, &f) else { return Err(why) };
+            let Ok(b) = f.next(&engine, &peer, kinds) else { return Err(why) };
             let backend = engine.backends[b].clone();
             tracing::warn!(
                 from = engine.backends[f.after].name(),
@@ -115,14 +110,16 @@ impl Fallback {
             Ok(())
         })
     }
+}
 
+impl Fallback {
     fn next(
+        &self,
         engine: &EngineShared,
         peer: &EngineDescriptor,
         kinds: Option<(MemoryKind, MemoryKind, Direction)>,
-        f: &FallbackInner,
     ) -> Result<usize> {
-        Session::select_from(engine, peer, kinds, Some(&f.region), f.after + 1)
+        Session::select_from(engine, peer, kinds, Some(&self.region), self.after + 1)
     }
 }
 
@@ -265,11 +262,12 @@ impl Session {
         let blob = region.blob(b.name()).cloned().unwrap_or_default();
         let max = b.capabilities().max_request_bytes.max(1);
         let fallback = (backend + 1 < engine.backends.len()).then(|| {
-            Fallback(Arc::new(FallbackInner {
+            let f = Fallback {
                 session: Arc::downgrade(&self.inner),
                 region: shared.unwrap_or_else(|| Arc::new(region.clone())),
                 after: backend,
-            }))
+            };
+            Arc::new(f) as Arc<dyn Reroute>
         });
         let op = |off: u64, local: MemSlice| Op {
             dir,

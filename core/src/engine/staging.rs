@@ -12,24 +12,23 @@
 //! bounce goes back to the pool.
 //!
 //! Backends that receive into or send from a *peer's* device region stage on the target side
-//! with the same bounces ([`crate::BackendHost::bounce`]).
+//! with the same bounces ([`crate::backend::BackendHost::bounce`]).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
 use super::EngineShared;
 use crate::backend::{Completion, Connection, Direction, Op, RemoteSlice};
+use crate::bounce::{BOUNCE_BYTES, Bounce, copy_blocking};
 use crate::cancel::CancelGate;
 use crate::error::{Error, Result};
 use crate::fence::{FenceTicket, OpFence};
 use crate::region::{MemSlice, Permissions, Region, RemoteRegion};
 use crate::sync::lock;
 
-/// Bytes of one bounce buffer.
-pub const BOUNCE_BYTES: u64 = 4 << 20;
 /// Bounce buffers per engine (pinned host memory: `BOUNCES * BOUNCE_BYTES`).
 pub(crate) const BOUNCES: usize = 8;
 /// Pieces of one staged op in flight at once: the halves of its one bounce (an op holds one
@@ -40,7 +39,7 @@ const DEPTH: u64 = 2;
 #[derive(Debug)]
 pub(crate) struct StagingPool {
     engine: Weak<EngineShared>,
-    free: Mutex<Vec<Region>>,
+    free: Arc<Mutex<Vec<Region>>>,
     permits: Arc<Semaphore>,
     /// Bounces made so far (each a registered region of the engine, kept until it drops).
     made: AtomicUsize,
@@ -50,7 +49,7 @@ impl StagingPool {
     pub(crate) fn new(engine: Weak<EngineShared>) -> StagingPool {
         StagingPool {
             engine,
-            free: Mutex::new(Vec::new()),
+            free: Arc::default(),
             permits: Arc::new(Semaphore::new(BOUNCES)),
             made: AtomicUsize::new(0),
         }
@@ -83,64 +82,8 @@ impl StagingPool {
                 r
             }
         };
-        Ok(Bounce { region: Some(region), pool: Arc::downgrade(self), _permit: permit })
+        Ok(Bounce::new(region, Arc::downgrade(&self.free), permit))
     }
-}
-
-/// A pinned host buffer of the engine's staging pool, back in the pool when dropped.
-#[derive(Debug)]
-pub struct Bounce {
-    region: Option<Region>,
-    pool: Weak<StagingPool>,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Bounce {
-    /// Its length ([`BOUNCE_BYTES`]).
-    pub fn len(&self) -> u64 {
-        self.region.as_ref().map_or(0, Region::len)
-    }
-
-    /// Whether it is empty (never).
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Its first `len` bytes.
-    pub fn slice(&self, len: u64) -> Result<MemSlice> {
-        self.sub(0, len)
-    }
-
-    /// `len` bytes of it at `offset`.
-    pub fn sub(&self, offset: u64, len: u64) -> Result<MemSlice> {
-        match &self.region {
-            Some(r) => r.slice(offset, len),
-            None => Err(Error::Internal("a bounce without its region".into())),
-        }
-    }
-}
-
-impl Drop for Bounce {
-    fn drop(&mut self) {
-        if let (Some(r), Some(pool)) = (self.region.take(), self.pool.upgrade()) {
-            lock(&pool.free).push(r);
-        }
-    }
-}
-
-/// Copies `src` into `dst` through the engine's device copier on a blocking thread, inside
-/// `gate` when one is given (a copy into local memory of a cancellable op).
-pub async fn copy_blocking(
-    dst: MemSlice,
-    src: MemSlice,
-    gate: Option<Arc<CancelGate>>,
-) -> Result<bool> {
-    let done = tokio::task::spawn_blocking(move || match gate {
-        Some(g) => g.run(|| dst.copy_from(&src)).map_or(Ok(false), |r| r.map(|()| true)),
-        None => dst.copy_from(&src).map(|()| true),
-    })
-    .await;
-    done.map_err(|e| Error::Internal(format!("a staging copy task failed: {e}")))?
 }
 
 /// What a staged op needs.

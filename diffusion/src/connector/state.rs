@@ -145,7 +145,7 @@ pub(super) fn plan_of(meta: &TensorMeta, chunking: Option<Chunking>) -> Result<C
                      (elements), row-major is {:?}; publish a contiguous copy",
                     meta.shape,
                     meta.strides,
-                    tensorwire_core::tensor::row_major_strides(&meta.shape)
+                    tensorwire_core::row_major_strides(&meta.shape)
                 ))
             }
             e => e,

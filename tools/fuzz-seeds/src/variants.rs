@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::error::Missing;
+use tensorwire_core::Missing;
 use tensorwire_core::wire::codec::Writer;
 use tensorwire_core::wire::envelope::{Envelope, Message};
 use tensorwire_core::wire::error::encode_error;

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tensorwire_conformance::fake_gpu::FakeGpu;
-use tensorwire_core::{Backend, Error, Result};
+use tensorwire_core::{Error, Result, backend::Backend};
 use tensorwire_cuda::IpcDriver;
 use tensorwire_cuda::ipc::IpcShare;
 
