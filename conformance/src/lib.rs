@@ -3,7 +3,7 @@
 //! Each test is a public async function taking a [`PairFactory`] (two engines built from the backend
 //! under test, plus its [`Capabilities`]); it exercises the backend only through the engine, which
 //! uses only the `Backend` trait, so a third-party backend runs the same suite. A backend's
-//! `tests/conformance.rs` is one line:
+//! `tests/it/conformance.rs` is one line:
 //!
 //! ```ignore
 //! tensorwire_conformance::conformance_tests!(tensorwire_conformance::BackendPair::new(|| my_backend()));

@@ -1,11 +1,14 @@
 //! Tests across two OS processes, written once for every backend. The test binary re-runs itself
-//! as the child (the [`crate::harness`] child entry point `engine`); the child owns a writable
-//! region, prints `READY <control addr> <region> <chunked transfer id>` and either receives a
-//! chunked 64 MiB tensor (checking every byte) or just holds still to be stopped and killed. A
-//! backend's `tests/two_process.rs` (a `[[test]]` with `harness = false`) is one line:
+//! as the child (a [`crate::harness`] child entry point); the child owns a writable region,
+//! prints `READY <control addr> <region> <chunked transfer id>` and either receives a chunked
+//! 64 MiB tensor (checking every byte) or just holds still to be stopped and killed. In a
+//! backend's test binary, a module holds the two tests and the binary's root names the child:
 //!
 //! ```ignore
-//! tensorwire_conformance::multiprocess_main!(|| my_backend());
+//! // tests/it/two_process.rs
+//! tensorwire_conformance::multiprocess_tests!("engine", my_backend);
+//! // tests/it/main.rs
+//! tensorwire_conformance::children! { "engine" => two_process::child }
 //! ```
 
 use std::io::{BufRead, BufReader};
@@ -81,10 +84,9 @@ impl Drop for Spawned {
     }
 }
 
-/// Spawns this test binary's child entry point `engine` in `mode` ("receive" or "hold").
-pub fn spawn_child(mode: &str) -> Spawned {
-    let mut child = crate::harness::child_command("engine")
-        .arg(mode)
+/// Spawns this test binary's child entry point `name` in `mode` ("receive" or "hold").
+pub fn spawn_child(name: &str, mode: &str) -> Spawned {
+    let mut child = crate::harness::child_command(name, &[mode])
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn child test process");
@@ -104,10 +106,10 @@ pub fn spawn_child(mode: &str) -> Spawned {
     }
 }
 
-/// Parent: sends the chunked 64 MiB tensor (chunks marked out of order) to a receiving child,
-/// which checks every byte.
-pub async fn chunked_tensor_to_child(backend: Arc<dyn Backend>) {
-    let mut child = spawn_child("receive");
+/// Parent: sends the chunked 64 MiB tensor (chunks marked out of order) to a receiving child
+/// (entry point `name`), which checks every byte.
+pub async fn chunked_tensor_to_child(backend: Arc<dyn Backend>, name: &str) {
+    let mut child = spawn_child(name, "receive");
     let e = engine(backend.clone(), Duration::from_secs(20)).await;
     let meta = meta();
     let len = meta.nbytes().unwrap();
@@ -143,8 +145,8 @@ fn alive_tasks() -> usize {
 /// Parent: stops the child with ops in flight (each must fail as a peer failure within the
 /// engine's bounds), kills it (later ops fail soon after), and checks nothing is left: no
 /// connection task, no op holding the source region.
-pub async fn child_stopped_then_killed(backend: Arc<dyn Backend>) {
-    let child = spawn_child("hold");
+pub async fn child_stopped_then_killed(backend: Arc<dyn Backend>, name: &str) {
+    let child = spawn_child(name, "hold");
     let e = engine(backend, Duration::from_secs(3)).await;
     let (n, size) = (32u64, 16u64 << 20);
     let src = e.alloc(n * size, Permissions::NONE).await.unwrap();
@@ -194,29 +196,34 @@ pub async fn child_stopped_then_killed(backend: Arc<dyn Backend>) {
     drop(child);
 }
 
-/// The two-process tests of a backend made by `$make`, as a harness: the tests
-/// `chunked_tensor_to_child` and `child_stopped_then_killed`, and the child entry point `engine`.
-pub fn harness<F>(make: F) -> crate::harness::Harness
-where
-    F: Fn() -> Arc<dyn Backend> + Clone + 'static,
-{
-    let (a, b, c) = (make.clone(), make.clone(), make);
-    crate::harness::Harness::new()
-        .test("chunked_tensor_to_child", move || chunked_tensor_to_child(a()))
-        .test("child_stopped_then_killed", move || child_stopped_then_killed(b()))
-        .child("engine", move |args| {
-            let c = c.clone();
-            async move { child(c, args.first().map_or("receive", String::as_str)).await }
-        })
-}
-
-/// Expands to the `main` of a `harness = false` test binary running the two-process tests for
-/// backends made by `$make`.
+/// The two-process tests of a backend made by `$make`, in the module where it expands: the tests
+/// `chunked_tensor_to_child` and `child_stopped_then_killed`, and `child`, the child entry point
+/// to name `$name` in the binary's [`children!`](crate::children).
 #[macro_export]
-macro_rules! multiprocess_main {
-    ($make:expr) => {
-        fn main() -> std::process::ExitCode {
-            $crate::multiprocess::harness($make).run()
+macro_rules! multiprocess_tests {
+    ($name:literal, $make:expr) => {
+        #[test]
+        fn chunked_tensor_to_child() {
+            $crate::harness::block_on($crate::multiprocess::chunked_tensor_to_child(
+                ($make)(),
+                $name,
+            ));
+        }
+
+        #[test]
+        fn child_stopped_then_killed() {
+            $crate::harness::block_on($crate::multiprocess::child_stopped_then_killed(
+                ($make)(),
+                $name,
+            ));
+        }
+
+        /// The child entry point of these tests.
+        pub(crate) fn child(args: Vec<String>) -> $crate::harness::ChildBody {
+            Box::pin(async move {
+                let mode = args.first().map_or("receive", String::as_str);
+                $crate::multiprocess::child($make, mode).await
+            })
         }
     };
 }

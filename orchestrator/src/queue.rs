@@ -1,6 +1,6 @@
 //! Queue messages between the orchestrator and stage workers: a request at a stage with its input
 //! payload references, priority class, deadline, affinity hints and attempt number. Versioned,
-//! bounded, and decoded by a total function (proptest in `tests/codecs.rs`, a cargo-fuzz target
+//! bounded, and decoded by a total function (proptest in `tests/it/codecs.rs`, a cargo-fuzz target
 //! under `fuzz/`).
 
 use tensorwire_core::wire::codec::{Reader, Writer};

@@ -4,7 +4,7 @@
 //! `rdma-mummy-sys` directly.
 //!
 //! Built behind the `verbs` feature; this machine has no RDMA device, so this file is compiled
-//! in CI and exercised only on hosts with one (see `tests/hardware.rs`).
+//! in CI and exercised only on hosts with one (see `tests/it/hardware.rs`).
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;

@@ -132,9 +132,10 @@
 //! # Ok::<(), Error>(()) }).unwrap();
 //! ```
 //!
-//! Then run the conformance suite (`tensorwire-conformance`) against it: a `tests/conformance.rs`
-//! with `conformance_tests!(BackendPair::new(|| my_backend()))`, and the two-process tests with
-//! `multiprocess_main!(my_backend)` in a `harness = false` test target.
+//! Then run the conformance suite (`tensorwire-conformance`) against it, in the crate's one test
+//! binary (`tests/it/main.rs` and its modules): `conformance_tests!(BackendPair::new(||
+//! my_backend()))` in one module, the two-process tests with `multiprocess_tests!("engine",
+//! my_backend)` in another, and `children! { "engine" => two_process::child }` at the root.
 
 pub mod channel;
 pub mod kit;

@@ -11,7 +11,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tensorwire_core::auth::ClusterSecret;
@@ -20,6 +20,8 @@ use tensorwire_orchestrator::service::{SubmitClient, WorkerClient};
 use tensorwire_orchestrator::{Priority, Stage};
 use tensorwire_store::{RemoteStore, Retention, Store};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+
+use crate::common::Kill;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tensorwire");
 /// The client engine's transfer bound.
@@ -82,15 +84,6 @@ impl Netns {
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = ip(&["netns", "del", &self.name]); // takes the veth pair with it
-    }
-}
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

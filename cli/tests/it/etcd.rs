@@ -13,7 +13,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -23,23 +23,12 @@ use tensorwire_etcd::{EtcdDiscovery, leader_addr, leader_resolver};
 use tensorwire_orchestrator::Priority;
 use tensorwire_orchestrator::service::{SubmitClient, Target};
 
+use crate::common::{Kill, free_port};
+
 const EXE: &str = env!("CARGO_BIN_EXE_tensorwire");
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn etcd() -> Option<EtcdServer> {
     EtcdServer::start().map_err(|why| eprintln!("SKIPPED: {why}")).ok()
-}
-
-fn free_port() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
 }
 
 /// `tensorwire serve` in `cluster`, its stdout lines sent to `lines` tagged with `tag`.

@@ -10,21 +10,14 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tensorwire_observe::{Samples, get};
 use tensorwire_orchestrator::Priority;
 use tensorwire_orchestrator::service::SubmitClient;
 
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use crate::common::{Kill, free_port};
 
 fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_tensorwire")
@@ -44,10 +37,6 @@ fn start(args: &[&str]) -> (Kill, BufReader<ChildStdout>) {
 
 fn have(tool: &str) -> bool {
     Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Reads `out` until a line starts with `prefix`; returns the rest of it.
@@ -171,7 +160,7 @@ async fn prometheus_scrapes_serve_and_the_workers_it_lists() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(get(serve_metrics, "/readyz", Duration::from_secs(5)).await.unwrap(), "ready\n");
-    let prom: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let prom: SocketAddr = format!("127.0.0.1:{}", free_port().port()).parse().unwrap();
     let config = format!(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  \
          - job_name: serve\n    static_configs:\n      - targets: ['{serve_metrics}']\n  \

@@ -12,14 +12,7 @@ use tensorwire_core::auth::ClusterSecret;
 use tensorwire_orchestrator::Priority;
 use tensorwire_orchestrator::service::SubmitClient;
 
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use crate::common::Kill;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_and_three_workers_complete_requests() {

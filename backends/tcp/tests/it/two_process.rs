@@ -13,4 +13,4 @@ fn tcp() -> Arc<dyn Backend> {
     TcpBackend::new(cfg).expect("bind tcp backend")
 }
 
-tensorwire_conformance::multiprocess_main!(tcp);
+tensorwire_conformance::multiprocess_tests!("engine", tcp);

@@ -3,7 +3,7 @@
 #[test]
 fn without_the_etcd_feature_etcd_options_say_how_to_get_it() {
     if cfg!(feature = "etcd") {
-        return; // tests/etcd.rs runs instead
+        return; // tests/it/etcd.rs runs instead
     }
     eprintln!("SKIPPED: the etcd cluster tests: {}", tensorwire_etcd::DISABLED);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tensorwire"))

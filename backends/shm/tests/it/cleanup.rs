@@ -1,12 +1,13 @@
 //! Nothing outlives its engine: after a normal run and after a peer process is killed, this
 //! process's descriptor table and its memfd mappings are back where they started, and /dev/shm
-//! never saw a file. One test (plus the child entry point `engine`), so no other test in this
-//! binary moves the counts while it runs (a `harness = false` binary).
+//! never saw a file. The check runs alone in a child process of this test binary (the entry
+//! point "cleanup"), so no other test moves the counts while it runs; its killed peer is another
+//! child ("cleanup-peer").
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorwire_conformance::harness::Harness;
+use tensorwire_conformance::harness::{ChildBody, child_command};
 use tensorwire_conformance::multiprocess::{child, spawn_child};
 use tensorwire_core::{Engine, Permissions, TransferOp, backend::Backend};
 use tensorwire_shm::ShmBackend;
@@ -15,11 +16,26 @@ fn shm() -> Arc<dyn Backend> {
     ShmBackend::new().expect("bind shm backend")
 }
 
-fn main() -> std::process::ExitCode {
-    Harness::new()
-        .test("nothing_outlives_its_engine", nothing_outlives_its_engine)
-        .child("engine", |args| async move { child(shm, &args[0]).await })
-        .run()
+#[test]
+fn nothing_outlives_its_engine() {
+    let out = child_command("cleanup", &[]).output().expect("run the check in a child process");
+    assert!(
+        out.status.success(),
+        "the check failed in its process ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The child entry point "cleanup": the check, alone in its process.
+pub(crate) fn cleanup_child(_: Vec<String>) -> ChildBody {
+    Box::pin(check())
+}
+
+/// The child entry point "cleanup-peer": the peer that holds still until it is killed.
+pub(crate) fn peer_child(args: Vec<String>) -> ChildBody {
+    Box::pin(async move { child(shm, &args[0]).await })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,7 +86,7 @@ async fn settle(what: &str, ok: impl Fn(Counts) -> bool) -> Counts {
     }
 }
 
-async fn nothing_outlives_its_engine() {
+async fn check() {
     let shm_files = dev_shm();
     let base = counts();
 
@@ -95,7 +111,7 @@ async fn nothing_outlives_its_engine() {
     settle("after a normal ending", |c| c == base).await;
 
     // Killed peer: we map the child's region, the child dies, our mapping must go.
-    let kid = spawn_child("hold");
+    let kid = spawn_child("cleanup-peer", "hold");
     let a = Engine::builder().backend(shm()).start().await.unwrap();
     let src = a.alloc(1 << 20, Permissions::NONE).await.unwrap();
     let own = counts();

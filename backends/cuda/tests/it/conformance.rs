@@ -3,7 +3,7 @@
 //! Forget/Released and notification order of the same-host protocol, with every byte moved by
 //! the (fake) device copier and none touched by the CPU.
 
-mod fake;
+use crate::fake;
 
 use tensorwire_conformance::DevicePair;
 use tensorwire_conformance::fake_gpu::FakeGpu;

@@ -2,8 +2,8 @@
 //! parent (which also plays the queue: it forwards payload references between the workers). The
 //! text embedding goes to two consumers; the [16, 21, 60, 104] bf16 latent goes to decode in 7
 //! temporal chunks while denoise is still producing them. Every byte is checked by its consumer;
-//! afterwards the store holds nothing. Runs in p2p, store and auto modes. A `harness = false`
-//! binary: the workers are its child entry point `worker`, never counted as tests.
+//! afterwards the store holds nothing. Runs in p2p, store and auto modes. The workers are this test
+//! binary's child entry point "worker".
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Stdio};
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
-use tensorwire_conformance::harness::{Harness, child_command};
+use tensorwire_conformance::harness::{ChildBody, child_command};
 use tensorwire_core::{DType, Engine, Permissions, Region, TensorMeta};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConsumerHint, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
@@ -20,13 +20,24 @@ use tensorwire_diffusion::{
 use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
-fn main() -> std::process::ExitCode {
-    Harness::new()
-        .test("processes_p2p", || run("p2p"))
-        .test("processes_store", || run("store"))
-        .test("processes_auto", || run("auto"))
-        .child("worker", |args| async move { worker(&args[0], &args[1], &args[2], &args[3]).await })
-        .run()
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_p2p() {
+    run("p2p").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_store() {
+    run("store").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_auto() {
+    run("auto").await
+}
+
+/// The child entry point "worker": role, mode, the store node's engine and RPC addresses.
+pub(crate) fn worker_child(args: Vec<String>) -> ChildBody {
+    Box::pin(async move { worker(&args[0], &args[1], &args[2], &args[3]).await })
 }
 
 fn emb_meta() -> TensorMeta {
@@ -199,8 +210,7 @@ struct Worker {
 
 impl Worker {
     fn spawn(role: &str, mode: &str, node_engine: &str, node_rpc: &str) -> Worker {
-        let mut child = child_command("worker")
-            .args([role, mode, node_engine, node_rpc])
+        let mut child = child_command("worker", &[role, mode, node_engine, node_rpc])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -1,20 +1,24 @@
 //! GPU checks of `CudaGpu` on a real GPU: device and pinned memory, device pointer checks, the
 //! whole conformance suite over tcp with every region in device memory (staged through pinned
 //! bounces on both sides), the allocation queries IPC export relies on, and the whole suite over
-//! the cuda backend. Without the NVIDIA driver or a device each check reports
-//! itself skipped, with the reason; it never reports a pass it did not run.
+//! the cuda backend. Each test is ignored unless asked for, with the reason (a GPU and its
+//! driver); asked for where there is none, it fails saying why. Run them with
+//! `cargo test -p tensorwire-cuda --test it -- --include-ignored --test-threads=1 gpu::`
+//! (scripts/gpu-check runs the built binary so).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::process::ExitCode;
 use std::sync::Arc;
 
-use tensorwire_conformance::DevicePair;
+use tensorwire_conformance::{DevicePair, harness};
 use tensorwire_core::{Engine, MemoryKind, Permissions, backend::Backend};
 use tensorwire_cuda::CudaGpu;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
-type Check = fn(Arc<CudaGpu>) -> Pin<Box<dyn Future<Output = ()>>>;
+/// The GPU, or the reason there is none (these tests run only when asked for).
+fn gpu() -> Arc<CudaGpu> {
+    CudaGpu::new().unwrap_or_else(|e| panic!("no GPU to run this on: {e}"))
+}
 
 fn tcp() -> Arc<dyn Backend> {
     TcpBackend::new(TcpConfig::default()).expect("a tcp backend")
@@ -91,55 +95,26 @@ fn cuda_backend_conformance(_gpu: Arc<CudaGpu>) -> Pin<Box<dyn Future<Output = (
     })
 }
 
-const CHECKS: [(&str, Check); 4] = [
-    ("cuda_device_and_pinned_memory", device_and_pinned_memory),
-    ("cuda_tcp_conformance_over_device_memory", conformance_over_device_memory),
-    ("cuda_ipc_allocations", ipc_allocations),
-    ("cuda_backend_conformance_over_device_memory", cuda_backend_conformance),
-];
+#[test]
+#[ignore = "needs an NVIDIA GPU and its driver: --include-ignored (scripts/gpu-check)"]
+fn cuda_device_and_pinned_memory() {
+    harness::block_on(device_and_pinned_memory(gpu()));
+}
 
-fn main() -> ExitCode {
-    if std::env::args().any(|a| a == "--list") {
-        for (name, _) in CHECKS {
-            println!("{name}: test");
-        }
-        return ExitCode::SUCCESS;
-    }
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let selected: Vec<_> = CHECKS
-        .iter()
-        .filter(|(n, _)| filter.as_ref().is_none_or(|f| n.contains(f.as_str())))
-        .collect();
-    println!("\nrunning {} tests", selected.len());
-    let gpu = match CudaGpu::new() {
-        Ok(g) => g,
-        Err(e) => {
-            for (name, _) in &selected {
-                println!("test {name} ... SKIPPED: {e}");
-            }
-            println!("\ntest result: ok. 0 passed; 0 failed; {} skipped\n", selected.len());
-            return ExitCode::SUCCESS;
-        }
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    let mut failed = 0;
-    for (name, check) in &selected {
-        let gpu = gpu.clone();
-        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(check(gpu))))
-            .is_ok();
-        println!("test {name} ... {}", if ok { "ok" } else { "FAILED" });
-        failed += usize::from(!ok);
-    }
-    let passed = selected.len() - failed;
-    if failed == 0 {
-        println!("\ntest result: ok. {passed} passed; 0 failed\n");
-        ExitCode::SUCCESS
-    } else {
-        println!("\ntest result: FAILED. {passed} passed; {failed} failed\n");
-        ExitCode::from(101)
-    }
+#[test]
+#[ignore = "needs an NVIDIA GPU and its driver: --include-ignored (scripts/gpu-check)"]
+fn cuda_tcp_conformance_over_device_memory() {
+    harness::block_on(conformance_over_device_memory(gpu()));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and its driver: --include-ignored (scripts/gpu-check)"]
+fn cuda_ipc_allocations() {
+    harness::block_on(ipc_allocations(gpu()));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and its driver: --include-ignored (scripts/gpu-check)"]
+fn cuda_backend_conformance_over_device_memory() {
+    harness::block_on(cuda_backend_conformance(gpu()));
 }

@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tensorwire_core::auth::ClusterSecret;
@@ -17,22 +17,11 @@ use tensorwire_orchestrator::service::SubmitClient;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use crate::common::{Kill, free_port};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tensorwire");
 const FRAMINGS: [Framing; 3] =
     [CONTROL, tensorwire_store::rpc::FRAMING, tensorwire_orchestrator::service::wire::FRAMING];
-
-fn free_port() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
-}
 
 /// Open descriptors and resident bytes of `pid`.
 fn usage(pid: u32) -> (usize, u64) {

@@ -1,14 +1,14 @@
 //! The orchestrator as a service, with workers in other processes: a decode worker process that is
 //! killed (SIGKILL) while it holds items; every request still completes and nothing is decoded
-//! twice. Plus: a client with the wrong cluster secret is refused. A `harness = false` binary:
-//! the worker processes are its child entry point `decode_worker`.
+//! twice. Plus: a client with the wrong cluster secret is refused. The worker processes are this
+//! test binary's child entry point "decode_worker".
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
-use tensorwire_conformance::harness::{Harness, child_command};
+use tensorwire_conformance::harness::{ChildBody, child_command};
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
@@ -19,12 +19,9 @@ use tensorwire_orchestrator::{OrchestratorError, Priority, Stage};
 
 const SECRET: &str = "correct horse battery staple";
 
-fn main() -> std::process::ExitCode {
-    Harness::new()
-        .test("killed_decode_worker_loses_nothing", killed_decode_worker_loses_nothing)
-        .test("wrong_secret_is_refused", wrong_secret_is_refused)
-        .child("decode_worker", |args| async move { decode_worker(&args[0], &args[1]).await })
-        .run()
+/// The child entry point "decode_worker": `mode` and the orchestrator's address.
+pub(crate) fn decode_worker_child(args: Vec<String>) -> ChildBody {
+    Box::pin(async move { decode_worker(&args[0], &args[1]).await })
 }
 
 fn secret() -> ClusterSecret {
@@ -72,7 +69,7 @@ impl Drop for Proc {
 
 fn spawn(mode: &str, orch: &str) -> Proc {
     let mut child =
-        child_command("decode_worker").args([mode, orch]).stdout(Stdio::piped()).spawn().unwrap();
+        child_command("decode_worker", &[mode, orch]).stdout(Stdio::piped()).spawn().unwrap();
     let out = BufReader::new(child.stdout.take().unwrap());
     let (tx, lines) = std::sync::mpsc::sync_channel(1024);
     std::thread::spawn(move || {
@@ -125,6 +122,7 @@ async fn instant_worker(addr: std::net::SocketAddr, stage: Stage) -> tokio::task
     })
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_decode_worker_loses_nothing() {
     let svc = service().await;
     let addr = svc.addr();
@@ -192,6 +190,7 @@ async fn killed_decode_worker_loses_nothing() {
     drop(hang);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_secret_is_refused() {
     let svc = service().await;
     let wrong = ClusterSecret::new("not the secret");

@@ -13,4 +13,4 @@ fn shm() -> Arc<dyn Backend> {
     ShmBackend::with_config(cfg).expect("bind shm backend")
 }
 
-tensorwire_conformance::multiprocess_main!(shm);
+tensorwire_conformance::multiprocess_tests!("engine", shm);

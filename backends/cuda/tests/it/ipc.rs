@@ -2,7 +2,7 @@
 //! backend the engine picks, and that openings of a peer's memory close when the peer
 //! deregisters it.
 
-mod fake;
+use crate::fake;
 
 use std::sync::Arc;
 use std::time::Duration;
