@@ -21,10 +21,7 @@ use tensorwire_core::{
     backend::Capabilities, gpu::Gpu,
 };
 
-pub mod fake_gpu;
-pub mod faults;
 pub mod harness;
-pub mod intruder;
 pub mod multiprocess;
 pub mod tests;
 

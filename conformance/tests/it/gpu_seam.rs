@@ -1,8 +1,8 @@
 //! The engine's GPU calls over the fake GPU: device and pinned allocations, device pointer
 //! checks, copies only through the GPU, and `Unsupported` with what is missing without a GPU.
 
-use tensorwire_conformance::fake_gpu::FakeGpu;
 use tensorwire_core::{Engine, Error, MemoryKind, Permissions, backend::MemBackend};
+use tensorwire_testkit::fake_gpu::FakeGpu;
 
 #[tokio::test]
 async fn without_a_gpu_the_calls_say_what_is_missing() {

@@ -7,13 +7,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorwire_conformance::faults::{Fault, FaultProxy};
 use tensorwire_core::{DType, Engine, Permissions, TensorMeta};
 use tensorwire_diffusion::{
     Chunking, ConnectorConfig, ConnectorError, DiffusionConnector, LeasePolicy, Mode, PayloadKind,
     StagePayload,
 };
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_testkit::faults::{Fault, FaultProxy};
 
 async fn until(what: &str, mut f: impl FnMut() -> bool) {
     let t = Instant::now();

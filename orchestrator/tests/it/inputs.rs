@@ -149,7 +149,7 @@ async fn a_worker_declared_dead_is_disconnected_and_rejoins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_worker_loses_its_items_to_others_and_is_closed_once_healed() {
-    use tensorwire_conformance::faults::{Fault, FaultProxy};
+    use tensorwire_testkit::faults::{Fault, FaultProxy};
     let sched =
         SchedConfig { heartbeat_timeout: Duration::from_millis(400), ..SchedConfig::default() };
     let cfg = ServiceConfig { sched, ..ServiceConfig::default() };

@@ -2,11 +2,11 @@
 //! explicit `insecure` opt-out, and a client without the secret is refused before it is welcomed
 //! (so it is never assigned work, whose inputs carry payload references and their keys).
 
-use tensorwire_conformance::intruder::{Claim, assert_refused, frames_received};
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_orchestrator::Stage;
 use tensorwire_orchestrator::service::wire::{FRAMING, Msg, Role};
 use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig};
+use tensorwire_testkit::intruder::{Claim, assert_refused, frames_received};
 
 fn secret() -> Option<ClusterSecret> {
     Some(ClusterSecret::new("0123456789abcdef0123456789abcdef"))

@@ -5,10 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use tensorwire_conformance::faults::{Fault, FaultProxy};
 use tensorwire_core::{DType, Engine, EngineConfig, Permissions, TensorMeta};
 use tensorwire_store::{EmbeddedStore, RemoteStore, Retention, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_testkit::faults::{Fault, FaultProxy};
 
 const BOUND: Duration = Duration::from_millis(700);
 

@@ -4,11 +4,11 @@
 
 use std::net::SocketAddr;
 
-use tensorwire_conformance::intruder::{Claim, assert_refused, frames_received};
 use tensorwire_core::auth::ClusterSecret;
 use tensorwire_core::{Engine, EngineConfig, backend::MemBackend};
 use tensorwire_store::rpc::{FRAMING, Request};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
+use tensorwire_testkit::intruder::{Claim, assert_refused, frames_received};
 
 async fn store(config: EngineConfig) -> (Engine, std::sync::Arc<EmbeddedStore>) {
     let e = Engine::builder().backend(MemBackend::new()).config(config).start().await.unwrap();

@@ -6,7 +6,7 @@
 use crate::fake;
 
 use tensorwire_conformance::DevicePair;
-use tensorwire_conformance::fake_gpu::FakeGpu;
+use tensorwire_testkit::fake_gpu::FakeGpu;
 
 tensorwire_conformance::conformance_tests!({
     let ipc = fake::FakeIpc::new(FakeGpu::new());

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fake::FakeIpc;
-use tensorwire_conformance::fake_gpu::FakeGpu;
 use tensorwire_conformance::pattern;
 use tensorwire_core::{Engine, Error, Permissions, Session, TransferOp, backend::Backend};
 use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_testkit::fake_gpu::FakeGpu;
 
 fn tcp() -> Arc<dyn Backend> {
     TcpBackend::new(TcpConfig::default()).expect("a tcp backend")

@@ -8,11 +8,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_conformance::fake_gpu::FakeGpu;
-use tensorwire_conformance::faults::{Fault, FaultProxy};
 use tensorwire_conformance::{bounded, pattern};
 use tensorwire_core::{Engine, Error, MemoryKind, Missing, Permissions, Region, TransferOp};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_testkit::fake_gpu::FakeGpu;
+use tensorwire_testkit::faults::{Fault, FaultProxy};
 
 async fn engine(gpu: Option<Arc<FakeGpu>>) -> Engine {
     let mut b = Engine::builder().backend(TcpBackend::new(TcpConfig::default()).unwrap());

@@ -1,13 +1,13 @@
 //! The whole conformance suite over tcp with every region in device memory of a fake GPU (see
-//! `tensorwire_conformance::fake_gpu`): the initiator's engine stages its device memory through
+//! `tensorwire_testkit::fake_gpu`): the initiator's engine stages its device memory through
 //! pinned bounces, the target's tcp server stages its own.
 
 use std::sync::Arc;
 
 use tensorwire_conformance::DevicePair;
-use tensorwire_conformance::fake_gpu::FakeGpu;
 use tensorwire_core::backend::Backend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_testkit::fake_gpu::FakeGpu;
 
 fn tcp() -> Arc<dyn Backend> {
     TcpBackend::new(TcpConfig::default()).expect("a tcp backend")

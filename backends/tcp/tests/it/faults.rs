@@ -6,9 +6,9 @@
 
 use std::time::{Duration, Instant};
 
-use tensorwire_conformance::faults::{Fault, FaultProxy};
 use tensorwire_core::{Engine, Permissions, Region, Session, TransferOp};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_testkit::faults::{Fault, FaultProxy};
 
 const LEN: u64 = 1 << 20;
 const STALL: Duration = Duration::from_millis(800);

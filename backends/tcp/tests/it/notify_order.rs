@@ -11,9 +11,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_conformance::faults::{Fault, FaultProxy};
 use tensorwire_core::{Engine, Permissions, TransferOp};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
+use tensorwire_testkit::faults::{Fault, FaultProxy};
 
 const LEN: u64 = 64 << 10;
 

@@ -9,10 +9,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tensorwire_conformance::fake_gpu::FakeGpu;
 use tensorwire_core::{Error, Result, backend::Backend};
 use tensorwire_cuda::IpcDriver;
 use tensorwire_cuda::ipc::IpcShare;
+use tensorwire_testkit::fake_gpu::FakeGpu;
 
 #[derive(Debug, Default)]
 pub(crate) struct Counts {
