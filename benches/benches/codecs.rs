@@ -2,9 +2,9 @@
 //! metadata and chunk plans. `cargo bench -p tensorwire-benches --bench codecs`
 
 use criterion::{Criterion, black_box, criterion_group, criterion_main};
-use tensorwire_core::wire::envelope::{Envelope, Message};
-use tensorwire_core::wire::frame::{CONTROL, FrameHeader};
 use tensorwire_core::{AccessKey, ChunkPlan, DType, EngineId, RegionId, TensorMeta};
+use tensorwire_proto::wire::envelope::{Envelope, Message};
+use tensorwire_proto::wire::frame::{CONTROL, FrameHeader};
 use tensorwire_tcp::wire::{DataHeader, Kind};
 
 fn data_header(c: &mut Criterion) {
@@ -36,12 +36,12 @@ fn control(c: &mut Criterion) {
 
 fn tensor(c: &mut Criterion) {
     let meta = TensorMeta::contiguous(DType::BF16, &[16, 21, 60, 104]);
-    let mut w = tensorwire_core::wire::codec::Writer::new();
+    let mut w = tensorwire_proto::wire::codec::Writer::new();
     meta.encode(&mut w);
     let enc = w.finish();
     c.bench_function("TensorMeta decode", |b| {
         b.iter(|| {
-            let mut r = tensorwire_core::wire::codec::Reader::new(black_box(&enc), "meta");
+            let mut r = tensorwire_proto::wire::codec::Reader::new(black_box(&enc), "meta");
             TensorMeta::decode(&mut r)
         })
     });

@@ -31,7 +31,7 @@ pub(crate) struct Etcd {
 /// Entries this process keeps registered (dropping them takes them out).
 pub(crate) struct Registered {
     #[cfg(feature = "etcd")]
-    _regs: Vec<Box<dyn tensorwire_core::discovery::Registration>>,
+    _regs: Vec<Box<dyn tensorwire_proto::discovery::Registration>>,
 }
 
 #[cfg(feature = "etcd")]
@@ -50,7 +50,7 @@ impl Etcd {
         engine: &Engine,
         store: SocketAddr,
     ) -> Result<Registered, String> {
-        use tensorwire_core::discovery::{Discovery, Entry};
+        use tensorwire_proto::discovery::{Discovery, Entry};
         let d = tensorwire_etcd::EtcdDiscovery::new(self.client.clone(), &self.cluster, self.ttl);
         let id = engine.id().to_string();
         let control = engine.local_addr();
@@ -105,7 +105,7 @@ impl Etcd {
     /// A store node registered in the cluster (the one with the lowest id, so that every worker
     /// picks the same): its engine's control address and its RPC address.
     pub(crate) async fn find_store(&self) -> Result<(SocketAddr, SocketAddr), String> {
-        use tensorwire_core::discovery::Discovery;
+        use tensorwire_proto::discovery::Discovery;
         let d = tensorwire_etcd::EtcdDiscovery::new(self.client.clone(), &self.cluster, self.ttl);
         let mut stores = d.list("store").await.map_err(|e| format!("etcd: {e}"))?;
         stores.sort_by(|a, b| a.id.cmp(&b.id));

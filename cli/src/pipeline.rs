@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::{DType, Engine, EngineConfig, TensorMeta};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};

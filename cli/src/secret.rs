@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ClusterSecret;
 
 /// `secret` subcommands.
 #[derive(Debug, clap::Subcommand)]

@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
-use tensorwire_core::auth::is_exposed;
 use tensorwire_core::{Engine, EngineConfig};
 use tensorwire_orchestrator::Stage;
 use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, Target, WorkerClient};
+use tensorwire_proto::auth::is_exposed;
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 

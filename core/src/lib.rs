@@ -47,15 +47,11 @@ mod sync;
 mod cancel;
 mod chunk;
 mod dtype;
-mod error;
-mod ids;
 mod inflight;
 mod memory;
 mod tensor;
-pub mod wire;
+mod wire;
 
-#[cfg(not(loom))]
-pub mod auth;
 #[cfg(not(loom))]
 pub mod backend;
 #[cfg(not(loom))]
@@ -65,32 +61,25 @@ mod completion;
 #[cfg(not(loom))]
 mod copy;
 #[cfg(not(loom))]
-pub mod discovery;
-#[cfg(not(loom))]
 mod engine;
-#[cfg(not(loom))]
-mod exposure;
 mod fence;
 #[cfg(not(loom))]
 pub mod gpu;
 #[cfg(not(loom))]
-pub mod handshake;
-#[cfg(not(loom))]
 mod region;
-#[cfg(not(loom))]
-mod secret_file;
 #[cfg(not(loom))]
 mod tasks;
 
 pub use chunk::{ByteRange, Chunk, ChunkPlan, ChunkTracker, LandedChunk, MAX_RANGES};
 pub use dtype::{DType, DlDataType};
-pub use error::{Error, Missing, Result};
-pub use ids::{AccessKey, EngineId, RegionId};
+// The shared wire layer, named as core's own modules inside core.
 pub use memory::{MemoryKind, MemoryKinds};
 pub use tensor::{DlTensorFields, MAX_RANK, TensorMeta};
-
+pub use tensorwire_proto::{AccessKey, EngineId, Error, Missing, RegionId, Result};
 #[cfg(not(loom))]
-pub use auth::ClusterSecret;
+use tensorwire_proto::{auth, handshake};
+use tensorwire_proto::{error, ids};
+
 #[cfg(not(loom))]
 pub use engine::{
     ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, Handled,
@@ -100,5 +89,7 @@ pub use engine::{
 pub use region::{MemSlice, Permissions, Region, RemoteRegion};
 #[cfg(not(loom))]
 pub use tensor::row_major_strides;
+#[cfg(not(loom))]
+pub use tensorwire_proto::auth::ClusterSecret;
 #[cfg(not(loom))]
 pub use wire::descriptor::EngineDescriptor;

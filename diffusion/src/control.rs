@@ -5,9 +5,9 @@
 //! producer's verdict on `Done` (what the consumer's `notify` returns) says whether it still
 //! served the payload when `Done` arrived. Versioned and total.
 
-use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{Error, Result};
+use tensorwire_proto::wire::codec::{Reader, Writer};
+use tensorwire_proto::wire::frame::Framing;
 
 use crate::error::{ConnectorError, LeaseEnd};
 

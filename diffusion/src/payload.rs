@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{Error, Region, Result, TensorMeta};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 
 /// The kinds of stage outputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

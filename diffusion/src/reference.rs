@@ -3,8 +3,8 @@
 
 use std::net::SocketAddr;
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{Error, RemoteRegion, Result, TensorMeta};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_store::MAX_KEY;
 
 use crate::payload::{Chunking, LeasePolicy, PayloadKind};

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
 use tensorwire_core::Result;
-use tensorwire_core::discovery::{Change, Discovery, Entry, Registration};
+use tensorwire_proto::discovery::{Change, Discovery, Entry, Registration};
 use tokio::sync::mpsc;
 
 use crate::lease::Lease;

@@ -1,6 +1,6 @@
 //! `tensorwire-etcd`: the cluster on etcd, for deployments beyond one host.
 //!
-//! - [`EtcdDiscovery`]: the [`tensorwire_core::discovery::Discovery`] registry in etcd. Entries
+//! - [`EtcdDiscovery`]: the [`tensorwire_proto::discovery::Discovery`] registry in etcd. Entries
 //!   live under `/tensorwire/<cluster>/reg/<kind>/<id>`, each attached to its process's lease,
 //!   kept alive in the background: when the process dies, the lease runs out and the entry goes;
 //!   watchers see joins and departures.

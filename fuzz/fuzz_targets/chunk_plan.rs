@@ -2,7 +2,7 @@
 //! Chunk plans from arbitrary tensors, dimensions and counts never panic, stay inside the tensor
 //! (every range between its byte offset and the plan's extent) and cover it once.
 use libfuzzer_sys::fuzz_target;
-use tensorwire_core::wire::codec::Reader;
+use tensorwire_proto::wire::codec::Reader;
 use tensorwire_core::{ChunkPlan, TensorMeta};
 
 fuzz_target!(|data: &[u8]| {

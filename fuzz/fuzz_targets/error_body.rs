@@ -2,7 +2,7 @@
 //! Error bodies a peer sends back: any bytes decode to an `Error` or a protocol error, never a
 //! panic; relaying a decoded error again (encode, decode) changes nothing a user sees.
 use libfuzzer_sys::fuzz_target;
-use tensorwire_core::wire::error::{decode_error, encode_error};
+use tensorwire_proto::wire::error::{decode_error, encode_error};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(e) = decode_error(data) {

@@ -3,7 +3,7 @@
 //! orchestrator service): any bytes decode to a frame or an error, never a panic; a decoded
 //! header re-encodes to the same bytes.
 use libfuzzer_sys::fuzz_target;
-use tensorwire_core::wire::frame::{CONTROL, HEADER_LEN};
+use tensorwire_proto::wire::frame::{CONTROL, HEADER_LEN};
 
 fuzz_target!(|data: &[u8]| {
     for framing in

@@ -2,7 +2,7 @@
 //! Handshake messages (Open, Challenge, Proof): decode never panics; what decodes re-encodes to
 //! the same bytes.
 use libfuzzer_sys::fuzz_target;
-use tensorwire_core::wire::handshake::{Challenge, Open, Proof};
+use tensorwire_proto::wire::handshake::{Challenge, Open, Proof};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(m) = Open::decode(data) {

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
-use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::envelope::{Envelope, Message};
-use tensorwire_core::wire::handshake::{Challenge, Open, Proof};
+use tensorwire_proto::wire::codec::{Reader, Writer};
+use tensorwire_proto::wire::envelope::{Envelope, Message};
+use tensorwire_proto::wire::handshake::{Challenge, Open, Proof};
 use tensorwire_core::{AccessKey, DType, EngineId, MemoryKind, Permissions, RegionId, RemoteRegion, TensorMeta};
 use tensorwire_diffusion::control::{Control, Gone};
 use tensorwire_diffusion::{Chunking, LeasePolicy, PayloadKind, PayloadRef, Source};

@@ -1,7 +1,7 @@
 #![no_main]
 //! Tensor metadata: decode, validation and DLPack conversion never panic.
 use libfuzzer_sys::fuzz_target;
-use tensorwire_core::wire::codec::Reader;
+use tensorwire_proto::wire::codec::Reader;
 use tensorwire_core::{MemoryKind, TensorMeta};
 
 fuzz_target!(|data: &[u8]| {

@@ -12,8 +12,8 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{Error, Result};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 
 use crate::sched::{ItemKey, Outcome};
 use crate::{Priority, Stage};

@@ -3,9 +3,9 @@
 //! bounded, and decoded by a total function (proptest in `tests/it/codecs.rs`, a cargo-fuzz target
 //! under `fuzz/`).
 
-use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{Error, Result};
+use tensorwire_proto::wire::codec::{Reader, Writer};
+use tensorwire_proto::wire::frame::Framing;
 
 use tensorwire_diffusion::PayloadRef;
 

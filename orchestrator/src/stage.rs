@@ -1,7 +1,7 @@
 //! The pipeline's stages, written once: their order, index, name and wire tag.
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{Error, Result};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 
 /// Pipeline stages, in pipeline order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

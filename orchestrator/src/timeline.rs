@@ -7,8 +7,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{Error, Result};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 
 use crate::fasthash::FastMap;
 use crate::{Priority, Stage};

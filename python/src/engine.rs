@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::wire::codec::{Reader, Writer};
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::{EngineConfig, MemoryKind, RemoteRegion, TransferOp, backend::Backend};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 use crate::dlpack::{Tensor, perms};

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::{Engine, MemSlice, Permissions, Region, RemoteRegion, TensorMeta};
 
 use crate::api::{Retention, Store, StoreStats, check_key, check_meta};

@@ -5,8 +5,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::error::{MAX_ERROR_BYTES, MAX_ERROR_TEXT, decode_error, encode_error};
+use tensorwire_proto::wire::codec::{Reader, Writer};
+use tensorwire_proto::wire::error::{MAX_ERROR_BYTES, MAX_ERROR_TEXT, decode_error, encode_error};
 
 /// Result with [`StoreError`].
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use tensorwire_core::handshake::Handshake;
 use tensorwire_core::{
     Engine, Error, MemSlice, Permissions, Region, RemoteRegion, Session, TensorMeta, TransferOp,
     backend::Direction,
 };
+use tensorwire_proto::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedWriteHalf;

@@ -7,9 +7,9 @@
 
 use std::net::SocketAddr;
 
-use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{AccessKey, Error, RegionId, Result, TensorMeta};
+use tensorwire_proto::wire::codec::{Reader, Writer};
+use tensorwire_proto::wire::frame::Framing;
 
 use crate::api::{MAX_KEY, Retention, StoreStats};
 use crate::error::{self, MAX_STORE_ERROR_BYTES, StoreError};

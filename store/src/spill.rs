@@ -16,8 +16,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{MemSlice, TensorMeta};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 
 use crate::alloc::ALIGN;
 use crate::api::{MAX_KEY, Retention};

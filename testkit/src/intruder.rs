@@ -7,9 +7,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tensorwire_core::auth::nonce;
-use tensorwire_core::wire::frame::Framing;
-use tensorwire_core::wire::handshake::{CHALLENGE, OPEN, Open, PROOF, Proof, REJECT};
+use tensorwire_proto::auth::nonce;
+use tensorwire_proto::wire::frame::Framing;
+use tensorwire_proto::wire::handshake::{CHALLENGE, OPEN, Open, PROOF, Proof, REJECT};
 
 /// How the intruder answers the challenge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

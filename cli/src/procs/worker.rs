@@ -6,9 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::Permissions;
-use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_diffusion::cache::{
     CheckpointOf, CheckpointRef, Checkpoints, Sampler, Shape, checkpoint_key, embedding_key,
 };
@@ -18,6 +17,7 @@ use tensorwire_diffusion::{
 };
 use tensorwire_orchestrator::service::{Assignment, WorkerClient};
 use tensorwire_orchestrator::{HandlerError, Priority, Stage};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_store::{RemoteStore, Store};
 
 use crate::pipeline::{embed_meta, fill, latent_meta, now_us, tcp_engine};

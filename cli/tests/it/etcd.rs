@@ -17,11 +17,11 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use tensorwire_core::discovery::{Change, Discovery};
 use tensorwire_etcd::testing::EtcdServer;
 use tensorwire_etcd::{EtcdDiscovery, leader_addr, leader_resolver};
 use tensorwire_orchestrator::Priority;
 use tensorwire_orchestrator::service::{SubmitClient, Target};
+use tensorwire_proto::discovery::{Change, Discovery};
 
 use crate::common::{Kill, free_port};
 

@@ -10,10 +10,10 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::wire::frame::{CONTROL, Framing};
+use tensorwire_core::ClusterSecret;
 use tensorwire_orchestrator::Priority;
 use tensorwire_orchestrator::service::SubmitClient;
+use tensorwire_proto::wire::frame::{CONTROL, Framing};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

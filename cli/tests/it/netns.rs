@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::{DType, Engine, EngineConfig, Permissions, TensorMeta};
 use tensorwire_orchestrator::service::{SubmitClient, WorkerClient};
 use tensorwire_orchestrator::{Priority, Stage};

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_core::wire::envelope::MAX_NOTIFY_BYTES;
 use tensorwire_core::{EngineConfig, Error, Permissions, TransferOp};
+use tensorwire_proto::wire::envelope::MAX_NOTIFY_BYTES;
 
 use crate::{PairFactory, bounded, connected, connected_with, pattern};
 

@@ -2,9 +2,9 @@
 //! or an explicit `insecure` opt-out, and a client without the secret learns nothing (no
 //! descriptor, so no region key), whatever it claims.
 
-use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::wire::frame::CONTROL;
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::{Engine, EngineConfig, Error, Permissions, backend::MemBackend};
+use tensorwire_proto::wire::frame::CONTROL;
 use tensorwire_testkit::intruder::{Claim, assert_refused, frames_received};
 
 /// The control channel's descriptor frame kind.

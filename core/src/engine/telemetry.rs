@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// An op in flight: counted from its submission until it ends or is dropped (cancelled).
 pub(crate) struct InFlight(());
@@ -38,28 +38,9 @@ pub(crate) fn op_ended(
             metrics::histogram!("tensorwire_transfer_seconds", &labels).record(took.as_secs_f64());
         }
         Err(e) => {
-            metrics::counter!("tensorwire_transfer_errors_total", "backend" => backend, "kind" => kind(e))
+            metrics::counter!("tensorwire_transfer_errors_total", "backend" => backend, "kind" => e.kind())
                 .increment(1);
         }
-    }
-}
-
-/// The error's kind, as a label value.
-fn kind(e: &Error) -> &'static str {
-    match e {
-        Error::NotFound(_) => "not_found",
-        Error::Unsupported { .. } => "unsupported",
-        Error::OutOfBounds { .. } => "out_of_bounds",
-        Error::AccessDenied(_) => "access_denied",
-        Error::PeerClosed(_) => "peer_closed",
-        Error::Timeout { .. } => "timeout",
-        Error::Capacity { .. } => "capacity",
-        Error::InvalidTensor(_) => "invalid_tensor",
-        Error::Checksum { .. } => "checksum",
-        Error::Protocol(_) => "protocol",
-        Error::Internal(_) => "internal",
-        Error::InvalidArgument(_) => "invalid_argument",
-        Error::Backend { .. } => "backend",
     }
 }
 

@@ -9,11 +9,11 @@ use crate::region::{MAX_BLOB_BYTES, RemoteRegion};
 use crate::wire::codec::{Reader, Writer};
 
 /// Most backends one engine advertises.
-pub const MAX_BACKENDS: usize = 16;
+pub(crate) const MAX_BACKENDS: usize = 16;
 /// Most regions one descriptor carries.
-pub const MAX_REGIONS: usize = 4096;
+pub(crate) const MAX_REGIONS: usize = 4096;
 /// Longest host identity.
-pub const MAX_HOST: usize = 255;
+pub(crate) const MAX_HOST: usize = 255;
 
 /// What an engine tells a peer about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]

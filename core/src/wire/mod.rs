@@ -1,11 +1,6 @@
-//! Wire formats: versioned, length-prefixed, bounded frames decoded by pure functions that never
-//! panic on any input (proptest here, cargo-fuzz targets under `fuzz/`).
+//! The engine's own wire formats (its descriptor), beside the shared ones of `tensorwire-proto`,
+//! named here as core's own modules.
 
-pub mod codec;
 #[cfg(not(loom))]
-pub mod descriptor;
-pub mod envelope;
-pub mod error;
-pub mod frame;
-#[cfg(not(loom))]
-pub mod handshake;
+pub(crate) mod descriptor;
+pub(crate) use tensorwire_proto::wire::{codec, envelope, error, frame};

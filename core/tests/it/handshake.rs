@@ -3,13 +3,13 @@
 
 use std::time::Duration;
 
-use tensorwire_core::auth::{AUTH_LEN, Side, Transcript};
-use tensorwire_core::handshake::expect;
-use tensorwire_core::wire::frame::{CONTROL, FrameHeader};
-use tensorwire_core::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof};
 use tensorwire_core::{
     ClusterSecret, Engine, EngineConfig, EngineDescriptor, Error, Missing, Permissions, TransferOp,
 };
+use tensorwire_proto::auth::{AUTH_LEN, Side, Transcript};
+use tensorwire_proto::handshake::expect;
+use tensorwire_proto::wire::frame::{CONTROL, FrameHeader};
+use tensorwire_proto::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn engine(secret: Option<&[u8]>) -> Engine {

@@ -9,8 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{MemSlice, Region, TensorMeta};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_store::{Retention, Store, StoreError};
 
 use super::keys::CacheKey;

@@ -6,12 +6,12 @@
 
 use std::time::Duration;
 
-use tensorwire_core::discovery::{Change, Discovery, Entry};
 use tensorwire_etcd::testing::EtcdServer;
 use tensorwire_etcd::{EtcdDiscovery, EtcdJournal, Leadership, leader_addr};
 use tensorwire_orchestrator::journal::Fact;
 use tensorwire_orchestrator::service::JournalStore;
 use tensorwire_orchestrator::{Outcome, Priority, Stage};
+use tensorwire_proto::discovery::{Change, Discovery, Entry};
 
 fn etcd() -> Option<EtcdServer> {
     match EtcdServer::start() {

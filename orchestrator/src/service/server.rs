@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::Error;
-use tensorwire_core::auth::{ClusterSecret, check_listener};
-use tensorwire_core::handshake::Handshake;
+use tensorwire_proto::auth::{ClusterSecret, check_listener};
+use tensorwire_proto::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;

@@ -1,5 +1,5 @@
 //! The orchestrator service protocol, on the common framing ([`FRAMING`], magic "TO"): after the
-//! authenticated handshake (`tensorwire_core::handshake`) the client says what it is (`Hello`)
+//! authenticated handshake (`tensorwire_proto::handshake`) the client says what it is (`Hello`)
 //! and the server answers `Welcome{worker id}`; then workers send heartbeats, credits and results
 //! and receive assignments, and submitters send requests and receive outcomes. A refusal is the
 //! handshake's `Reject` frame. Bodies are built with the core codec; decoders are total.
@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use crate::timeline::Timeline;
 use crate::{Priority, Stage};
-use tensorwire_core::wire::codec::{Reader, Writer};
-use tensorwire_core::wire::frame::Framing;
 use tensorwire_core::{Error, Result};
+use tensorwire_proto::wire::codec::{Reader, Writer};
+use tensorwire_proto::wire::frame::Framing;
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
@@ -491,7 +491,7 @@ pub(crate) async fn write_msgs(
 pub async fn read_msg(s: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<Option<Msg>> {
     match FRAMING.read(s).await? {
         None => Ok(None),
-        Some((tensorwire_core::wire::handshake::REJECT, reason)) => {
+        Some((tensorwire_proto::wire::handshake::REJECT, reason)) => {
             Err(Error::AccessDenied(format!("orchestrator: {}", String::from_utf8_lossy(&reason))))
         }
         Some((kind, body)) => Msg::decode(kind, &body).map(Some),

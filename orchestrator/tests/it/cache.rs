@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{DType, Engine, Permissions, TensorMeta, backend::MemBackend};
 use tensorwire_diffusion::cache::{StoreCache, embedding_key};
 use tensorwire_diffusion::{ConnectorConfig, DiffusionConnector, PayloadKind, PayloadRef};
@@ -16,6 +15,7 @@ use tensorwire_orchestrator::service::{
     OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
 use tensorwire_orchestrator::{Priority, Stage};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_store::{EmbeddedStore, Store, StoreConfig};
 
 const N: u64 = 64 << 10;

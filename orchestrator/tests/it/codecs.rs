@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use proptest::prelude::*;
-use tensorwire_core::wire::codec::{Reader, Writer};
 use tensorwire_core::{
     AccessKey, DType, EngineId, Error, MemoryKind, Permissions, RegionId, RemoteRegion, TensorMeta,
 };
 use tensorwire_diffusion::{Chunking, LeasePolicy, PayloadKind, PayloadRef, Source};
 use tensorwire_orchestrator::queue::MAX_REFS;
 use tensorwire_orchestrator::{Affinity, Priority, QueueMessage, Stage};
+use tensorwire_proto::wire::codec::{Reader, Writer};
 
 fn sample() -> QueueMessage {
     let latent = PayloadRef {

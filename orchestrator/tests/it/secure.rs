@@ -2,7 +2,7 @@
 //! explicit `insecure` opt-out, and a client without the secret is refused before it is welcomed
 //! (so it is never assigned work, whose inputs carry payload references and their keys).
 
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ClusterSecret;
 use tensorwire_orchestrator::Stage;
 use tensorwire_orchestrator::service::wire::{FRAMING, Msg, Role};
 use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig};

@@ -9,7 +9,7 @@ use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use tensorwire_conformance::harness::{ChildBody, child_command};
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ClusterSecret;
 use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{
     OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,

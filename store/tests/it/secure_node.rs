@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use tensorwire_core::auth::ClusterSecret;
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::{Engine, EngineConfig, backend::MemBackend};
 use tensorwire_store::rpc::{FRAMING, Request};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};

@@ -1,6 +1,6 @@
 //! Cutting recorded byte streams back into the messages they carried.
 
-use tensorwire_core::wire::frame::{Framing, HEADER_LEN};
+use tensorwire_proto::wire::frame::{Framing, HEADER_LEN};
 use tensorwire_tcp::wire::{self as tcp, DataHeader};
 
 /// One frame of a framed protocol.
@@ -62,7 +62,7 @@ pub fn data_frames(stream: &[u8]) -> Vec<DataFrame> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tensorwire_core::wire::frame::CONTROL;
+    use tensorwire_proto::wire::frame::CONTROL;
 
     #[test]
     fn frames_stop_at_a_partial_frame() {

@@ -1,18 +1,18 @@
 //! The fuzz targets: what input each one takes, whether a seed is a well-formed input for it,
 //! and the magic numbers and tags its dictionary lists.
 
+use tensorwire_core::EngineDescriptor;
 use tensorwire_core::TensorMeta;
-use tensorwire_core::wire::codec::Reader;
-use tensorwire_core::wire::descriptor::EngineDescriptor;
-use tensorwire_core::wire::envelope::Envelope;
-use tensorwire_core::wire::error::decode_error;
-use tensorwire_core::wire::frame::{CONTROL, Framing, RESERVED_KINDS};
-use tensorwire_core::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof, REJECT};
 use tensorwire_diffusion::PayloadRef;
 use tensorwire_diffusion::control::{self, Control};
 use tensorwire_orchestrator::QueueMessage;
 use tensorwire_orchestrator::queue;
 use tensorwire_orchestrator::service::wire::{self as service, Msg};
+use tensorwire_proto::wire::codec::Reader;
+use tensorwire_proto::wire::envelope::Envelope;
+use tensorwire_proto::wire::error::decode_error;
+use tensorwire_proto::wire::frame::{CONTROL, Framing, RESERVED_KINDS};
+use tensorwire_proto::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof, REJECT};
 use tensorwire_store::rpc::{self, Request, Response};
 
 /// Every target of `fuzz/`, by name. Each has a corpus directory `fuzz/corpus/NAME`.
@@ -71,7 +71,7 @@ pub fn valid(target: &str, input: &[u8]) -> bool {
         "connector_control" => matches!(Control::decode(input), Ok(Some(_))),
         "cuda_ipc_share" => tensorwire_cuda::ipc::IpcShare::decode(input).is_ok(),
         "discovery_entry" => {
-            tensorwire_core::discovery::Entry::decode_value("store", "n1", input).is_ok()
+            tensorwire_proto::discovery::Entry::decode_value("store", "n1", input).is_ok()
         }
         "engine_descriptor" => EngineDescriptor::decode(input).is_ok(),
         "envelope" => Envelope::decode(input).is_ok(),

@@ -8,10 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tensorwire_core::auth::ClusterSecret;
-use tensorwire_core::wire::envelope::{Envelope, Message};
-use tensorwire_core::wire::frame::{CONTROL, Framing, RESERVED_KINDS};
-use tensorwire_core::wire::handshake::{CHALLENGE, OPEN, PROOF};
+use tensorwire_core::ClusterSecret;
 use tensorwire_core::{
     AccessKey, ChunkPlan, DType, Engine, EngineConfig, Permissions, Region, TensorMeta, TransferOp,
 };
@@ -25,6 +22,9 @@ use tensorwire_orchestrator::service::{
     OrchestratorService, ServiceConfig, SubmitClient, WorkerClient,
 };
 use tensorwire_orchestrator::{Priority, Stage};
+use tensorwire_proto::wire::envelope::{Envelope, Message};
+use tensorwire_proto::wire::frame::{CONTROL, Framing, RESERVED_KINDS};
+use tensorwire_proto::wire::handshake::{CHALLENGE, OPEN, PROOF};
 use tensorwire_store::{EmbeddedStore, RemoteStore, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 

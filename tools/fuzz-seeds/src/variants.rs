@@ -5,15 +5,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::Missing;
-use tensorwire_core::wire::codec::Writer;
-use tensorwire_core::wire::envelope::{Envelope, Message};
-use tensorwire_core::wire::error::encode_error;
-use tensorwire_core::wire::handshake::{Challenge, Open, Proof};
 use tensorwire_core::{AccessKey, DType, EngineId, Error, MemoryKind, RegionId, TensorMeta};
 use tensorwire_diffusion::PayloadRef;
 use tensorwire_diffusion::control::{Control, Gone};
 use tensorwire_orchestrator::service::wire::{Ending, Msg, Role};
 use tensorwire_orchestrator::{Affinity, Priority, QueueMessage, Stage};
+use tensorwire_proto::wire::codec::Writer;
+use tensorwire_proto::wire::envelope::{Envelope, Message};
+use tensorwire_proto::wire::error::encode_error;
+use tensorwire_proto::wire::handshake::{Challenge, Open, Proof};
 use tensorwire_shm::wire as shm;
 use tensorwire_store::rpc::{self, Request, Response};
 use tensorwire_store::{Retention, StoreError, StoreStats};
@@ -476,7 +476,7 @@ fn checkpoints(c: &mut Corpus) {
 
 /// Discovery entries as etcd stores them: an engine, a store node naming its engine, IPv6.
 fn discovery(c: &mut Corpus) {
-    use tensorwire_core::discovery::Entry;
+    use tensorwire_proto::discovery::Entry;
     let entries = [
         Entry {
             kind: "engine".into(),

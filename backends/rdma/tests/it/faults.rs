@@ -295,7 +295,7 @@ async fn hostile_input_on_the_control_channel_leaves_the_backend_working() {
         let _ = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf)).await;
     }
     let mut c = tokio::net::TcpStream::connect(control).await.unwrap();
-    let hs = tensorwire_core::handshake::Handshake {
+    let hs = tensorwire_proto::handshake::Handshake {
         framing: &tensorwire_rdma::wire::FRAMING,
         secret: None,
         peer: control,

@@ -123,6 +123,25 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error's kind, as a metric label value (`tensorwire_transfer_errors_total{kind}`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::NotFound(_) => "not_found",
+            Error::Unsupported { .. } => "unsupported",
+            Error::OutOfBounds { .. } => "out_of_bounds",
+            Error::AccessDenied(_) => "access_denied",
+            Error::PeerClosed(_) => "peer_closed",
+            Error::Timeout { .. } => "timeout",
+            Error::Capacity { .. } => "capacity",
+            Error::InvalidTensor(_) => "invalid_tensor",
+            Error::Checksum { .. } => "checksum",
+            Error::Protocol(_) => "protocol",
+            Error::Internal(_) => "internal",
+            Error::InvalidArgument(_) => "invalid_argument",
+            Error::Backend { .. } => "backend",
+        }
+    }
+
     /// Shorthand for [`Error::Protocol`].
     pub fn protocol(msg: impl Into<String>) -> Self {
         Error::Protocol(msg.into())

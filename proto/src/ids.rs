@@ -7,7 +7,8 @@ use std::fmt;
 pub struct EngineId(pub u128);
 
 impl EngineId {
-    pub(crate) fn random() -> Self {
+    /// A fresh random value.
+    pub fn random() -> Self {
         EngineId(rand::random())
     }
 }
@@ -33,7 +34,8 @@ pub struct RegionId(pub u64);
 pub struct AccessKey(u128);
 
 impl AccessKey {
-    pub(crate) fn random() -> Self {
+    /// A fresh random value.
+    pub fn random() -> Self {
         AccessKey(rand::random())
     }
     /// The key's bits (for wire formats).
