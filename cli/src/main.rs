@@ -26,15 +26,12 @@ mod cluster;
 mod demo;
 mod elastic;
 mod observe;
-mod pipeline;
 mod plot;
-mod procs;
 mod profiles;
 mod report;
 mod scenario;
 mod secret;
 mod serve;
-mod shift_demo;
 mod simulate;
 mod soak;
 mod supervise;
@@ -94,7 +91,7 @@ fn main() -> ExitCode {
     };
     let r = match cli.cmd {
         Cmd::Demo(a) if a.scenario == scenario::SHIFT => rt.block_on(async {
-            tokio::spawn(shift_demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+            tokio::spawn(demo::shift::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
         }),
         Cmd::Demo(a) => rt.block_on(async {
             tokio::spawn(demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))

@@ -50,7 +50,7 @@ pub(crate) const SCENARIOS: [Scenario; 3] = [
     },
 ];
 
-/// The scenario that compares elastic pools with fixed ones (see `crate::shift_demo`), not a
+/// The scenario that compares elastic pools with fixed ones (see `crate::demo::shift`), not a
 /// layout comparison.
 pub(crate) const SHIFT: &str = "shift";
 

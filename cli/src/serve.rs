@@ -378,7 +378,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
         let mix: Vec<crate::profiles::Model> =
             profiles::pick(&all, &names)?.into_iter().cloned().collect();
         let mobility = mobility(&mix)?;
-        return crate::procs::payload_worker(
+        return crate::demo::procs::payload_worker(
             (stage, a.slots),
             target,
             store,

@@ -16,7 +16,7 @@ use crate::capacity::engine::{self, Knobs, Load, Net, Outcome, Prepared, Reused}
 use crate::capacity::layout::Layout;
 use crate::capacity::plan::{self, Budget};
 use crate::capacity::workload::Mix;
-use crate::pipeline::parse_split;
+use crate::demo::pipeline::parse_split;
 use crate::plot::{Labelled, PALETTE, scatter};
 use crate::profiles;
 use crate::report::percentile;

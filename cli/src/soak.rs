@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use crate::demo::MixArgs;
-use crate::procs::{Cluster, ClusterArgs};
+use crate::demo::procs::{Cluster, ClusterArgs};
 
 /// `tensorwire soak` arguments.
 #[derive(Debug, Args)]
@@ -92,7 +92,7 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
         checkpoint_every: 10,
         metrics: crate::observe::MetricsArgs::default(),
         rebalance: None,
-        store_bytes: crate::pipeline::STORE_BYTES,
+        store_bytes: crate::demo::pipeline::STORE_BYTES,
     };
     println!(
         "tensorwire soak: {} min, batches of {} requests, {}:{}:{} worker processes, {}",

@@ -20,7 +20,7 @@ use tensorwire_orchestrator::{HandlerError, Priority, Stage};
 use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_store::{RemoteStore, Store};
 
-use crate::pipeline::{embed_meta, fill, latent_meta, now_us, tcp_engine};
+use crate::demo::pipeline::{embed_meta, fill, latent_meta, now_us, tcp_engine};
 use crate::profiles::Model;
 
 pub(super) fn encode_refs(refs: &[PayloadRef]) -> Vec<u8> {

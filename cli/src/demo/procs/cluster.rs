@@ -12,7 +12,7 @@ use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, Submi
 use tensorwire_orchestrator::{Priority, Stage};
 use tensorwire_store::Store;
 
-use crate::pipeline::{Split, store_node};
+use crate::demo::pipeline::{Split, store_node};
 use crate::profiles::Model;
 use crate::supervise::{Chaos, Slot, Supervisor};
 

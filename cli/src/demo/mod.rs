@@ -5,6 +5,10 @@
 //! profiled service times scaled by `--time-scale`. Then the same requests run colocated (each
 //! simulated GPU runs all three stages of a request) on the same number of GPUs.
 
+pub(crate) mod pipeline;
+pub(crate) mod procs;
+pub(crate) mod shift;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -25,11 +29,11 @@ use tensorwire_orchestrator::{
 };
 use tensorwire_store::{RemoteStore, Store};
 
-use crate::pipeline::{
+use crate::demo::pipeline::{
     STORE_BYTES, Split, auto_split, embed_meta, fill, latent_meta, now_us, parse_split, store_node,
     tcp_engine,
 };
-use crate::procs::{Cluster, ClusterArgs, Steps};
+use crate::demo::procs::{Cluster, ClusterArgs, Steps};
 use crate::profiles::{self, Model};
 use crate::report::Summary;
 

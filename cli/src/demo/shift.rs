@@ -15,8 +15,8 @@ use tensorwire_orchestrator::Stage;
 use tensorwire_orchestrator::sched::SchedConfig;
 
 use crate::demo::DemoArgs;
-use crate::pipeline::{Split, now_us};
-use crate::procs::{Cluster, ClusterArgs};
+use crate::demo::pipeline::{Split, now_us};
+use crate::demo::procs::{Cluster, ClusterArgs};
 use crate::profiles::{self, Model};
 use crate::report::percentile;
 use crate::switching::{RebalanceArgs, SwitchCost};
