@@ -16,7 +16,6 @@ pub mod memcpy;
 pub mod orchestrator;
 pub mod raw_tcp;
 pub mod report;
-pub mod rng;
 pub mod store;
 pub mod suite;
 pub mod thread_cpu;

@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use tensorwire_orchestrator::sched::SchedConfig;
 
-use crate::capacity::engine::{self, Elastic, Knobs, Load, Outcome, Prepared, Shift};
-use crate::capacity::layout::Layout;
-use crate::capacity::shift;
-use crate::capacity::workload::Mix;
-use crate::profiles::Model;
 use crate::report::percentile;
 use crate::simulate::{Ctx, SimArgs, context, per_1k, show, splits};
+use tensorwire_sim::engine::{self, Elastic, Knobs, Load, Outcome, Prepared, Shift};
+use tensorwire_sim::layout::Layout;
+use tensorwire_sim::profiles::Model;
+use tensorwire_sim::shift;
+use tensorwire_sim::workload::Mix;
 
 /// One run of the comparison.
 pub(crate) struct Row {

@@ -21,13 +21,11 @@
 #![allow(rustdoc::broken_intra_doc_links)]
 
 mod bench;
-mod capacity;
 mod cluster;
 mod demo;
 mod elastic;
 mod observe;
 mod plot;
-mod profiles;
 mod report;
 mod scenario;
 mod secret;

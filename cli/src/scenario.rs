@@ -1,14 +1,14 @@
 //! The demo's scenarios: a cluster (a GPU class for colocated serving and for each
 //! disaggregated pool) and a request mix. The stage times the demo's workers sleep come from the
-//! capacity model's fit of each layout ([`crate::capacity::fit`]): colocated serving pays what
+//! capacity model's fit of each layout ([`tensorwire_sim::fit`]): colocated serving pays what
 //! sharing one GPU's memory costs (offloaded weights, tiled decode), each pool what its own
 //! class costs. The scenario then names what decided the comparison.
 
-use crate::capacity::classes::{self, GpuClass};
-use crate::capacity::fit::{self, Mode, StageCost};
-use crate::capacity::layout::{Pool, stages};
-use crate::profiles::Model;
 use tensorwire_orchestrator::Stage;
+use tensorwire_sim::classes::{self, GpuClass};
+use tensorwire_sim::fit::{self, Mode, StageCost};
+use tensorwire_sim::layout::{Pool, stages};
+use tensorwire_sim::profiles::Model;
 
 /// One scenario.
 #[derive(Debug, Clone, Copy)]
@@ -149,7 +149,7 @@ pub(crate) fn time(s: &Scenario, models: &[Model]) -> Result<Timed, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profiles;
+    use tensorwire_sim::profiles;
 
     #[test]
     fn every_scenario_fits_and_the_memory_bound_one_differs() {

@@ -17,8 +17,9 @@ use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 use crate::observe::{Flag, Joining, MetricsArgs};
-use crate::{profiles, secret};
+use crate::secret;
 use tensorwire_observe::Health;
+use tensorwire_sim::profiles;
 
 /// `serve` options.
 #[derive(Debug, Clone, clap::Args)]
@@ -364,7 +365,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
     let all = profiles::load(a.profiles.as_deref())?;
     let mut serves = vec![stage];
     serves.extend(crate::switching::stages(&a.can)?.into_iter().filter(|s| *s != stage));
-    let mobility = |models: &[crate::profiles::Model]| -> Result<_, String> {
+    let mobility = |models: &[tensorwire_sim::profiles::Model]| -> Result<_, String> {
         let cost = a.switch.times(models)?.map(|d| d.mul_f64(a.time_scale));
         Ok(crate::switching::Mobility { serves: serves.clone(), cost })
     };
@@ -375,7 +376,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
     };
     if let Some(store) = store {
         let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
-        let mix: Vec<crate::profiles::Model> =
+        let mix: Vec<tensorwire_sim::profiles::Model> =
             profiles::pick(&all, &names)?.into_iter().cloned().collect();
         let mobility = mobility(&mix)?;
         return crate::demo::procs::payload_worker(

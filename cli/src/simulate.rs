@@ -10,16 +10,16 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::capacity::calibrate;
-use crate::capacity::classes::{self, GpuClass};
-use crate::capacity::engine::{self, Knobs, Load, Net, Outcome, Prepared, Reused};
-use crate::capacity::layout::Layout;
-use crate::capacity::plan::{self, Budget};
-use crate::capacity::workload::Mix;
 use crate::demo::pipeline::parse_split;
 use crate::plot::{Labelled, PALETTE, scatter};
-use crate::profiles;
 use crate::report::percentile;
+use tensorwire_sim::calibrate;
+use tensorwire_sim::classes::{self, GpuClass};
+use tensorwire_sim::engine::{self, Knobs, Load, Net, Outcome, Prepared, Reused};
+use tensorwire_sim::layout::Layout;
+use tensorwire_sim::plan::{self, Budget};
+use tensorwire_sim::profiles;
+use tensorwire_sim::workload::Mix;
 
 /// Simulation settings.
 #[derive(Debug, Clone, clap::Args)]

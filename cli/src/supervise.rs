@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tensorwire_benches::rng::Rng;
+use tensorwire_sim::rng::Rng;
 use tokio::sync::mpsc;
 
 /// First restart delay; it doubles per quick death up to [`MAX_BACKOFF`].

@@ -13,7 +13,7 @@ use tensorwire_orchestrator::service::{Assignment, WorkerClient, WorkerSpec};
 use tokio::signal::unix::Signal;
 use tokio::sync::mpsc;
 
-use crate::profiles::Model;
+use tensorwire_sim::profiles::Model;
 
 /// The rebalancer's settings, in seconds of (profile) time.
 #[derive(Debug, Clone, clap::Args)]
@@ -174,7 +174,7 @@ pub(crate) async fn switch(from: Stage, to: Stage, cost: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profiles;
+    use tensorwire_sim::profiles;
 
     #[test]
     fn switch_costs_come_from_the_weights_and_settings_are_checked() {

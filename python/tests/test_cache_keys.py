@@ -1,6 +1,6 @@
 """A second implementation of tensorwire's cache-key format (diffusion/src/cache/keys.rs), in
 plain Python from its description, checked against the test vectors the Rust implementation
-checks too (diffusion/tests/cache_keys.txt): the format is what the text says. The embedding key
+checks too (diffusion/tests/it/cache_keys.txt): the format is what the text says. The embedding key
 is the package's own (tensorwire.pipelines.cache, which the embedding cache uses); cfg and
 checkpoint keys are computed here."""
 
@@ -10,7 +10,7 @@ import struct
 
 from tensorwire.pipelines.cache import embedding_key
 
-VECTORS = pathlib.Path(__file__).resolve().parents[2] / "diffusion" / "tests" / "cache_keys.txt"
+VECTORS = pathlib.Path(__file__).resolve().parents[2] / "diffusion" / "tests" / "it" / "cache_keys.txt"
 
 
 def _s(b: bytes) -> bytes:

@@ -6,7 +6,7 @@
 //!
 //! `cargo run --release -p tensorwire-benches --bin frag`
 
-use tensorwire_benches::rng::Rng;
+use tensorwire_sim::rng::Rng;
 use tensorwire_store::alloc::Allocator;
 
 fn main() {

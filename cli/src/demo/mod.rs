@@ -34,8 +34,8 @@ use crate::demo::pipeline::{
     tcp_engine,
 };
 use crate::demo::procs::{Cluster, ClusterArgs, Steps};
-use crate::profiles::{self, Model};
 use crate::report::Summary;
+use tensorwire_sim::profiles::{self, Model};
 
 /// The request mix and the worker pools, shared by `demo` and `soak`.
 #[derive(Debug, Clone, clap::Args)]

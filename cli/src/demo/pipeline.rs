@@ -10,7 +10,7 @@ use tensorwire_core::{DType, Engine, EngineConfig, TensorMeta};
 use tensorwire_store::{EmbeddedStore, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
-use crate::profiles::Model;
+use tensorwire_sim::profiles::Model;
 
 /// Microseconds since the Unix epoch (the clock worker processes stamp their lines with).
 pub(crate) fn now_us() -> u64 {

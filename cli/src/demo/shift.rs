@@ -10,16 +10,16 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use tensorwire_benches::rng::Rng;
 use tensorwire_orchestrator::Stage;
 use tensorwire_orchestrator::sched::SchedConfig;
+use tensorwire_sim::rng::Rng;
 
 use crate::demo::DemoArgs;
 use crate::demo::pipeline::{Split, now_us};
 use crate::demo::procs::{Cluster, ClusterArgs};
-use crate::profiles::{self, Model};
 use crate::report::percentile;
 use crate::switching::{RebalanceArgs, SwitchCost};
+use tensorwire_sim::profiles::{self, Model};
 
 /// The models: requests with even ids are images, odd ones video.
 const MODELS: [&str; 2] = ["qwen-image-1328", "wan2.1-t2v-1.3b-480p"];

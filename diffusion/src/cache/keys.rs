@@ -28,8 +28,8 @@
 //!   name (string), sampler state (bytes), step (u32), seed (u64), guidance scale (f32),
 //!   width, height, frames (u32 each), prompt's embedding key (key).
 //!
-//! Test vectors: `diffusion/tests/cache_keys.txt` (`cargo test -p tensorwire-diffusion --test
-//! cache_keys` checks them).
+//! Test vectors: `diffusion/tests/it/cache_keys.txt` (`cargo test -p tensorwire-diffusion --test
+//! it cache_keys` checks them).
 
 use sha2::{Digest, Sha256};
 

@@ -1,4 +1,4 @@
-//! The cache-key test vectors (`tests/cache_keys.txt`): every line's key, computed here, matches
+//! The cache-key test vectors (`tests/it/cache_keys.txt`): every line's key, computed here, matches
 //! the hex on the line. Another implementation of the format (see `cache::keys`) must match them
 //! too. Lines: `embedding|encoder|version|prompt|negative(0/1)|name=value,...|hex`,
 //! `cfg|model|negative-prompt key hex|step|width|height|frames|sampler|state hex|hex`,

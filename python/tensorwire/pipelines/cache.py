@@ -2,7 +2,7 @@
 same prompt, negative prompt and encoder, on any encode worker of the cluster.
 
 Keys follow tensorwire's cache-key format (``diffusion/src/cache/keys.rs``, version 1; the test
-vectors in ``diffusion/tests/cache_keys.txt`` check this implementation too): an entry lives under
+vectors in ``diffusion/tests/it/cache_keys.txt`` check this implementation too): an entry lives under
 ``tw/cache/emb/<key hex>`` (its manifest: the tensors' names, dtypes and shapes) and
 ``.../<name>`` (each tensor's bytes, written from and read into the tensors themselves). Entries
 are ordinary store objects: the store may evict them, and an entry with a part gone is a miss.

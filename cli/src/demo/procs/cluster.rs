@@ -13,8 +13,8 @@ use tensorwire_orchestrator::{Priority, Stage};
 use tensorwire_store::Store;
 
 use crate::demo::pipeline::{Split, store_node};
-use crate::profiles::Model;
 use crate::supervise::{Chaos, Slot, Supervisor};
+use tensorwire_sim::profiles::Model;
 
 /// An outcome to wait for: the request, when it was submitted (from the run's start), and the
 /// service's answer to come.

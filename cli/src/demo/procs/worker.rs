@@ -21,7 +21,7 @@ use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_store::{RemoteStore, Store};
 
 use crate::demo::pipeline::{embed_meta, fill, latent_meta, now_us, tcp_engine};
-use crate::profiles::Model;
+use tensorwire_sim::profiles::Model;
 
 pub(super) fn encode_refs(refs: &[PayloadRef]) -> Vec<u8> {
     let mut w = Writer::new();

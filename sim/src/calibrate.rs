@@ -14,28 +14,28 @@ use super::workload::Mix;
 use crate::profiles::{self, Model};
 
 /// The results shipped with the binary.
-const SHIPPED: &str = include_str!("../../profiles/published.toml");
+const SHIPPED: &str = include_str!("../profiles/published.toml");
 
 /// One published result.
 #[derive(Debug, Clone, Deserialize)]
-pub(crate) struct Published {
+pub struct Published {
     /// What was measured, with the figures.
-    pub(crate) what: String,
+    pub what: String,
     /// Model (a profile name).
-    pub(crate) model: String,
+    pub model: String,
     /// GPU class of every pool.
-    pub(crate) class: String,
+    pub class: String,
     /// The colocated layout.
-    pub(crate) colocated: String,
+    pub colocated: String,
     /// The disaggregated layout.
-    pub(crate) disaggregated: String,
+    pub disaggregated: String,
     /// Published throughput ratio, disaggregated over colocated.
-    pub(crate) ratio: f64,
+    pub ratio: f64,
     /// Relative tolerance.
-    pub(crate) tolerance: f64,
+    pub tolerance: f64,
     /// The mechanism the simulator lacks, when it misses.
     #[serde(default)]
-    pub(crate) lacks: Option<String>,
+    pub lacks: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -44,7 +44,7 @@ struct File {
 }
 
 /// Results from `path`, or the shipped ones.
-pub(crate) fn load(path: Option<&Path>) -> Result<Vec<Published>, String> {
+pub fn load(path: Option<&Path>) -> Result<Vec<Published>, String> {
     let (text, origin) = match path {
         Some(p) => (
             std::fs::read_to_string(p).map_err(|e| format!("{}: cannot read: {e}", p.display()))?,
@@ -59,29 +59,29 @@ pub(crate) fn load(path: Option<&Path>) -> Result<Vec<Published>, String> {
 
 /// One result checked.
 #[derive(Debug, Clone)]
-pub(crate) struct Checked {
+pub struct Checked {
     /// The result.
-    pub(crate) published: Published,
+    pub published: Published,
     /// Simulated capacities, colocated and disaggregated (requests per second).
-    pub(crate) throughput: (f64, f64),
+    pub throughput: (f64, f64),
     /// The same with every time derived (the model's measured times ignored): how far the
     /// derivations alone (class speed, offload over the host link) get.
-    pub(crate) derived: (f64, f64),
+    pub derived: (f64, f64),
 }
 
 impl Checked {
     /// Simulated ratio.
-    pub(crate) fn ratio(&self) -> f64 {
+    pub fn ratio(&self) -> f64 {
         self.throughput.1 / self.throughput.0.max(1e-12)
     }
 
     /// Simulated ratio with derived times only.
-    pub(crate) fn derived_ratio(&self) -> f64 {
+    pub fn derived_ratio(&self) -> f64 {
         self.derived.1 / self.derived.0.max(1e-12)
     }
 
     /// Within the tolerance.
-    pub(crate) fn within(&self) -> bool {
+    pub fn within(&self) -> bool {
         (self.ratio() / self.published.ratio - 1.0).abs() <= self.published.tolerance
     }
 }
@@ -90,7 +90,7 @@ impl Checked {
 const REQUESTS: u64 = 100;
 
 /// Runs every result.
-pub(crate) fn check(
+pub fn check(
     results: &[Published],
     models: &[Model],
     classes: &[GpuClass],

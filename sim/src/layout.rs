@@ -11,20 +11,20 @@ const LETTERS: [char; 3] = ['E', 'D', 'V'];
 
 /// One pool: the stages its GPUs serve, their class and how many.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Pool {
+pub struct Pool {
     /// Which stages (by [`Stage::index`]).
-    pub(crate) stages: [bool; 3],
+    pub stages: [bool; 3],
     /// GPU class name.
-    pub(crate) class: String,
+    pub class: String,
     /// GPUs.
-    pub(crate) count: u32,
+    pub count: u32,
 }
 
 impl Pool {
     /// The pool's stages in pipeline order, cut into runs of consecutive stages. A run is served
     /// as one item by one GPU (the stages of a run pass their tensors on the GPU, no transfer);
     /// runs apart (E and V without D) are separate items that share the pool's GPUs.
-    pub(crate) fn runs(&self) -> Vec<Vec<Stage>> {
+    pub fn runs(&self) -> Vec<Vec<Stage>> {
         let mut runs: Vec<Vec<Stage>> = Vec::new();
         let mut last: Option<usize> = None;
         for s in Stage::ALL.into_iter().filter(|s| self.stages[s.index()]) {
@@ -38,21 +38,21 @@ impl Pool {
     }
 
     /// The stages as letters ("DV").
-    pub(crate) fn letters(&self) -> String {
+    pub fn letters(&self) -> String {
         LETTERS.iter().zip(self.stages).filter(|(_, on)| *on).map(|(c, _)| *c).collect()
     }
 }
 
 /// Pools covering each stage once.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Layout {
+pub struct Layout {
     /// The pools.
-    pub(crate) pools: Vec<Pool>,
+    pub pools: Vec<Pool>,
 }
 
 impl Layout {
     /// Parses `E@l40s:1|DV:7`; `class` is the class of a pool that names none.
-    pub(crate) fn parse(s: &str, class: &str) -> Result<Layout, String> {
+    pub fn parse(s: &str, class: &str) -> Result<Layout, String> {
         let bad = |why: String| format!("--layout {s:?}: {why} (e.g. E@l40s:1|DV@h100:7)");
         let mut pools = Vec::new();
         let mut seen = [false; 3];
@@ -91,18 +91,18 @@ impl Layout {
     }
 
     /// GPUs in all pools.
-    pub(crate) fn gpus(&self) -> u32 {
+    pub fn gpus(&self) -> u32 {
         self.pools.iter().map(|p| p.count).sum()
     }
 
     /// The grouping without classes and counts ("E|DV").
     #[cfg(test)]
-    pub(crate) fn kind(&self) -> String {
+    pub fn kind(&self) -> String {
         self.pools.iter().map(Pool::letters).collect::<Vec<_>>().join("|")
     }
 
     /// Every stage on one pool.
-    pub(crate) fn colocated(&self) -> bool {
+    pub fn colocated(&self) -> bool {
         self.pools.len() == 1
     }
 }
@@ -116,12 +116,12 @@ impl fmt::Display for Layout {
 }
 
 /// The stages named by letters known to be valid (the constants below).
-pub(crate) fn stages(letters: &str) -> [bool; 3] {
+pub fn stages(letters: &str) -> [bool; 3] {
     std::array::from_fn(|i| letters.contains(LETTERS[i]))
 }
 
 /// Every way to group the three stages into pools (the set partitions of {E, D, V}).
-pub(crate) const GROUPINGS: [&[&str]; 5] =
+pub const GROUPINGS: [&[&str]; 5] =
     [&["EDV"], &["E", "DV"], &["ED", "V"], &["EV", "D"], &["E", "D", "V"]];
 
 #[cfg(test)]

@@ -6,25 +6,25 @@ use std::path::Path;
 use serde::Deserialize;
 
 /// The classes shipped with the binary.
-const SHIPPED: &str = include_str!("../../profiles/gpus.toml");
+const SHIPPED: &str = include_str!("../profiles/gpus.toml");
 
 /// One kind of GPU (or a CPU-only host).
 #[derive(Debug, Clone, Deserialize)]
-pub(crate) struct GpuClass {
+pub struct GpuClass {
     /// Name (`h100`, `l40s`, ...).
-    pub(crate) name: String,
+    pub name: String,
     /// Memory a pool's models and activations must fit in, GB.
-    pub(crate) vram_gb: f64,
+    pub vram_gb: f64,
     /// Memory bandwidth, GB/s.
-    pub(crate) mem_bw_gbps: f64,
+    pub mem_bw_gbps: f64,
     /// Host link, one direction, GB/s: what offloaded weights stream over.
-    pub(crate) host_link_gbps: f64,
+    pub host_link_gbps: f64,
     /// NVLink, GB/s (0: none).
-    pub(crate) nvlink_gbps: f64,
+    pub nvlink_gbps: f64,
     /// Speed relative to an H100 (the profiles' reference) where no time was measured.
-    pub(crate) speed: f64,
+    pub speed: f64,
     /// Rental price, US$ per hour per GPU.
-    pub(crate) usd_per_hour: f64,
+    pub usd_per_hour: f64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -33,7 +33,7 @@ struct File {
 }
 
 /// Parses classes; the error names the file and what is wrong.
-pub(crate) fn parse(text: &str, origin: &str) -> Result<Vec<GpuClass>, String> {
+pub fn parse(text: &str, origin: &str) -> Result<Vec<GpuClass>, String> {
     let f: File = toml::from_str(text)
         .map_err(|e| format!("{origin}: not a valid GPU class file: {}", e.message()))?;
     for c in &f.class {
@@ -49,7 +49,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Vec<GpuClass>, String> {
 }
 
 /// Classes from `path`, or the shipped ones.
-pub(crate) fn load(path: Option<&Path>) -> Result<Vec<GpuClass>, String> {
+pub fn load(path: Option<&Path>) -> Result<Vec<GpuClass>, String> {
     match path {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -61,7 +61,7 @@ pub(crate) fn load(path: Option<&Path>) -> Result<Vec<GpuClass>, String> {
 }
 
 /// Looks up a class by name; the error lists the known names.
-pub(crate) fn pick<'a>(all: &'a [GpuClass], name: &str) -> Result<&'a GpuClass, String> {
+pub fn pick<'a>(all: &'a [GpuClass], name: &str) -> Result<&'a GpuClass, String> {
     all.iter().find(|c| c.name == name).ok_or_else(|| {
         let known: Vec<&str> = all.iter().map(|c| c.name.as_str()).collect();
         format!("unknown GPU class {name:?}; known: {}", known.join(", "))

@@ -18,7 +18,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::time::Duration;
 
-use tensorwire_benches::rng::Rng;
+use crate::rng::Rng;
 use tensorwire_orchestrator::rebalance::{Flow, Member, RebalanceConfig, Rebalancer};
 use tensorwire_orchestrator::sched::{
     AffinityFirst, ItemKey, MaxFreeCredit, RoundRobin, RoutingPolicy, SchedConfig, Submit, WorkerId,
@@ -35,39 +35,39 @@ const PASS_SLOTS: u32 = 1 << 24;
 
 /// The links between pools.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Net {
+pub struct Net {
     /// GB/s per transfer.
-    pub(crate) bandwidth_gbps: f64,
+    pub bandwidth_gbps: f64,
     /// Per hop, ms.
-    pub(crate) latency_ms: f64,
+    pub latency_ms: f64,
 }
 
 /// Settings of a run besides the layout and the mix.
 #[derive(Debug, Clone)]
-pub(crate) struct Knobs {
+pub struct Knobs {
     /// Routing policy: max-free, round-robin or affinity.
-    pub(crate) policy: String,
+    pub policy: String,
     /// Share of requests interactive (for mix entries that fix no class).
-    pub(crate) interactive: f64,
+    pub interactive: f64,
     /// Share of requests whose embedding is cached.
-    pub(crate) embedding_hit_rate: f64,
+    pub embedding_hit_rate: f64,
     /// Step checkpoint every N steps (0: never).
-    pub(crate) checkpoint_every: u32,
+    pub checkpoint_every: u32,
     /// The starvation bound (None: four times the mix's mean denoise time).
-    pub(crate) aging: Option<Duration>,
+    pub aging: Option<Duration>,
     /// Interactive jobs preempt batch denoise.
-    pub(crate) preempt: bool,
+    pub preempt: bool,
     /// Classifier-free guidance on.
-    pub(crate) cfg: bool,
+    pub cfg: bool,
     /// Links.
-    pub(crate) net: Net,
+    pub net: Net,
     /// Random seed.
-    pub(crate) seed: u64,
+    pub seed: u64,
 }
 
 /// How requests arrive.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Load {
+pub enum Load {
     /// Poisson arrivals at `rate` per second.
     Poisson {
         /// Requests per second.
@@ -85,60 +85,60 @@ pub(crate) enum Load {
 /// A workload that shifts: phases run one after the other, each with its own shares of the
 /// mix's entries and its own Poisson rate (a diurnal rate is a run of phases).
 #[derive(Debug, Clone)]
-pub(crate) struct Shift {
+pub struct Shift {
     /// The phases, in order.
-    pub(crate) phases: Vec<Phase>,
+    pub phases: Vec<Phase>,
 }
 
 /// One phase of a [`Shift`].
 #[derive(Debug, Clone)]
-pub(crate) struct Phase {
+pub struct Phase {
     /// Share of each mix entry (summing to 1).
-    pub(crate) shares: Vec<f64>,
+    pub shares: Vec<f64>,
     /// Requests per second.
-    pub(crate) rate: f64,
+    pub rate: f64,
     /// How long it lasts.
-    pub(crate) length: Duration,
+    pub length: Duration,
 }
 
 /// Elastic pools: a rebalancer moves GPUs between single-stage pools during the run.
 #[derive(Debug, Clone)]
-pub(crate) struct Elastic {
+pub struct Elastic {
     /// The rebalancer's settings.
-    pub(crate) cfg: RebalanceConfig,
+    pub cfg: RebalanceConfig,
     /// Time to switch a GPU to each stage (loading that stage's weights).
-    pub(crate) switch: [Duration; 3],
+    pub switch: [Duration; 3],
 }
 
 /// A GPU moved between pools during a run.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Moved {
+pub struct Moved {
     /// When the rebalancer decided it.
-    pub(crate) at: Duration,
+    pub at: Duration,
     /// When the GPU joined its new pool (drained, then switched).
-    pub(crate) joined: Duration,
+    pub joined: Duration,
     /// The GPU.
-    pub(crate) gpu: usize,
+    pub gpu: usize,
     /// From this stage's pool...
-    pub(crate) from: Stage,
+    pub from: Stage,
     /// ... to this one.
-    pub(crate) to: Stage,
+    pub to: Stage,
 }
 
 /// A layout checked against the memory of its classes, ready to simulate.
 #[derive(Debug, Clone)]
-pub(crate) struct Prepared {
+pub struct Prepared {
     /// The layout.
-    pub(crate) layout: Layout,
+    pub layout: Layout,
     /// Per pool: what each stage costs there.
-    pub(crate) fits: Vec<PoolFit>,
+    pub fits: Vec<PoolFit>,
     /// US$ per hour for all its GPUs.
-    pub(crate) usd_per_hour: f64,
+    pub usd_per_hour: f64,
 }
 
 impl Prepared {
     /// Fits every pool; Err: the first pool that cannot run, and why.
-    pub(crate) fn new(
+    pub fn new(
         layout: &Layout,
         all: &[GpuClass],
         mix: &Mix,
@@ -158,7 +158,7 @@ impl Prepared {
     }
 
     /// What the fits decided, a line per pool that had something to say.
-    pub(crate) fn notes(&self) -> Vec<String> {
+    pub fn notes(&self) -> Vec<String> {
         self.layout
             .pools
             .iter()
@@ -171,40 +171,40 @@ impl Prepared {
 
 /// What a run measured.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Outcome {
+pub struct Outcome {
     /// Completed requests per second.
-    pub(crate) throughput: f64,
+    pub throughput: f64,
     /// Time to first frame of every request.
-    pub(crate) ttff: Vec<Duration>,
+    pub ttff: Vec<Duration>,
     /// ... of the interactive ones.
-    pub(crate) ttff_interactive: Vec<Duration>,
+    pub ttff_interactive: Vec<Duration>,
     /// End to end.
-    pub(crate) e2e: Vec<Duration>,
+    pub e2e: Vec<Duration>,
     /// Busy share of each pool's GPUs.
-    pub(crate) utilisation: Vec<f64>,
+    pub utilisation: Vec<f64>,
     /// Scheduler decisions.
-    pub(crate) decisions: u64,
+    pub decisions: u64,
     /// What reuse did.
-    pub(crate) reuse: Reused,
+    pub reuse: Reused,
     /// GPUs moved between pools (elastic runs).
-    pub(crate) moves: Vec<Moved>,
+    pub moves: Vec<Moved>,
 }
 
 /// What reuse did in a run.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Reused {
+pub struct Reused {
     /// Requests that skipped encode (embedding-cache hits).
-    pub(crate) encode_skipped: u64,
+    pub encode_skipped: u64,
     /// Jobs that yielded to an interactive one.
-    pub(crate) preempted: u64,
+    pub preempted: u64,
     /// Steps not run again: the step each resumed job started from, summed.
-    pub(crate) resumed_steps: u64,
+    pub resumed_steps: u64,
     /// Latent bytes written to the store as step checkpoints.
-    pub(crate) checkpoint_bytes: u64,
+    pub checkpoint_bytes: u64,
 }
 
 /// A routing policy by name.
-pub(crate) fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
+pub fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
     Ok(match name {
         "max-free" => Box::new(MaxFreeCredit),
         "round-robin" => Box::new(RoundRobin::default()),
@@ -265,7 +265,7 @@ struct DenoiseRun {
 }
 
 /// Runs `p` under `load`.
-pub(crate) fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result<Outcome, String> {
+pub fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result<Outcome, String> {
     simulate_with(p, mix, k, load, None, None)
 }
 
@@ -309,7 +309,7 @@ fn stage_pools(p: &Prepared) -> Result<[usize; 3], String> {
 
 /// Runs `p` under `load`, or under `shift` when given (its phases replace the load's arrivals),
 /// with GPUs moved between pools when `elastic` is given.
-pub(crate) fn simulate_with(
+pub fn simulate_with(
     p: &Prepared,
     mix: &Mix,
     k: &Knobs,
@@ -725,7 +725,7 @@ mod tests {
     fn saturated_capacity_meets_the_analytic_bound_and_no_gpu_runs_two_items() {
         for layout in ["EDV:8", "E:1|DV:7", "EV:1|D:7", "ED:6|V:2", "E:1|D:6|V:1"] {
             let (p, o, mix) = run(layout, Load::Saturated { requests: 2000 });
-            let (bound, _) = crate::capacity::plan::bound(&p, &mix, 0.0);
+            let (bound, _) = crate::plan::bound(&p, &mix, 0.0);
             assert!(o.throughput <= bound * 1.001, "{layout}: {} > {bound}", o.throughput);
             assert!(o.throughput >= bound * 0.95, "{layout}: {} << {bound}", o.throughput);
             assert!(

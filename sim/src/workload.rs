@@ -9,18 +9,18 @@ use crate::profiles::{self, Model};
 
 /// One kind of request in the mix.
 #[derive(Debug, Clone)]
-pub(crate) struct Entry {
+pub struct Entry {
     /// The model.
-    pub(crate) model: Model,
+    pub model: Model,
     /// Share of the arrivals (the entries' shares sum to 1).
-    pub(crate) share: f64,
+    pub share: f64,
     /// Its class, if the entry fixes one.
-    pub(crate) priority: Option<Priority>,
+    pub priority: Option<Priority>,
 }
 
 /// The index drawn by `u` in [0, 1) among `shares` (summing to 1): the first whose running sum
 /// passes `u`, else the last.
-pub(crate) fn pick(shares: impl ExactSizeIterator<Item = f64>, u: f64) -> usize {
+pub fn pick(shares: impl ExactSizeIterator<Item = f64>, u: f64) -> usize {
     let n = shares.len();
     let mut acc = 0.0;
     for (i, s) in shares.enumerate() {
@@ -34,19 +34,19 @@ pub(crate) fn pick(shares: impl ExactSizeIterator<Item = f64>, u: f64) -> usize 
 
 /// The workload's mix.
 #[derive(Debug, Clone)]
-pub(crate) struct Mix {
+pub struct Mix {
     /// Entries (at least one).
-    pub(crate) entries: Vec<Entry>,
+    pub entries: Vec<Entry>,
 }
 
 impl Mix {
     /// One model, every request of it.
-    pub(crate) fn single(m: Model) -> Mix {
+    pub fn single(m: Model) -> Mix {
         Mix { entries: vec![Entry { model: m, share: 1.0, priority: None }] }
     }
 
     /// Parses `--mix` against the profiles.
-    pub(crate) fn parse(s: &str, all: &[Model]) -> Result<Mix, String> {
+    pub fn parse(s: &str, all: &[Model]) -> Result<Mix, String> {
         let bad = |why: String| format!("--mix {s:?}: {why}");
         let mut entries = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -80,17 +80,17 @@ impl Mix {
     }
 
     /// The models, in entry order.
-    pub(crate) fn models(&self) -> Vec<&Model> {
+    pub fn models(&self) -> Vec<&Model> {
         self.entries.iter().map(|e| &e.model).collect()
     }
 
     /// The entry for a draw `u` in [0, 1).
-    pub(crate) fn pick(&self, u: f64) -> usize {
+    pub fn pick(&self, u: f64) -> usize {
         pick(self.entries.iter().map(|e| e.share), u)
     }
 
     /// A name for the mix ("flux.1-dev-1024 70% interactive + ...").
-    pub(crate) fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         let parts: Vec<String> = self
             .entries
             .iter()

@@ -10,7 +10,7 @@ use super::workload::{Entry, Mix};
 use crate::profiles::Model;
 
 /// Parses `--phases` against the profiles: the union mix and the shift over it.
-pub(crate) fn parse(s: &str, all: &[Model]) -> Result<(Mix, Shift), String> {
+pub fn parse(s: &str, all: &[Model]) -> Result<(Mix, Shift), String> {
     let bad = |why: String| format!("--phases {s:?}: {why}");
     let mut union: Vec<Entry> = Vec::new();
     let mut parsed = Vec::new();
@@ -71,12 +71,12 @@ pub(crate) fn parse(s: &str, all: &[Model]) -> Result<(Mix, Shift), String> {
 
 impl Shift {
     /// The first `n` phases alone.
-    pub(crate) fn first(&self, n: usize) -> Shift {
+    pub fn first(&self, n: usize) -> Shift {
         Shift { phases: self.phases[..n.min(self.phases.len())].to_vec() }
     }
 
     /// One line per phase: what it asks, against `mix`'s entries.
-    pub(crate) fn describe(&self, mix: &Mix) -> Vec<String> {
+    pub fn describe(&self, mix: &Mix) -> Vec<String> {
         self.phases
             .iter()
             .enumerate()

@@ -26,7 +26,7 @@ const NO_CFG_STEP: f64 = 0.5;
 
 /// How a stage runs on a pool's GPU.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Mode {
+pub enum Mode {
     /// Everything resident.
     Resident,
     /// GB of weights streamed over the host link per forward.
@@ -39,31 +39,26 @@ pub(crate) enum Mode {
 
 /// One stage of one model on a pool's GPU.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct StageCost {
+pub struct StageCost {
     /// Milliseconds per request (per step for denoise).
-    pub(crate) ms: f64,
+    pub ms: f64,
     /// How it runs.
-    pub(crate) mode: Mode,
+    pub mode: Mode,
 }
 
 /// What each model's stages cost on a pool: `costs[model][stage]` (None: the pool does not
 /// serve the stage), and lines on what the fit decided.
 #[derive(Debug, Clone)]
-pub(crate) struct PoolFit {
+pub struct PoolFit {
     /// Per model, per stage.
-    pub(crate) costs: Vec<[Option<StageCost>; 3]>,
+    pub costs: Vec<[Option<StageCost>; 3]>,
     /// What decided the costs (offload, tiling, measured figures, figures missing).
-    pub(crate) notes: Vec<String>,
+    pub notes: Vec<String>,
 }
 
 /// Fits `pool` on `class` for `models`; `cfg`: classifier-free guidance on for models that use
 /// it. Err: why it cannot run at all.
-pub(crate) fn fit(
-    pool: &Pool,
-    class: &GpuClass,
-    models: &[&Model],
-    cfg: bool,
-) -> Result<PoolFit, String> {
+pub fn fit(pool: &Pool, class: &GpuClass, models: &[&Model], cfg: bool) -> Result<PoolFit, String> {
     let served: Vec<Stage> = Stage::ALL.into_iter().filter(|s| pool.stages[s.index()]).collect();
     let mut notes = Vec::new();
     let weights = |m: &Model, s: Stage| m.weights_gb.map_or(0.0, |w| w.get(s));
@@ -178,8 +173,8 @@ fn stream(s: Stage, gb: f64, compute_ms: f64, class: &GpuClass) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capacity::{classes, layout::Layout};
     use crate::profiles;
+    use crate::{classes, layout::Layout};
 
     fn setup(layout: &str, class: &str, model: &str) -> Result<PoolFit, String> {
         let all = profiles::load(None).unwrap();

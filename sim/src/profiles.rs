@@ -6,98 +6,98 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 /// The profiles shipped with the binary (a copy of shared/workloads/models.toml).
-pub(crate) const SHIPPED: &str = include_str!("../profiles/models.toml");
+pub const SHIPPED: &str = include_str!("../profiles/models.toml");
 
 /// One model's profile (bytes and milliseconds).
 #[derive(Debug, Clone, Deserialize, Serialize)]
-pub(crate) struct Model {
+pub struct Model {
     /// Name.
-    pub(crate) name: String,
+    pub name: String,
     /// Denoising steps.
-    pub(crate) steps: u32,
+    pub steps: u32,
     /// Condition embedding bytes.
-    pub(crate) embed_bytes: u64,
+    pub embed_bytes: u64,
     /// Latent shape (bf16).
-    pub(crate) latent_shape: Vec<u64>,
+    pub latent_shape: Vec<u64>,
     /// Latent bytes.
-    pub(crate) latent_bytes: u64,
+    pub latent_bytes: u64,
     /// Encode time per request.
-    pub(crate) encode_ms: f64,
+    pub encode_ms: f64,
     /// Time per denoising step.
-    pub(crate) step_ms: f64,
+    pub step_ms: f64,
     /// Decode time per request.
-    pub(crate) decode_ms: f64,
+    pub decode_ms: f64,
     /// Classifier-free guidance: each step runs the DiT on two branches.
     #[serde(default)]
-    pub(crate) cfg: bool,
+    pub cfg: bool,
     /// Weights per stage, GB (the capacity model; absent: assumed to fit).
     #[serde(default)]
-    pub(crate) weights_gb: Option<PerStage>,
+    pub weights_gb: Option<PerStage>,
     /// Peak activations per stage, GB.
     #[serde(default)]
-    pub(crate) act_gb: Option<PerStage>,
+    pub act_gb: Option<PerStage>,
     /// Times measured on GPU classes other than the reference.
     #[serde(default)]
-    pub(crate) measured: Vec<Measured>,
+    pub measured: Vec<Measured>,
 }
 
 /// A figure per stage.
 #[derive(Debug, Clone, Copy, Default, Deserialize, Serialize)]
-pub(crate) struct PerStage {
+pub struct PerStage {
     /// Condition encode.
-    pub(crate) encode: f64,
+    pub encode: f64,
     /// DiT denoise.
-    pub(crate) denoise: f64,
+    pub denoise: f64,
     /// VAE decode.
-    pub(crate) decode: f64,
+    pub decode: f64,
 }
 
 impl PerStage {
     /// The figure of `stage`.
-    pub(crate) fn get(&self, stage: tensorwire_orchestrator::Stage) -> f64 {
+    pub fn get(&self, stage: tensorwire_orchestrator::Stage) -> f64 {
         [self.encode, self.denoise, self.decode][stage.index()]
     }
 }
 
 /// Times measured on one GPU class.
 #[derive(Debug, Clone, Deserialize, Serialize)]
-pub(crate) struct Measured {
+pub struct Measured {
     /// The class (a name from gpus.toml).
-    pub(crate) class: String,
+    pub class: String,
     /// With only that stage's model on the GPU.
     #[serde(default)]
-    pub(crate) alone: Times,
+    pub alone: Times,
     /// With the whole pipeline on one GPU.
     #[serde(default)]
-    pub(crate) colocated: Times,
+    pub colocated: Times,
 }
 
 /// Measured times (ms); a missing one is derived.
 #[derive(Debug, Clone, Copy, Default, Deserialize, Serialize)]
-pub(crate) struct Times {
+pub struct Times {
     /// Encode per request.
-    pub(crate) encode_ms: Option<f64>,
+    pub encode_ms: Option<f64>,
     /// Per denoising step.
-    pub(crate) step_ms: Option<f64>,
+    pub step_ms: Option<f64>,
     /// Decode per request.
-    pub(crate) decode_ms: Option<f64>,
+    pub decode_ms: Option<f64>,
 }
 
 impl Times {
     /// The time of `stage` (per step for denoise).
-    pub(crate) fn get(&self, stage: tensorwire_orchestrator::Stage) -> Option<f64> {
+    pub fn get(&self, stage: tensorwire_orchestrator::Stage) -> Option<f64> {
         [self.encode_ms, self.step_ms, self.decode_ms][stage.index()]
     }
 }
 
 impl Model {
     /// Denoise time per request.
-    pub(crate) fn denoise_ms(&self) -> f64 {
+    pub fn denoise_ms(&self) -> f64 {
         self.step_ms * f64::from(self.steps)
     }
 
     /// Temporal chunks for a chunked latent handoff (video: 3 latent frames per chunk).
-    pub(crate) fn chunks(&self) -> Option<(u32, u32)> {
+    pub fn chunks(&self) -> Option<(u32, u32)> {
         (self.latent_shape.len() == 4 && self.latent_shape[1] >= 3).then(|| {
             let t = self.latent_shape[1] as u32;
             (1, (t / 3).max(1))
@@ -111,7 +111,7 @@ struct File {
 }
 
 /// Parses profiles; the error names the file and what is wrong.
-pub(crate) fn parse(text: &str, origin: &str) -> Result<Vec<Model>, String> {
+pub fn parse(text: &str, origin: &str) -> Result<Vec<Model>, String> {
     let f: File = toml::from_str(text)
         .map_err(|e| format!("{origin}: not a valid profile file: {}", e.message()))?;
     for m in &f.model {
@@ -146,7 +146,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Vec<Model>, String> {
 }
 
 /// Profiles from `path`, or the shipped copy.
-pub(crate) fn load(path: Option<&Path>) -> Result<Vec<Model>, String> {
+pub fn load(path: Option<&Path>) -> Result<Vec<Model>, String> {
     match path {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -158,7 +158,7 @@ pub(crate) fn load(path: Option<&Path>) -> Result<Vec<Model>, String> {
 }
 
 /// `models` as a profile file ([`parse`] reads it back).
-pub(crate) fn to_toml(models: &[Model]) -> Result<String, String> {
+pub fn to_toml(models: &[Model]) -> Result<String, String> {
     #[derive(Serialize)]
     struct Out<'a> {
         model: &'a [Model],
@@ -167,7 +167,7 @@ pub(crate) fn to_toml(models: &[Model]) -> Result<String, String> {
 }
 
 /// Looks up models by name; the error lists the known names.
-pub(crate) fn pick<'a>(all: &'a [Model], names: &[String]) -> Result<Vec<&'a Model>, String> {
+pub fn pick<'a>(all: &'a [Model], names: &[String]) -> Result<Vec<&'a Model>, String> {
     names
         .iter()
         .map(|n| {

@@ -13,11 +13,11 @@ use super::workload::Mix;
 
 /// What the search may spend.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Budget {
+pub struct Budget {
     /// GPUs, all used (None: as many as the dollars buy).
-    pub(crate) gpus: Option<u32>,
+    pub gpus: Option<u32>,
     /// US$ per hour (None: no limit).
-    pub(crate) usd_per_hour: Option<f64>,
+    pub usd_per_hour: Option<f64>,
 }
 
 /// A pool may hold at most this many GPUs unless it serves denoise (which takes the rest).
@@ -27,11 +27,11 @@ const MAX_GPUS: u32 = 4096;
 
 /// A candidate with its analytic capacity (requests per second).
 #[derive(Debug, Clone)]
-pub(crate) struct Candidate {
+pub struct Candidate {
     /// The layout (fitted).
-    pub(crate) prepared: Prepared,
+    pub prepared: Prepared,
     /// Analytic capacity.
-    pub(crate) bound: f64,
+    pub bound: f64,
 }
 
 /// Work per request on one GPU of `pool` (seconds), from its fit: its stages' times weighted by
@@ -54,7 +54,7 @@ fn work_s(pool: &Pool, fit: &fit::PoolFit, mix: &Mix, hit_rate: f64) -> f64 {
 }
 
 /// The analytic capacity of each pool of a fitted layout (requests per second).
-pub(crate) fn pool_bounds(p: &Prepared, mix: &Mix, hit_rate: f64) -> Vec<f64> {
+pub fn pool_bounds(p: &Prepared, mix: &Mix, hit_rate: f64) -> Vec<f64> {
     p.layout
         .pools
         .iter()
@@ -64,7 +64,7 @@ pub(crate) fn pool_bounds(p: &Prepared, mix: &Mix, hit_rate: f64) -> Vec<f64> {
 }
 
 /// The analytic capacity of a fitted layout and its bottleneck pool.
-pub(crate) fn bound(p: &Prepared, mix: &Mix, hit_rate: f64) -> (f64, usize) {
+pub fn bound(p: &Prepared, mix: &Mix, hit_rate: f64) -> (f64, usize) {
     pool_bounds(p, mix, hit_rate)
         .into_iter()
         .enumerate()
@@ -75,7 +75,7 @@ pub(crate) fn bound(p: &Prepared, mix: &Mix, hit_rate: f64) -> (f64, usize) {
 /// Every layout within `budget` over `classes` that fits, best analytic capacity first (per
 /// dollar when the budget is in dollars); `infeasible` collects one reason per grouping and class
 /// that never fits.
-pub(crate) fn search(
+pub fn search(
     classes: &[GpuClass],
     mix: &Mix,
     budget: Budget,
@@ -190,7 +190,7 @@ fn expand(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capacity::classes;
+    use crate::classes;
     use crate::profiles;
 
     #[test]
