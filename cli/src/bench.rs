@@ -35,10 +35,6 @@ pub(crate) struct BenchArgs {
     pub(crate) min_time_ms: u64,
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 fn progress(l: &Line) {
     let (what, op, size) = (&l.backend, &l.op, fmt_size(l.size));
     let (tw, base, base_gbps, r) = (l.gbps, &l.baseline, l.baseline_gbps, l.ratio);
@@ -140,7 +136,7 @@ fn rfc_benchmarks(
     plots: &mut Vec<String>,
     conn: &[Line],
     overlaps: &[tensorwire_benches::connector::Overlap],
-) -> Result<(), String> {
+) -> anyhow::Result<()> {
     let _ = writeln!(md, "\n## The RFC's four benchmarks\n");
     let _ = writeln!(
         md,
@@ -271,19 +267,19 @@ fn rfc_benchmarks(
 }
 
 /// Runs the benches and writes the report.
-pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
+pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
     let mut sizes = Vec::new();
     for s in &a.sizes {
         sizes.push(
             parse_size(s)
                 .filter(|&n| n > 0)
-                .ok_or_else(|| format!("--sizes: cannot read {s:?}"))?,
+                .ok_or_else(|| anyhow::anyhow!("--sizes: cannot read {s:?}"))?,
         );
     }
     if sizes.is_empty() || a.runs == 0 {
-        return Err("--sizes and --runs must not be empty or zero".into());
+        return Err(anyhow::Error::msg("--sizes and --runs must not be empty or zero"));
     }
-    std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    std::fs::create_dir_all(&a.out).map_err(|e| anyhow::anyhow!("{}: {e}", a.out.display()))?;
     let plan = Plan {
         runs: a.runs,
         budget: Budget { min_time: Duration::from_millis(a.min_time_ms), ..Budget::default() },
@@ -303,7 +299,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
         eprintln!("bench: {backend}");
         let lines = suite::transfers(backend, &sizes, &[true, false], plan, &progress)
             .await
-            .map_err(err)?;
+            .map_err(anyhow::Error::msg)?;
         let _ = writeln!(md, "## Backend `{backend}`\n");
         table(&mut md, &lines);
         let file = format!("backend-{backend}.svg");
@@ -321,13 +317,16 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     for mode in [StoreMode::Embedded, StoreMode::Remote] {
         eprintln!("bench: store {}", mode.name());
         store_lines.extend(
-            suite::store(mode, &store_sizes, &[true, false], plan, &progress).await.map_err(err)?,
+            suite::store(mode, &store_sizes, &[true, false], plan, &progress)
+                .await
+                .map_err(anyhow::Error::msg)?,
         );
     }
     table(&mut md, &store_lines);
     eprintln!("bench: connector");
     let csizes = [4u64 << 20, 64 << 20];
-    let (conn, overlaps) = suite::connector(&csizes, plan, &progress).await.map_err(err)?;
+    let (conn, overlaps) =
+        suite::connector(&csizes, plan, &progress).await.map_err(anyhow::Error::msg)?;
     let _ = writeln!(md, "## Connector (p2p over tcp)\n");
     table(&mut md, &conn);
     let _ = writeln!(
@@ -420,7 +419,7 @@ pub(crate) async fn run(a: BenchArgs) -> Result<(), String> {
     );
     rfc_benchmarks(&mut md, &a.out, &mut plots, &conn, &overlaps)?;
     let path = a.out.join("report.md");
-    std::fs::write(&path, md).map_err(|e| format!("{}: {e}", path.display()))?;
+    std::fs::write(&path, md).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     println!("wrote {} and {} plots ({})", path.display(), plots.len(), plots.join(", "));
     Ok(())
 }

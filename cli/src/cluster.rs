@@ -37,10 +37,10 @@ pub(crate) struct Registered {
 #[cfg(feature = "etcd")]
 impl Etcd {
     /// Connects (within 10 s) for `cluster`, with leases of `ttl`.
-    pub(crate) async fn connect(url: &str, cluster: &str, ttl: Duration) -> Result<Etcd, String> {
+    pub(crate) async fn connect(url: &str, cluster: &str, ttl: Duration) -> anyhow::Result<Etcd> {
         let client = tensorwire_etcd::connect(&[url.to_string()], Duration::from_secs(10))
             .await
-            .map_err(|e| format!("--etcd {url}: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("--etcd {url}: {e}"))?;
         Ok(Etcd { client, cluster: cluster.into(), ttl })
     }
 
@@ -49,7 +49,7 @@ impl Etcd {
         &self,
         engine: &Engine,
         store: SocketAddr,
-    ) -> Result<Registered, String> {
+    ) -> anyhow::Result<Registered> {
         use tensorwire_proto::discovery::{Discovery, Entry};
         let d = tensorwire_etcd::EtcdDiscovery::new(self.client.clone(), &self.cluster, self.ttl);
         let id = engine.id().to_string();
@@ -60,7 +60,7 @@ impl Etcd {
         ];
         let mut regs = Vec::new();
         for e in entries {
-            regs.push(d.register(e).await.map_err(|e| format!("etcd: registering: {e}"))?);
+            regs.push(d.register(e).await.map_err(|e| anyhow::anyhow!("etcd: registering: {e}"))?);
         }
         println!(
             "registered in etcd (cluster {}): engine {control}, store node {store}",
@@ -80,21 +80,19 @@ impl Etcd {
         use tensorwire_etcd::{EtcdJournal, Leadership};
         let (c, cluster) = (&self.client, &self.cluster);
         let r = async {
-            let l =
-                Leadership::campaign(c, cluster, at, self.ttl).await.map_err(|e| e.to_string())?;
-            let j =
-                EtcdJournal::open(c, cluster, l.guard(), 1000).await.map_err(|e| e.to_string())?;
+            let l = Leadership::campaign(c, cluster, at, self.ttl).await?;
+            let j = EtcdJournal::open(c, cluster, l.guard(), 1000).await?;
             cfg.journal_store = Some(Box::new(j));
-            let o = OrchestratorService::serve(at, cfg).await.map_err(|e| e.to_string())?;
+            let o = OrchestratorService::serve(at, cfg).await?;
             println!("orchestrator {} (leader of cluster {cluster})", o.addr());
             *serving.lock().await = Some(o);
             l.lost().await;
             serving.lock().await.take();
-            Ok::<String, String>(format!(
+            Ok::<String, anyhow::Error>(format!(
                 "orchestrator {at}: lost the leadership of cluster {cluster}"
             ))
         };
-        r.await.unwrap_or_else(|e| e)
+        r.await.unwrap_or_else(|e| format!("{e:#}"))
     }
 
     /// Where the orchestrator clients connect: the leader at each (re)connection.
@@ -104,18 +102,18 @@ impl Etcd {
 
     /// A store node registered in the cluster (the one with the lowest id, so that every worker
     /// picks the same): its engine's control address and its RPC address.
-    pub(crate) async fn find_store(&self) -> Result<(SocketAddr, SocketAddr), String> {
+    pub(crate) async fn find_store(&self) -> anyhow::Result<(SocketAddr, SocketAddr)> {
         use tensorwire_proto::discovery::Discovery;
         let d = tensorwire_etcd::EtcdDiscovery::new(self.client.clone(), &self.cluster, self.ttl);
-        let mut stores = d.list("store").await.map_err(|e| format!("etcd: {e}"))?;
+        let mut stores = d.list("store").await.map_err(|e| anyhow::anyhow!("etcd: {e}"))?;
         stores.sort_by(|a, b| a.id.cmp(&b.id));
         let s = stores.first().ok_or_else(|| {
-            format!("no store node is registered in etcd for cluster {}", self.cluster)
+            anyhow::anyhow!("no store node is registered in etcd for cluster {}", self.cluster)
         })?;
-        let engine = std::str::from_utf8(&s.meta)
-            .ok()
-            .and_then(|m| m.parse().ok())
-            .ok_or_else(|| format!("store node {} in etcd names no engine address", s.id))?;
+        let engine =
+            std::str::from_utf8(&s.meta).ok().and_then(|m| m.parse().ok()).ok_or_else(|| {
+                anyhow::anyhow!("store node {} in etcd names no engine address", s.id)
+            })?;
         Ok((engine, s.addr))
     }
 }
@@ -123,11 +121,11 @@ impl Etcd {
 #[cfg(not(feature = "etcd"))]
 impl Etcd {
     /// Fails: this build has no etcd support.
-    pub(crate) async fn connect(url: &str, _: &str, _: Duration) -> Result<Etcd, String> {
-        Err(format!("--etcd {url}: {}", tensorwire_etcd::DISABLED))
+    pub(crate) async fn connect(url: &str, _: &str, _: Duration) -> anyhow::Result<Etcd> {
+        Err(anyhow::anyhow!("--etcd {url}: {}", tensorwire_etcd::DISABLED))
     }
 
-    pub(crate) async fn register(&self, _: &Engine, _: SocketAddr) -> Result<Registered, String> {
+    pub(crate) async fn register(&self, _: &Engine, _: SocketAddr) -> anyhow::Result<Registered> {
         match self.never {}
     }
 
@@ -139,7 +137,7 @@ impl Etcd {
         match self.never {}
     }
 
-    pub(crate) async fn find_store(&self) -> Result<(SocketAddr, SocketAddr), String> {
+    pub(crate) async fn find_store(&self) -> anyhow::Result<(SocketAddr, SocketAddr)> {
         match self.never {}
     }
 }

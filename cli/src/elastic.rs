@@ -43,9 +43,12 @@ fn p99(o: &Outcome) -> f64 {
 }
 
 /// Runs the comparison.
-pub(crate) fn figures(cx: &Ctx, all: &[Model]) -> Result<Figures, String> {
+pub(crate) fn figures(cx: &Ctx, all: &[Model]) -> anyhow::Result<Figures> {
     let a = &cx.a;
-    let spec = a.phases.as_deref().ok_or("--elastic needs --phases MIX@RATE:SECONDS;...")?;
+    let spec = a
+        .phases
+        .as_deref()
+        .ok_or_else(|| anyhow::Error::msg("--elastic needs --phases MIX@RATE:SECONDS;..."))?;
     let (mix, shift) = shift::parse(spec, all)?;
     let switch = a.switch.times(mix.entries.iter().map(|e| &e.model))?;
     let cfg = a.rebalance.config(1.0, SchedConfig::default().decode_headroom)?;
@@ -69,8 +72,8 @@ pub(crate) fn figures(cx: &Ctx, all: &[Model]) -> Result<Figures, String> {
             best_whole = Some((p, w));
         }
     }
-    let (pf, _) = best_first.ok_or("no split fits the GPUs")?;
-    let (pw, ow) = best_whole.ok_or("no split fits the GPUs")?;
+    let (pf, _) = best_first.ok_or_else(|| anyhow::Error::msg("no split fits the GPUs"))?;
+    let (pw, ow) = best_whole.ok_or_else(|| anyhow::Error::msg("no split fits the GPUs"))?;
     let of = run(&pf, &shift, None)?;
     let el = Elastic { cfg, switch };
     let oe = run(&pf, &shift, Some(&el))?;
@@ -87,7 +90,7 @@ pub(crate) fn figures(cx: &Ctx, all: &[Model]) -> Result<Figures, String> {
 }
 
 /// `simulate --elastic`: prints the phases, the three runs, the moves and the comparison.
-pub(crate) fn run(a: SimArgs) -> Result<(), String> {
+pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     let (cx, all) = context(a)?;
     let cx = &cx;
     let f = figures(cx, &all)?;
@@ -189,6 +192,6 @@ mod tests {
         assert!(moves.iter().all(|m| m.joined > m.at), "a switch takes time");
         assert!(p99(&elastic.run) < p99(&first.run), "elastic beats the split for phase 1");
         let e = figures(&context_of(&["--elastic"]).unwrap().0, &all).err().unwrap();
-        assert!(e.contains("--elastic needs --phases"), "{e}");
+        assert!(e.to_string().contains("--elastic needs --phases"), "{e}");
     }
 }

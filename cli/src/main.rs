@@ -89,32 +89,30 @@ fn main() -> ExitCode {
     };
     let r = match cli.cmd {
         Cmd::Demo(a) if a.scenario == scenario::SHIFT => rt.block_on(async {
-            tokio::spawn(demo::shift::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+            tokio::spawn(demo::shift::run(a)).await.unwrap_or_else(|e| Err(e.into()))
         }),
-        Cmd::Demo(a) => rt.block_on(async {
-            tokio::spawn(demo::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
-        }),
+        Cmd::Demo(a) => rt
+            .block_on(async { tokio::spawn(demo::run(a)).await.unwrap_or_else(|e| Err(e.into())) }),
         Cmd::Simulate(a) if a.elastic => elastic::run(a),
         Cmd::Simulate(a) => simulate::run(a),
         Cmd::Bench(a) => rt.block_on(async {
-            tokio::spawn(bench::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+            tokio::spawn(bench::run(a)).await.unwrap_or_else(|e| Err(e.into()))
         }),
         Cmd::Serve(a) => rt.block_on(async {
-            tokio::spawn(serve::serve(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+            tokio::spawn(serve::serve(a)).await.unwrap_or_else(|e| Err(e.into()))
         }),
         Cmd::Worker(a) => rt.block_on(async {
-            tokio::spawn(serve::worker(a)).await.unwrap_or_else(|e| Err(e.to_string()))
+            tokio::spawn(serve::worker(a)).await.unwrap_or_else(|e| Err(e.into()))
         }),
-        Cmd::Soak(a) => rt.block_on(async {
-            tokio::spawn(soak::run(a)).await.unwrap_or_else(|e| Err(e.to_string()))
-        }),
+        Cmd::Soak(a) => rt
+            .block_on(async { tokio::spawn(soak::run(a)).await.unwrap_or_else(|e| Err(e.into())) }),
         Cmd::Secret(c) => secret::run(c),
         Cmd::Top(a) => rt.block_on(top::run(a)),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tensorwire: {e}");
+            eprintln!("tensorwire: {e:#}");
             ExitCode::FAILURE
         }
     }

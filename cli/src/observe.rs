@@ -29,9 +29,11 @@ impl MetricsArgs {
         &self,
         process: &str,
         health: Health,
-    ) -> Result<Option<Endpoint>, String> {
+    ) -> anyhow::Result<Option<Endpoint>> {
         let Some(listen) = self.metrics_listen else { return Ok(None) };
-        let ep = Endpoint::start(process, listen, health, self.metrics_expose).await?;
+        let ep = Endpoint::start(process, listen, health, self.metrics_expose)
+            .await
+            .map_err(anyhow::Error::msg)?;
         println!("metrics http://{}/metrics", ep.addr());
         Ok(Some(ep))
     }

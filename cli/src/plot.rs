@@ -52,8 +52,8 @@ fn color(c: Rgb) -> RGBColor {
     RGBColor(c[0], c[1], c[2])
 }
 
-fn fail(path: &Path) -> impl Fn(String) -> String + '_ {
-    move |e| format!("{}: drawing the chart: {e}", path.display())
+fn fail(path: &Path) -> impl Fn(String) -> anyhow::Error + '_ {
+    move |e| anyhow::anyhow!("{}: drawing the chart: {e}", path.display())
 }
 
 /// The data's x range and y top, never empty.
@@ -82,7 +82,7 @@ impl Chart {
     }
 
     /// Writes the chart as an SVG file.
-    pub(crate) fn save(&self, path: &Path) -> Result<(), String> {
+    pub(crate) fn save(&self, path: &Path) -> anyhow::Result<()> {
         let root = SVGBackend::new(path, SIZE).into_drawing_area();
         let e = fail(path);
         root.fill(&WHITE).map_err(|x| e(x.to_string()))?;
@@ -165,7 +165,7 @@ pub(crate) fn scatter(
     title: &str,
     axes: (&str, &str),
     points: &[Labelled],
-) -> Result<(), String> {
+) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     let e = fail(path);
     root.fill(&WHITE).map_err(|x| e(x.to_string()))?;

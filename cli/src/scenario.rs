@@ -55,10 +55,10 @@ pub(crate) const SCENARIOS: [Scenario; 3] = [
 pub(crate) const SHIFT: &str = "shift";
 
 /// A scenario by name; the error lists them.
-pub(crate) fn pick(name: &str) -> Result<Scenario, String> {
+pub(crate) fn pick(name: &str) -> anyhow::Result<Scenario> {
     SCENARIOS.iter().copied().find(|s| s.name == name).ok_or_else(|| {
         let known: Vec<&str> = SCENARIOS.iter().map(|s| s.name).chain([SHIFT]).collect();
-        format!("unknown scenario {name:?}; known: {}", known.join(", "))
+        anyhow::anyhow!("unknown scenario {name:?}; known: {}", known.join(", "))
     })
 }
 
@@ -102,17 +102,19 @@ fn how(c: Option<StageCost>) -> &'static str {
 }
 
 /// Times each stage of `models` in the scenario's layouts.
-pub(crate) fn time(s: &Scenario, models: &[Model]) -> Result<Timed, String> {
+pub(crate) fn time(s: &Scenario, models: &[Model]) -> anyhow::Result<Timed> {
     let all: Vec<GpuClass> = classes::load(None)?;
     let refs: Vec<&Model> = models.iter().collect();
     let class = |n: &str| classes::pick(&all, n);
     let pool = |letters: &str, c: &str| Pool { stages: stages(letters), class: c.into(), count: 1 };
     let colo = fit::fit(&pool("EDV", s.colocated), class(s.colocated)?, &refs, true)
-        .map_err(|e| format!("scenario {}: colocated on {}: {e}", s.name, s.colocated))?;
+        .map_err(|e| anyhow::anyhow!("scenario {}: colocated on {}: {e}", s.name, s.colocated))?;
     let mut apart = vec![[None; 3]; models.len()];
     for (i, letters) in ["E", "D", "V"].into_iter().enumerate() {
-        let f = fit::fit(&pool(letters, s.pools[i]), class(s.pools[i])?, &refs, true)
-            .map_err(|e| format!("scenario {}: {letters} pool on {}: {e}", s.name, s.pools[i]))?;
+        let f =
+            fit::fit(&pool(letters, s.pools[i]), class(s.pools[i])?, &refs, true).map_err(|e| {
+                anyhow::anyhow!("scenario {}: {letters} pool on {}: {e}", s.name, s.pools[i])
+            })?;
         for (row, c) in apart.iter_mut().zip(f.costs) {
             row[i] = c[i];
         }
@@ -169,6 +171,6 @@ mod tests {
                 assert!(t.differences.is_empty(), "{:?}", t.differences);
             }
         }
-        assert!(pick("nope").unwrap_err().contains("known: memory-bound"));
+        assert!(pick("nope").unwrap_err().to_string().contains("known: memory-bound"));
     }
 }

@@ -18,10 +18,10 @@ pub(crate) enum SecretCmd {
 }
 
 /// Runs `secret`.
-pub(crate) fn run(cmd: SecretCmd) -> Result<(), String> {
+pub(crate) fn run(cmd: SecretCmd) -> anyhow::Result<()> {
     match cmd {
         SecretCmd::New { file } => {
-            ClusterSecret::create_file(&file).map_err(|e| e.to_string())?;
+            ClusterSecret::create_file(&file)?;
             println!("wrote a new cluster secret to {} (mode 0600)", file.display());
             Ok(())
         }
@@ -29,6 +29,6 @@ pub(crate) fn run(cmd: SecretCmd) -> Result<(), String> {
 }
 
 /// The secret in `path`, if one is given.
-pub(crate) fn read(path: Option<&Path>) -> Result<Option<ClusterSecret>, String> {
-    path.map(|p| ClusterSecret::from_file(p).map_err(|e| e.to_string())).transpose()
+pub(crate) fn read(path: Option<&Path>) -> anyhow::Result<Option<ClusterSecret>> {
+    path.map(|p| ClusterSecret::from_file(p).map_err(anyhow::Error::from)).transpose()
 }

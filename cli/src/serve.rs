@@ -105,19 +105,19 @@ struct ServeFile {
     metrics_expose: Option<bool>,
 }
 
-fn load<T: for<'de> Deserialize<'de> + Default>(p: &Option<PathBuf>) -> Result<T, String> {
+fn load<T: for<'de> Deserialize<'de> + Default>(p: &Option<PathBuf>) -> anyhow::Result<T> {
     match p {
         None => Ok(T::default()),
         Some(p) => {
             let text = std::fs::read_to_string(p)
-                .map_err(|e| format!("{}: cannot read: {e}", p.display()))?;
-            toml::from_str(&text).map_err(|e| format!("{}: {}", p.display(), e.message()))
+                .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", p.display()))?;
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", p.display(), e.message()))
         }
     }
 }
 
 /// Runs `serve`.
-pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
+pub(crate) async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let f: ServeFile = load(&a.config)?;
     // The endpoint first: /healthz answers while the rest starts, /readyz once it is up.
     let health = Health::new();
@@ -135,8 +135,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         a.store_listen.or(f.store_listen).unwrap_or_else(|| SocketAddr::new(listen.ip(), 7100));
     let secret = secret::read(a.secret_file.or(f.secret_file).as_deref())?;
     let insecure = a.insecure || f.insecure.unwrap_or(false);
-    let tcp = TcpBackend::new(TcpConfig { listen: data, ..TcpConfig::default() })
-        .map_err(|e| e.to_string())?;
+    let tcp = TcpBackend::new(TcpConfig { listen: data, ..TcpConfig::default() })?;
     let cluster_secret = secret.clone();
     let cfg = EngineConfig { listen, cluster_secret, insecure, ..EngineConfig::default() };
     let engine = Engine::builder()
@@ -144,7 +143,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         .config(cfg)
         .start()
         .await
-        .map_err(|e| format!("engine on {listen}: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("engine on {listen}: {e}"))?;
     engine_up.set(true);
     let store_cfg = StoreConfig {
         capacity: a.store_mib.or(f.store_mib).unwrap_or(1024) << 20,
@@ -153,8 +152,8 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         shared: true,
         ..StoreConfig::default()
     };
-    let store = EmbeddedStore::new(&engine, store_cfg).await.map_err(|e| e.to_string())?;
-    let node = StoreNode::serve(store.clone(), store_listen).await.map_err(|e| e.to_string())?;
+    let store = EmbeddedStore::new(&engine, store_cfg).await?;
+    let node = StoreNode::serve(store.clone(), store_listen).await?;
     node_up.set(true);
     println!("engine {} control {}", engine.id(), engine.local_addr());
     println!(
@@ -192,28 +191,28 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
         false => None,
     };
     if rebalance.is_some() && a.orchestrator_listen.or(f.orchestrator_listen).is_none() {
-        return Err(
-            "--rebalance: this process serves no orchestrator (--orchestrator-listen)".into()
-        );
+        anyhow::bail!("--rebalance: this process serves no orchestrator (--orchestrator-listen)");
     }
     match (a.orchestrator_listen.or(f.orchestrator_listen), &etcd) {
         (Some(at), None) => {
             let journal = a.journal.or(f.journal);
             let cfg =
                 ServiceConfig { secret, insecure, journal, rebalance, ..ServiceConfig::default() };
-            let o = OrchestratorService::serve(at, cfg).await.map_err(|e| e.to_string())?;
+            let o = OrchestratorService::serve(at, cfg).await?;
             println!("orchestrator {}", o.addr());
             *serving.lock().await = Some(o);
         }
         (Some(at), Some(c)) => {
             if at.port() == 0 {
-                return Err(format!(
+                return Err(anyhow::anyhow!(
                     "--orchestrator-listen {at}: with --etcd the orchestrator needs a fixed port \
                      (its address is what the leader publishes)"
                 ));
             }
             if a.journal.is_some() || f.journal.is_some() {
-                return Err("--journal: with --etcd the orchestrator's journal is in etcd".into());
+                return Err(anyhow::Error::msg(
+                    "--journal: with --etcd the orchestrator's journal is in etcd",
+                ));
             }
             let cfg = ServiceConfig { secret, insecure, rebalance, ..ServiceConfig::default() };
             println!("standby orchestrator {at}: campaigning to lead cluster {cluster}");
@@ -242,7 +241,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<(), String> {
     };
     tokio::select! {
         () = stop => {}
-        why = lost => return Err(why),
+        why = lost => return Err(anyhow::Error::msg(why)),
     }
     if let Some(o) = serving.lock().await.as_ref() {
         if let Ok(st) = o.stats().await {
@@ -330,11 +329,10 @@ pub(crate) struct WorkerArgs {
 }
 
 /// Runs `worker`.
-pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
-    let stage = Stage::ALL
-        .into_iter()
-        .find(|s| s.name() == a.role)
-        .ok_or_else(|| format!("--role {:?}: expected encode, denoise or decode", a.role))?;
+pub(crate) async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
+    let stage = Stage::ALL.into_iter().find(|s| s.name() == a.role).ok_or_else(|| {
+        anyhow::anyhow!("--role {:?}: expected encode, denoise or decode", a.role)
+    })?;
     let secret = secret::read(a.secret_file.as_deref())?;
     // Ready once joined (it rejoins on its own after a lost connection).
     let health = Health::new();
@@ -346,7 +344,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
     let target: Target = match (a.connect, &a.etcd) {
         (Some(addr), _) => {
             if secret.is_none() && is_exposed(addr) && !a.insecure {
-                return Err(format!(
+                return Err(anyhow::anyhow!(
                     "joining the orchestrator at {addr} without a cluster secret: pass \
                      --secret-file FILE (the orchestrator's; `tensorwire secret new FILE` makes \
                      one) or --insecure"
@@ -360,12 +358,14 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
             etcd = Some(e);
             t
         }
-        (None, None) => return Err("worker: pass --connect ADDR or --etcd URL".into()),
+        (None, None) => {
+            return Err(anyhow::Error::msg("worker: pass --connect ADDR or --etcd URL"));
+        }
     };
     let all = profiles::load(a.profiles.as_deref())?;
     let mut serves = vec![stage];
     serves.extend(crate::switching::stages(&a.can)?.into_iter().filter(|s| *s != stage));
-    let mobility = |models: &[tensorwire_sim::profiles::Model]| -> Result<_, String> {
+    let mobility = |models: &[tensorwire_sim::profiles::Model]| -> anyhow::Result<_> {
         let cost = a.switch.times(models)?.map(|d| d.mul_f64(a.time_scale));
         Ok(crate::switching::Mobility { serves: serves.clone(), cost })
     };
@@ -394,14 +394,13 @@ pub(crate) async fn worker(a: WorkerArgs) -> Result<(), String> {
     let mobility = mobility(std::slice::from_ref(&m))?;
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| format!("SIGTERM handler: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("SIGTERM handler: {e}"))?;
     let (mut stage, mut switched) = (stage, None);
     loop {
         let spec = mobility.spec((stage, a.slots.max(1)), (&host, &join.labels), switched);
         let (w, mut rx) =
             WorkerClient::join(target.clone(), secret.as_ref(), spec, Duration::from_secs(1))
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
         join.joined.set(true);
         println!("worker {} ({stage}) joined {target:?}", w.id());
         let ms = match stage {

@@ -141,29 +141,29 @@ impl Ctx {
         self.a.gpus.unwrap_or(DEFAULT_GPUS)
     }
 
-    pub(crate) fn prepare(&self, l: &Layout) -> Result<Prepared, String> {
-        Prepared::new(l, &self.classes, &self.mix, self.knobs.cfg)
+    pub(crate) fn prepare(&self, l: &Layout) -> anyhow::Result<Prepared> {
+        Ok(Prepared::new(l, &self.classes, &self.mix, self.knobs.cfg)?)
     }
 
-    fn poisson(&self, p: &Prepared, rate: f64, preempt: bool) -> Result<Outcome, String> {
+    fn poisson(&self, p: &Prepared, rate: f64, preempt: bool) -> anyhow::Result<Outcome> {
         let k = Knobs { preempt, ..self.knobs.clone() };
-        engine::simulate(p, &self.mix, &k, Load::Poisson { rate, requests: self.a.requests })
+        Ok(engine::simulate(p, &self.mix, &k, Load::Poisson { rate, requests: self.a.requests })?)
     }
 
     /// Capacity: requests per second with every request queued at once.
-    fn capacity(&self, p: &Prepared) -> Result<f64, String> {
+    fn capacity(&self, p: &Prepared) -> anyhow::Result<f64> {
         let requests = self.a.requests.min(5_000);
         Ok(engine::simulate(p, &self.mix, &self.knobs, Load::Saturated { requests })?.throughput)
     }
 
     /// Colocated serving on `n` GPUs of the default class.
-    fn colocated(&self, n: u32) -> Result<Layout, String> {
-        Layout::parse(&format!("EDV:{n}"), &self.a.gpu)
+    fn colocated(&self, n: u32) -> anyhow::Result<Layout> {
+        Ok(Layout::parse(&format!("EDV:{n}"), &self.a.gpu)?)
     }
 }
 
 /// Runs the simulation.
-pub(crate) fn run(a: SimArgs) -> Result<(), String> {
+pub(crate) fn run(a: SimArgs) -> anyhow::Result<()> {
     let (cx, all) = context(a)?;
     if cx.a.calibrate {
         return run_calibrate(&cx, &all);
@@ -178,22 +178,22 @@ pub(crate) fn run(a: SimArgs) -> Result<(), String> {
 }
 
 /// Checks the arguments and loads what they name.
-pub(crate) fn context(a: SimArgs) -> Result<(Ctx, Vec<profiles::Model>), String> {
+pub(crate) fn context(a: SimArgs) -> anyhow::Result<(Ctx, Vec<profiles::Model>)> {
     if a.requests == 0 || a.requests > 10_000_000 {
-        return Err(format!("--requests {}: must be in 1..=10000000", a.requests));
+        return Err(anyhow::anyhow!("--requests {}: must be in 1..=10000000", a.requests));
     }
     if !(a.bandwidth_gbps > 0.0 && a.latency_ms >= 0.0) {
-        return Err("--bandwidth-gbps must be > 0 and --latency-ms >= 0".into());
+        return Err(anyhow::Error::msg("--bandwidth-gbps must be > 0 and --latency-ms >= 0"));
     }
     for (name, v) in
         [("--interactive", a.interactive), ("--embedding-hit-rate", a.embedding_hit_rate)]
     {
         if !(0.0..=1.0).contains(&v) {
-            return Err(format!("{name} {v}: a share, 0 to 1"));
+            return Err(anyhow::anyhow!("{name} {v}: a share, 0 to 1"));
         }
     }
     if let Some(b) = a.budget_usd.filter(|b| b.is_nan() || *b <= 0.0) {
-        return Err(format!("--budget-usd {b}: must be > 0"));
+        return Err(anyhow::anyhow!("--budget-usd {b}: must be > 0"));
     }
     let all = profiles::load(a.profiles.as_deref())?;
     let classes = classes::load(a.classes.as_deref())?;
@@ -219,17 +219,17 @@ pub(crate) fn context(a: SimArgs) -> Result<(Ctx, Vec<profiles::Model>), String>
 }
 
 /// The rate a run offers: --rate, or `share` of what `p` sustains by the analytic bound.
-fn offered(cx: &Ctx, p: &Prepared, share: f64) -> Result<f64, String> {
+fn offered(cx: &Ctx, p: &Prepared, share: f64) -> anyhow::Result<f64> {
     let rate =
         cx.a.rate.unwrap_or_else(|| share * plan::bound(p, &cx.mix, cx.a.embedding_hit_rate).0);
     if rate.is_nan() || rate <= 0.0 || rate.is_infinite() {
-        return Err(format!("--rate {rate}: must be > 0"));
+        return Err(anyhow::anyhow!("--rate {rate}: must be > 0"));
     }
     Ok(rate)
 }
 
 /// Default mode and --sweep: colocated against `E:N:M` splits on the default class.
-fn run_splits(cx: &Ctx) -> Result<(), String> {
+fn run_splits(cx: &Ctx) -> anyhow::Result<()> {
     let a = &cx.a;
     let gpus = cx.gpus();
     let colo = cx.prepare(&cx.colocated(gpus)?)?;
@@ -264,7 +264,7 @@ fn run_splits(cx: &Ctx) -> Result<(), String> {
             best = Some((p, r));
         }
     }
-    let (p, r) = best.ok_or("no split to simulate")?;
+    let (p, r) = best.ok_or_else(|| anyhow::Error::msg("no split to simulate"))?;
     show(&format!("disaggregated best {}", p.layout), &p, &r, cx.target);
     println!(
         "best disaggregated / colocated throughput: {:.3}x ({decisions} scheduler decisions in {:.2} s of wall time)",
@@ -292,7 +292,7 @@ fn run_splits(cx: &Ctx) -> Result<(), String> {
 }
 
 /// The `E:N:M` splits to try on `gpus`: the one `--split` names, else every one.
-pub(crate) fn splits(split: Option<&str>, gpus: u32) -> Result<Vec<String>, String> {
+pub(crate) fn splits(split: Option<&str>, gpus: u32) -> anyhow::Result<Vec<String>> {
     if let Some(s) = split {
         let sp = parse_split(s, gpus)?;
         return Ok(vec![format!("E:{}|D:{}|V:{}", sp.encode, sp.denoise, sp.decode)]);
@@ -306,7 +306,7 @@ pub(crate) fn splits(split: Option<&str>, gpus: u32) -> Result<Vec<String>, Stri
         }
     }
     if v.is_empty() {
-        return Err(format!("--gpus {gpus}: a disaggregated pipeline needs at least 3"));
+        return Err(anyhow::anyhow!("--gpus {gpus}: a disaggregated pipeline needs at least 3"));
     }
     Ok(v)
 }
@@ -330,7 +330,7 @@ fn sweep_rows(
     n: u32,
     rate: f64,
     target: Duration,
-) -> Result<(Vec<SweepRow>, SweepEnd), String> {
+) -> anyhow::Result<(Vec<SweepRow>, SweepEnd)> {
     let mut rows = Vec::new();
     let mut last = f64::INFINITY;
     let mut flat = 0;
@@ -354,20 +354,20 @@ fn sweep_rows(
 
 /// The load of a --sweep: --rate, or 90% of what `n` denoise workers sustain (the decode pool
 /// is what is being sized).
-fn sweep_rate(cx: &Ctx, n: u32) -> Result<f64, String> {
+fn sweep_rate(cx: &Ctx, n: u32) -> anyhow::Result<f64> {
     let den = cx.prepare(&Layout::parse(&format!("E:1|D:{n}|V:1"), &cx.a.gpu)?)?;
     let rate =
         cx.a.rate
             .unwrap_or_else(|| 0.9 * plan::pool_bounds(&den, &cx.mix, cx.a.embedding_hit_rate)[1]);
     if rate.is_nan() || rate <= 0.0 || rate.is_infinite() {
-        return Err(format!("--rate {rate}: must be > 0"));
+        return Err(anyhow::anyhow!("--rate {rate}: must be > 0"));
     }
     Ok(rate)
 }
 
 /// --sweep: the smallest decode pool with p99 TTFF within the target (benchmark (c)).
-fn sweep(cx: &Ctx, n: u32, rate: f64) -> Result<(), String> {
-    let target = cx.target.ok_or("--sweep needs --target-ttff-ms")?;
+fn sweep(cx: &Ctx, n: u32, rate: f64) -> anyhow::Result<()> {
+    let target = cx.target.ok_or_else(|| anyhow::Error::msg("--sweep needs --target-ttff-ms"))?;
     let (rows, end) = sweep_rows(cx, n, rate, target)?;
     for (mm, p, r) in &rows {
         show(&format!("1:{n}:{mm}"), p, r, Some(target));
@@ -382,11 +382,11 @@ fn sweep(cx: &Ctx, n: u32, rate: f64) -> Result<(), String> {
             );
             Ok(())
         }
-        SweepEnd::Flat(p99) => Err(format!(
+        SweepEnd::Flat(p99) => Err(anyhow::anyhow!(
             "p99 TTFF stays at {:.1} s however many decoders: {n} denoise workers cannot meet {t:.1} s at {rate:.4} req/s (add denoise workers, or lower --rate)",
             p99.as_secs_f64()
         )),
-        SweepEnd::None => Err(format!(
+        SweepEnd::None => Err(anyhow::anyhow!(
             "no decode pool up to 64 workers meets p99 TTFF <= {t:.1} s with {n} denoise workers"
         )),
     }
@@ -405,9 +405,9 @@ pub(crate) struct SweepFigures {
 }
 
 /// `simulate --sweep ARGS` for a report.
-pub(crate) fn sweep_figures(args: &[&str]) -> Result<SweepFigures, String> {
+pub(crate) fn sweep_figures(args: &[&str]) -> anyhow::Result<SweepFigures> {
     let (cx, _) = context(parse_args(args)?)?;
-    let target = cx.target.ok_or("--sweep needs --target-ttff-ms")?;
+    let target = cx.target.ok_or_else(|| anyhow::Error::msg("--sweep needs --target-ttff-ms"))?;
     let n = cx.a.denoise.unwrap_or(cx.gpus().saturating_sub(2).max(1));
     let rate = sweep_rate(&cx, n)?;
     let (rows, end) = sweep_rows(&cx, n, rate, target)?;
@@ -426,14 +426,14 @@ struct Measured {
     run: Outcome,
 }
 
-fn measure(cx: &Ctx, p: Prepared, rate: f64) -> Result<Measured, String> {
+fn measure(cx: &Ctx, p: Prepared, rate: f64) -> anyhow::Result<Measured> {
     let capacity = cx.capacity(&p)?;
     let run = cx.poisson(&p, rate, true)?;
     Ok(Measured { p, capacity, run })
 }
 
 /// --layout: each layout and colocated serving on as many GPUs (benchmark (a)).
-fn run_layouts(cx: &Ctx) -> Result<(), String> {
+fn run_layouts(cx: &Ctx) -> anyhow::Result<()> {
     let mut layouts = Vec::new();
     for l in &cx.a.layout {
         layouts.push(Layout::parse(l, &cx.a.gpu)?);
@@ -449,7 +449,7 @@ fn run_layouts(cx: &Ctx) -> Result<(), String> {
             Err(e) => println!("{l}: infeasible: {e}"),
         }
     }
-    let first = fitted.first().ok_or("no layout fits its GPUs")?;
+    let first = fitted.first().ok_or_else(|| anyhow::Error::msg("no layout fits its GPUs"))?;
     let rate = offered(cx, first, 0.9)?;
     header(cx, rate);
     let mut rows = Vec::new();
@@ -472,7 +472,7 @@ struct Planned {
 }
 
 /// The layout search and the simulation of its best candidates.
-fn plan_rows(cx: &Ctx) -> Result<Planned, String> {
+fn plan_rows(cx: &Ctx) -> anyhow::Result<Planned> {
     let a = &cx.a;
     let budget = Budget {
         gpus: a.gpus.or(if a.budget_usd.is_some() { None } else { Some(DEFAULT_GPUS) }),
@@ -489,7 +489,7 @@ fn plan_rows(cx: &Ctx) -> Result<Planned, String> {
         None => cx.classes.clone(),
     };
     if classes.is_empty() {
-        return Err("--plan-classes: no class named".into());
+        return Err(anyhow::Error::msg("--plan-classes: no class named"));
     }
     let mut infeasible = Vec::new();
     let wall = Instant::now();
@@ -518,7 +518,7 @@ fn plan_rows(cx: &Ctx) -> Result<Planned, String> {
     }
     if picked.is_empty() {
         let e = infeasible.first().map_or(String::new(), |e| format!(" (e.g. {e})"));
-        return Err(format!("no layout fits the budget{e}"));
+        return Err(anyhow::anyhow!("no layout fits the budget{e}"));
     }
     // Offered load: 70% of the least capacity shown, so that every row carries it.
     let least = picked.iter().map(|c| c.bound).fold(f64::INFINITY, f64::min);
@@ -538,7 +538,7 @@ fn plan_rows(cx: &Ctx) -> Result<Planned, String> {
 }
 
 /// --plan: the layout search, printed (and plotted with --out).
-fn run_plan(cx: &Ctx) -> Result<(), String> {
+fn run_plan(cx: &Ctx) -> anyhow::Result<()> {
     let p = plan_rows(cx)?;
     println!(
         "plan: {} layouts within {} searched and simulated in {:.2} s ({} pool/class pairs never fit{}); the best {}",
@@ -554,7 +554,7 @@ fn run_plan(cx: &Ctx) -> Result<(), String> {
     compare(&p.rows);
     if let Some(dir) = &cx.a.out {
         let file = dir.join("layouts.svg");
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
         plot_layouts(&file, &figures_of(cx, &p), p.rate)?;
         println!("wrote {}", file.display());
     }
@@ -596,7 +596,7 @@ fn figures_of(cx: &Ctx, p: &Planned) -> Vec<LayoutFigures> {
 }
 
 /// A scatter plot of the layouts: capacity against p99 TTFF under the offered load.
-pub(crate) fn plot_layouts(file: &Path, rows: &[LayoutFigures], rate: f64) -> Result<(), String> {
+pub(crate) fn plot_layouts(file: &Path, rows: &[LayoutFigures], rate: f64) -> anyhow::Result<()> {
     let points: Vec<Labelled> = rows
         .iter()
         .map(|r| Labelled {
@@ -617,19 +617,19 @@ struct Cmdline {
     a: SimArgs,
 }
 
-fn parse_args(args: &[&str]) -> Result<SimArgs, String> {
+fn parse_args(args: &[&str]) -> anyhow::Result<SimArgs> {
     let all = std::iter::once("simulate").chain(args.iter().copied());
-    Ok(<Cmdline as clap::Parser>::try_parse_from(all).map_err(|e| e.to_string())?.a)
+    Ok(<Cmdline as clap::Parser>::try_parse_from(all)?.a)
 }
 
 /// The context `tensorwire simulate ARGS` runs in.
 #[cfg(test)]
-pub(crate) fn context_of(args: &[&str]) -> Result<(Ctx, Vec<profiles::Model>), String> {
+pub(crate) fn context_of(args: &[&str]) -> anyhow::Result<(Ctx, Vec<profiles::Model>)> {
     context(parse_args(args)?)
 }
 
 /// `simulate --plan ARGS` for a report: its layouts and the offered load.
-pub(crate) fn plan_figures(args: &[&str]) -> Result<(Vec<LayoutFigures>, f64, String), String> {
+pub(crate) fn plan_figures(args: &[&str]) -> anyhow::Result<(Vec<LayoutFigures>, f64, String)> {
     let (cx, _) = context(parse_args(args)?)?;
     let p = plan_rows(&cx)?;
     Ok((figures_of(&cx, &p), p.rate, cx.mix.describe()))
@@ -769,7 +769,7 @@ fn compare(rows: &[Measured]) {
 }
 
 /// --calibrate: the published results against the simulator.
-fn run_calibrate(cx: &Ctx, all: &[profiles::Model]) -> Result<(), String> {
+fn run_calibrate(cx: &Ctx, all: &[profiles::Model]) -> anyhow::Result<()> {
     let results = calibrate::load(cx.a.published.as_deref())?;
     let checked = calibrate::check(&results, all, &cx.classes, &cx.knobs)?;
     println!(
@@ -805,7 +805,7 @@ fn run_calibrate(cx: &Ctx, all: &[profiles::Model]) -> Result<(), String> {
     if missed.is_empty() {
         Ok(())
     } else {
-        Err(format!(
+        Err(anyhow::anyhow!(
             "{} published result(s) outside their tolerance with no mechanism named: {}",
             missed.len(),
             missed.join("; ")

@@ -70,18 +70,18 @@ fn usage(pid: &str) -> (u64, u64, u64) {
 }
 
 /// Runs `soak`.
-pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
+pub(crate) async fn run(a: SoakArgs) -> anyhow::Result<()> {
     if !(a.minutes > 0.0 && a.minutes <= 24.0 * 60.0) {
-        return Err(format!("--minutes {}: must be in (0, 1440]", a.minutes));
+        return Err(anyhow::anyhow!("--minutes {}: must be in (0, 1440]", a.minutes));
     }
     if !(a.sample_secs >= 1.0 && a.sample_secs <= 3600.0) {
-        return Err(format!("--sample-secs {}: must be in [1, 3600]", a.sample_secs));
+        return Err(anyhow::anyhow!("--sample-secs {}: must be in [1, 3600]", a.sample_secs));
     }
     if a.chaos != 0.0 && !(0.05..=3600.0).contains(&a.chaos) {
-        return Err(format!("--chaos {}: 0 (none) or 0.05..=3600 seconds", a.chaos));
+        return Err(anyhow::anyhow!("--chaos {}: 0 (none) or 0.05..=3600 seconds", a.chaos));
     }
     if a.batch == 0 || a.batch > 10_000 {
-        return Err(format!("--batch {}: must be in 1..=10000", a.batch));
+        return Err(anyhow::anyhow!("--batch {}: must be in 1..=10000", a.batch));
     }
     let (models, split) = a.mix.resolve(&crate::demo::DEFAULT_MIX)?;
     let ca = ClusterArgs {
@@ -156,7 +156,7 @@ pub(crate) async fn run(a: SoakArgs) -> Result<(), String> {
     let last = samples.last().copied().unwrap_or_default();
     println!("{}", report.line(completed as usize, lost as usize, last.objects));
     if let Some(e) = first_lost {
-        return Err(format!("{lost} requests lost; first: {e}"));
+        return Err(anyhow::anyhow!("{lost} requests lost; first: {e}"));
     }
     check_bounded(&samples)
 }
@@ -198,7 +198,7 @@ fn print_row(s: &Sample, header: bool) {
 
 /// Each figure of the parent and the store at the last sample must stay within a margin of the
 /// first sample taken under load (the second; the first is before any request).
-fn check_bounded(samples: &[Sample]) -> Result<(), String> {
+fn check_bounded(samples: &[Sample]) -> anyhow::Result<()> {
     let (Some(base), Some(last)) = (samples.get(1), samples.last()) else {
         return Ok(()); // one sample: nothing to compare
     };
@@ -219,6 +219,6 @@ fn check_bounded(samples: &[Sample]) -> Result<(), String> {
         println!("soak: bounded (the last sample is within a quarter plus a margin of the second)");
         Ok(())
     } else {
-        Err(format!("grew without bound: {}", grew.join("; ")))
+        Err(anyhow::anyhow!("grew without bound: {}", grew.join("; ")))
     }
 }

@@ -32,12 +32,12 @@ pub(crate) struct RebalanceArgs {
 impl RebalanceArgs {
     /// The settings with every time multiplied by `scale` (the demo's time scale), for a
     /// scheduler with `headroom` (its `decode_headroom`).
-    pub(crate) fn config(&self, scale: f64, headroom: u32) -> Result<RebalanceConfig, String> {
+    pub(crate) fn config(&self, scale: f64, headroom: u32) -> anyhow::Result<RebalanceConfig> {
         let s = |name: &str, v: f64| {
             if v.is_finite() && v >= 0.0 && v * scale < 1e9 {
                 Ok(Duration::from_secs_f64(v * scale))
             } else {
-                Err(format!("{name} {v}: must be a finite number of seconds >= 0"))
+                Err(anyhow::anyhow!("{name} {v}: must be a finite number of seconds >= 0"))
             }
         };
         let cfg = RebalanceConfig {
@@ -47,7 +47,7 @@ impl RebalanceArgs {
             decode_headroom: headroom,
             ..RebalanceConfig::default()
         };
-        cfg.check()?;
+        cfg.check().map_err(anyhow::Error::msg)?;
         Ok(cfg)
     }
 }
@@ -70,12 +70,15 @@ impl SwitchCost {
     pub(crate) fn times<'a>(
         &self,
         models: impl IntoIterator<Item = &'a Model> + Clone,
-    ) -> Result<[Duration; 3], String> {
+    ) -> anyhow::Result<[Duration; 3]> {
         if !(self.switch_gbps.is_finite() && self.switch_gbps > 0.0) {
-            return Err(format!("--switch-gbps {}: must be > 0", self.switch_gbps));
+            return Err(anyhow::anyhow!("--switch-gbps {}: must be > 0", self.switch_gbps));
         }
         if !(self.switch_s.is_finite() && (0.0..1e6).contains(&self.switch_s)) {
-            return Err(format!("--switch-s {}: must be in [0, 1e6) seconds", self.switch_s));
+            return Err(anyhow::anyhow!(
+                "--switch-s {}: must be in [0, 1e6) seconds",
+                self.switch_s
+            ));
         }
         Ok(Stage::ALL.map(|s| {
             let gb: f64 =
@@ -86,14 +89,14 @@ impl SwitchCost {
 }
 
 /// Parses `--can`: stage names.
-pub(crate) fn stages(names: &[String]) -> Result<Vec<Stage>, String> {
+pub(crate) fn stages(names: &[String]) -> anyhow::Result<Vec<Stage>> {
     names
         .iter()
         .map(|n| {
             Stage::ALL
                 .into_iter()
                 .find(|s| s.name() == n.trim())
-                .ok_or_else(|| format!("--can {n:?}: expected encode, denoise or decode"))
+                .ok_or_else(|| anyhow::anyhow!("--can {n:?}: expected encode, denoise or decode"))
         })
         .collect()
 }
@@ -143,7 +146,7 @@ pub(crate) async fn serve_pool(
     term: &mut Signal,
     drain: Duration,
     mut run: impl FnMut(Assignment),
-) -> Result<Left, String> {
+) -> anyhow::Result<Left> {
     let left = loop {
         let a = tokio::select! {
             a = rx.recv() => a,
@@ -152,11 +155,11 @@ pub(crate) async fn serve_pool(
         };
         match a {
             Some(a) => run(a),
-            None => return Err("the orchestrator closed the connection".into()),
+            None => return Err(anyhow::Error::msg("the orchestrator closed the connection")),
         }
     };
     // Items run on while the drain waits for them (their tasks hold the client).
-    w.drain(drain).await.map_err(|e| format!("draining: {e}"))?;
+    w.drain(drain).await.map_err(|e| anyhow::anyhow!("draining: {e}"))?;
     Ok(left)
 }
 
@@ -191,7 +194,7 @@ mod tests {
         let bad = RebalanceArgs { horizon_s: 0.0, ..r.clone() };
         assert!(bad.config(1.0, 0).is_err());
         assert_eq!(stages(&["decode".into()]).unwrap(), [Stage::Decode]);
-        assert!(stages(&["vae".into()]).unwrap_err().contains("expected encode"));
+        assert!(stages(&["vae".into()]).unwrap_err().to_string().contains("expected encode"));
         let m = Mobility { serves: vec![Stage::Denoise, Stage::Decode], cost: t };
         let spec = m.spec((Stage::Denoise, 1), ("h", &[]), None);
         assert_eq!(spec.can, vec![(Stage::Decode, t[2])]);

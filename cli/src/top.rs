@@ -41,31 +41,37 @@ struct Scrape {
     failed: Vec<String>,
 }
 
-async fn scrape(connect: SocketAddr) -> Result<Scrape, String> {
+async fn scrape(connect: SocketAddr) -> anyhow::Result<Scrape> {
     let at = Instant::now();
-    let mut samples =
-        Samples::parse(&tensorwire_observe::get(connect, "/metrics", SCRAPE_TIMEOUT).await?)?;
+    let mut samples = Samples::parse(
+        &tensorwire_observe::get(connect, "/metrics", SCRAPE_TIMEOUT)
+            .await
+            .map_err(anyhow::Error::msg)?,
+    )
+    .map_err(anyhow::Error::msg)?;
     let sd = tensorwire_observe::get(connect, "/sd", SCRAPE_TIMEOUT).await.unwrap_or_default();
     let mut set = tokio::task::JoinSet::new();
     for t in targets(&sd) {
         set.spawn(async move {
             let addr: SocketAddr = tokio::net::lookup_host(&t)
                 .await
-                .map_err(|e| format!("{t}: {e}"))?
+                .map_err(|e| anyhow::anyhow!("{t}: {e}"))?
                 .next()
-                .ok_or_else(|| format!("{t}: no address"))?;
-            let text = tensorwire_observe::get(addr, "/metrics", SCRAPE_TIMEOUT).await?;
-            Samples::parse(&text).map_err(|e| format!("{t}: {e}"))
+                .ok_or_else(|| anyhow::anyhow!("{t}: no address"))?;
+            let text = tensorwire_observe::get(addr, "/metrics", SCRAPE_TIMEOUT)
+                .await
+                .map_err(anyhow::Error::msg)?;
+            Samples::parse(&text).map_err(|e| anyhow::anyhow!("{t}: {e}"))
         });
     }
     let (mut endpoints, mut failed) = (1, Vec::new());
     while let Some(r) = set.join_next().await {
-        match r.map_err(|e| e.to_string()).and_then(|r| r) {
+        match r.map_err(anyhow::Error::msg).and_then(|r| r) {
             Ok(s) => {
                 samples.extend(s);
                 endpoints += 1;
             }
-            Err(e) => failed.push(e),
+            Err(e) => failed.push(e.to_string()),
         }
     }
     Ok(Scrape { at, samples, endpoints, failed })
@@ -246,7 +252,7 @@ impl View {
 }
 
 /// Runs `top`.
-pub(crate) async fn run(a: TopArgs) -> Result<(), String> {
+pub(crate) async fn run(a: TopArgs) -> anyhow::Result<()> {
     let every = Duration::from_millis(a.interval_ms.max(100));
     let mut past = std::collections::VecDeque::from([scrape(a.connect).await?]);
     if a.once {
@@ -255,13 +261,12 @@ pub(crate) async fn run(a: TopArgs) -> Result<(), String> {
         print!("{}", View::of(&past[0], &past[0], &now).text(a.connect));
         return Ok(());
     }
-    let mut term = ratatui::try_init().map_err(|e| format!("top: no terminal: {e}"))?;
+    let mut term = ratatui::try_init().map_err(|e| anyhow::anyhow!("top: no terminal: {e}"))?;
     let res = async {
         let mut view: Option<View> = None;
         let mut error: Option<String> = None;
         loop {
-            term.draw(|f| draw(f, a.connect, view.as_ref(), error.as_deref()))
-                .map_err(|e| e.to_string())?;
+            term.draw(|f| draw(f, a.connect, view.as_ref(), error.as_deref()))?;
             if quit_within(every).await? {
                 return Ok(());
             }
@@ -275,7 +280,7 @@ pub(crate) async fn run(a: TopArgs) -> Result<(), String> {
                     }
                     past.push_back(now);
                 }
-                Err(e) => error = Some(e),
+                Err(e) => error = Some(e.to_string()),
             }
         }
     }
@@ -285,15 +290,15 @@ pub(crate) async fn run(a: TopArgs) -> Result<(), String> {
 }
 
 /// Waits up to `t` for a key; true for q, Esc or Ctrl-C.
-async fn quit_within(t: Duration) -> Result<bool, String> {
+async fn quit_within(t: Duration) -> anyhow::Result<bool> {
     tokio::task::spawn_blocking(move || {
         let until = Instant::now() + t;
         loop {
             let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() || !event::poll(left).map_err(|e| e.to_string())? {
+            if left.is_zero() || !event::poll(left)? {
                 return Ok(false);
             }
-            if let Event::Key(k) = event::read().map_err(|e| e.to_string())? {
+            if let Event::Key(k) = event::read()? {
                 let ctrl_c =
                     k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL);
                 if matches!(k.code, KeyCode::Char('q') | KeyCode::Esc) || ctrl_c {
@@ -302,8 +307,7 @@ async fn quit_within(t: Duration) -> Result<bool, String> {
             }
         }
     })
-    .await
-    .map_err(|e| e.to_string())?
+    .await?
 }
 
 fn draw(f: &mut ratatui::Frame<'_>, connect: SocketAddr, view: Option<&View>, error: Option<&str>) {

@@ -11,6 +11,7 @@ use super::classes::GpuClass;
 use super::engine::{self, Knobs, Load, Prepared};
 use super::layout::Layout;
 use super::workload::Mix;
+use crate::Result;
 use crate::profiles::{self, Model};
 
 /// The results shipped with the binary.
@@ -44,7 +45,7 @@ struct File {
 }
 
 /// Results from `path`, or the shipped ones.
-pub fn load(path: Option<&Path>) -> Result<Vec<Published>, String> {
+pub fn load(path: Option<&Path>) -> Result<Vec<Published>> {
     let (text, origin) = match path {
         Some(p) => (
             std::fs::read_to_string(p).map_err(|e| format!("{}: cannot read: {e}", p.display()))?,
@@ -95,7 +96,7 @@ pub fn check(
     models: &[Model],
     classes: &[GpuClass],
     knobs: &Knobs,
-) -> Result<Vec<Checked>, String> {
+) -> Result<Vec<Checked>> {
     let mut out = Vec::new();
     for r in results {
         let m = profiles::pick(models, std::slice::from_ref(&r.model))?[0].clone();
@@ -108,12 +109,7 @@ pub fn check(
 }
 
 /// Capacities of a result's colocated and disaggregated layouts serving `m`.
-fn pair(
-    r: &Published,
-    m: Model,
-    classes: &[GpuClass],
-    knobs: &Knobs,
-) -> Result<(f64, f64), String> {
+fn pair(r: &Published, m: Model, classes: &[GpuClass], knobs: &Knobs) -> Result<(f64, f64)> {
     let mix = Mix::single(m);
     let mut thr = [0.0; 2];
     for (i, l) in [&r.colocated, &r.disaggregated].into_iter().enumerate() {

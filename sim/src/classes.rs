@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use crate::Result;
 use serde::Deserialize;
 
 /// The classes shipped with the binary.
@@ -33,23 +34,23 @@ struct File {
 }
 
 /// Parses classes; the error names the file and what is wrong.
-pub fn parse(text: &str, origin: &str) -> Result<Vec<GpuClass>, String> {
+pub fn parse(text: &str, origin: &str) -> Result<Vec<GpuClass>> {
     let f: File = toml::from_str(text)
         .map_err(|e| format!("{origin}: not a valid GPU class file: {}", e.message()))?;
     for c in &f.class {
         let figures = [c.vram_gb, c.mem_bw_gbps, c.host_link_gbps, c.speed, c.usd_per_hour];
         if figures.iter().any(|x| !x.is_finite() || *x <= 0.0) || c.nvlink_gbps < 0.0 {
-            return Err(format!("{origin}: class {}: every figure must be > 0", c.name));
+            return Err(format!("{origin}: class {}: every figure must be > 0", c.name).into());
         }
     }
     if f.class.is_empty() {
-        return Err(format!("{origin}: no [[class]] entries"));
+        return Err(format!("{origin}: no [[class]] entries").into());
     }
     Ok(f.class)
 }
 
 /// Classes from `path`, or the shipped ones.
-pub fn load(path: Option<&Path>) -> Result<Vec<GpuClass>, String> {
+pub fn load(path: Option<&Path>) -> Result<Vec<GpuClass>> {
     match path {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -61,10 +62,10 @@ pub fn load(path: Option<&Path>) -> Result<Vec<GpuClass>, String> {
 }
 
 /// Looks up a class by name; the error lists the known names.
-pub fn pick<'a>(all: &'a [GpuClass], name: &str) -> Result<&'a GpuClass, String> {
+pub fn pick<'a>(all: &'a [GpuClass], name: &str) -> Result<&'a GpuClass> {
     all.iter().find(|c| c.name == name).ok_or_else(|| {
         let known: Vec<&str> = all.iter().map(|c| c.name.as_str()).collect();
-        format!("unknown GPU class {name:?}; known: {}", known.join(", "))
+        format!("unknown GPU class {name:?}; known: {}", known.join(", ")).into()
     })
 }
 
@@ -78,8 +79,8 @@ mod tests {
         for name in ["h200", "h100", "a100-80gb", "a100-40gb", "l40s", "rtx4090", "cpu"] {
             pick(&all, name).unwrap();
         }
-        assert!(pick(&all, "tpu").unwrap_err().contains("known: h200"));
+        assert!(pick(&all, "tpu").unwrap_err().0.contains("known: h200"));
         let bad = "[[class]]\nname='x'\nvram_gb=0.0\nmem_bw_gbps=1.0\nhost_link_gbps=1.0\nnvlink_gbps=0.0\nspeed=1.0\nusd_per_hour=1.0\n";
-        assert!(parse(bad, "f").unwrap_err().contains("class x"));
+        assert!(parse(bad, "f").unwrap_err().0.contains("class x"));
     }
 }

@@ -29,6 +29,7 @@ use super::classes::{self, GpuClass};
 use super::fit::{self, PoolFit};
 use super::layout::Layout;
 use super::workload::{Mix, pick};
+use crate::Result;
 
 /// Slots of a worker that passes a stage inside a run (never the limit).
 const PASS_SLOTS: u32 = 1 << 24;
@@ -138,12 +139,7 @@ pub struct Prepared {
 
 impl Prepared {
     /// Fits every pool; Err: the first pool that cannot run, and why.
-    pub fn new(
-        layout: &Layout,
-        all: &[GpuClass],
-        mix: &Mix,
-        cfg: bool,
-    ) -> Result<Prepared, String> {
+    pub fn new(layout: &Layout, all: &[GpuClass], mix: &Mix, cfg: bool) -> Result<Prepared> {
         let models = mix.models();
         let mut fits = Vec::new();
         let mut usd = 0.0;
@@ -204,13 +200,15 @@ pub struct Reused {
 }
 
 /// A routing policy by name.
-pub fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>, String> {
+pub fn policy(name: &str) -> Result<Box<dyn RoutingPolicy>> {
     Ok(match name {
         "max-free" => Box::new(MaxFreeCredit),
         "round-robin" => Box::new(RoundRobin::default()),
         "affinity" => Box::new(AffinityFirst),
         other => {
-            return Err(format!("--policy {other:?}: expected max-free, round-robin or affinity"));
+            return Err(
+                format!("--policy {other:?}: expected max-free, round-robin or affinity").into()
+            );
         }
     })
 }
@@ -265,7 +263,7 @@ struct DenoiseRun {
 }
 
 /// Runs `p` under `load`.
-pub fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result<Outcome, String> {
+pub fn simulate(p: &Prepared, mix: &Mix, k: &Knobs, load: Load) -> Result<Outcome> {
     simulate_with(p, mix, k, load, None, None)
 }
 
@@ -289,7 +287,7 @@ fn shift_arrivals(shift: &Shift, rng: &mut Rng) -> Vec<(Duration, usize)> {
 }
 
 /// The pool of each stage, for an elastic run (every pool serves one stage, each stage once).
-fn stage_pools(p: &Prepared) -> Result<[usize; 3], String> {
+fn stage_pools(p: &Prepared) -> Result<[usize; 3]> {
     let mut of = [usize::MAX; 3];
     for (pi, pool) in p.layout.pools.iter().enumerate() {
         let runs = pool.runs();
@@ -297,12 +295,13 @@ fn stage_pools(p: &Prepared) -> Result<[usize; 3], String> {
             return Err(format!(
                 "--elastic moves GPUs between single-stage pools (E:x|D:y|V:z); {} is not one",
                 p.layout
-            ));
+            )
+            .into());
         }
         of[runs[0][0].index()] = pi;
     }
     if of.contains(&usize::MAX) {
-        return Err(format!("--elastic: {} lacks a pool for a stage", p.layout));
+        return Err(format!("--elastic: {} lacks a pool for a stage", p.layout).into());
     }
     Ok(of)
 }
@@ -316,7 +315,7 @@ pub fn simulate_with(
     load: Load,
     shift: Option<&Shift>,
     elastic: Option<&Elastic>,
-) -> Result<Outcome, String> {
+) -> Result<Outcome> {
     let pool_of_stage = match elastic {
         Some(_) => Some(stage_pools(p)?),
         None => None,

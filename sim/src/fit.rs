@@ -9,6 +9,7 @@ use tensorwire_orchestrator::Stage;
 
 use super::classes::GpuClass;
 use super::layout::Pool;
+use crate::Result;
 use crate::profiles::Model;
 
 /// Tiled VAE decode: peak activations divided by this (est: 4 spatial tiles).
@@ -58,7 +59,7 @@ pub struct PoolFit {
 
 /// Fits `pool` on `class` for `models`; `cfg`: classifier-free guidance on for models that use
 /// it. Err: why it cannot run at all.
-pub fn fit(pool: &Pool, class: &GpuClass, models: &[&Model], cfg: bool) -> Result<PoolFit, String> {
+pub fn fit(pool: &Pool, class: &GpuClass, models: &[&Model], cfg: bool) -> Result<PoolFit> {
     let served: Vec<Stage> = Stage::ALL.into_iter().filter(|s| pool.stages[s.index()]).collect();
     let mut notes = Vec::new();
     let weights = |m: &Model, s: Stage| m.weights_gb.map_or(0.0, |w| w.get(s));
@@ -100,7 +101,8 @@ pub fn fit(pool: &Pool, class: &GpuClass, models: &[&Model], cfg: bool) -> Resul
         return Err(format!(
             "{m} {s}: {peak:.1} GB of activations do not fit a {} ({:.0} GB) even tiled",
             class.name, class.vram_gb
-        ));
+        )
+        .into());
     }
     // What stays resident: the DiT first (it runs every step), then the encoder, then the VAE.
     let mut budget = class.vram_gb - peak;
@@ -176,7 +178,7 @@ mod tests {
     use crate::profiles;
     use crate::{classes, layout::Layout};
 
-    fn setup(layout: &str, class: &str, model: &str) -> Result<PoolFit, String> {
+    fn setup(layout: &str, class: &str, model: &str) -> Result<PoolFit> {
         let all = profiles::load(None).unwrap();
         let classes = classes::load(None).unwrap();
         let m = profiles::pick(&all, &[model.to_string()]).unwrap();
@@ -230,6 +232,6 @@ mod tests {
         assert_eq!(f.costs[0][2].unwrap().mode, Mode::Tiled, "{f:?}");
         let d = Layout::parse("D:1|EV:1", "x").unwrap();
         let e = fit(&d.pools[0], &small, &m, true).unwrap_err();
-        assert!(e.contains("hunyuanvideo-720p-129f denoise: 19.4 GB of activations"), "{e}");
+        assert!(e.0.contains("hunyuanvideo-720p-129f denoise: 19.4 GB of activations"), "{e}");
     }
 }

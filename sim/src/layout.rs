@@ -4,6 +4,7 @@
 
 use std::fmt;
 
+use crate::Result;
 use tensorwire_orchestrator::Stage;
 
 /// Stages as letters, in pipeline order.
@@ -52,7 +53,7 @@ pub struct Layout {
 
 impl Layout {
     /// Parses `E@l40s:1|DV:7`; `class` is the class of a pool that names none.
-    pub fn parse(s: &str, class: &str) -> Result<Layout, String> {
+    pub fn parse(s: &str, class: &str) -> Result<Layout> {
         let bad = |why: String| format!("--layout {s:?}: {why} (e.g. E@l40s:1|DV@h100:7)");
         let mut pools = Vec::new();
         let mut seen = [false; 3];
@@ -75,17 +76,17 @@ impl Layout {
                     .position(|&l| l == c.to_ascii_uppercase())
                     .ok_or_else(|| bad(format!("{c:?} is not a stage (E, D or V)")))?;
                 if std::mem::replace(&mut seen[i], true) {
-                    return Err(bad(format!("stage {} is in two pools", LETTERS[i])));
+                    return Err(bad(format!("stage {} is in two pools", LETTERS[i])).into());
                 }
                 on[i] = true;
             }
             if !on.contains(&true) {
-                return Err(bad(format!("{part:?} serves no stage")));
+                return Err(bad(format!("{part:?} serves no stage")).into());
             }
             pools.push(Pool { stages: on, class: cls.trim().to_string(), count });
         }
         if let Some(i) = seen.iter().position(|s| !s) {
-            return Err(bad(format!("no pool serves stage {}", LETTERS[i])));
+            return Err(bad(format!("no pool serves stage {}", LETTERS[i])).into());
         }
         Ok(Layout { pools })
     }
@@ -146,7 +147,7 @@ mod tests {
             ("EXV:1", "not a stage"),
         ] {
             let e = Layout::parse(bad, "h100").unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
+            assert!(e.0.contains(why), "{bad}: {e}");
         }
         for g in GROUPINGS {
             let s: Vec<String> = g.iter().map(|p| format!("{p}:1")).collect();

@@ -5,6 +5,7 @@
 pub mod calibrate;
 pub mod classes;
 pub mod engine;
+pub mod error;
 pub mod fit;
 pub mod layout;
 pub mod plan;
@@ -12,3 +13,5 @@ pub mod profiles;
 pub mod rng;
 pub mod shift;
 pub mod workload;
+
+pub use error::{Error, Result};

@@ -101,8 +101,8 @@ pub fn search(
             let fitted = Prepared::new(&Layout { pools: pools.clone() }, classes, mix, cfg);
             match fitted {
                 Err(e) => {
-                    if !infeasible.contains(&e) {
-                        infeasible.push(e);
+                    if !infeasible.contains(&e.0) {
+                        infeasible.push(e.0);
                     }
                 }
                 Ok(one) => expand(&one, classes, mix, budget, hit_rate, &mut out),

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use crate::Result;
 use serde::{Deserialize, Serialize};
 
 /// The profiles shipped with the binary (a copy of shared/workloads/models.toml).
@@ -111,14 +112,14 @@ struct File {
 }
 
 /// Parses profiles; the error names the file and what is wrong.
-pub fn parse(text: &str, origin: &str) -> Result<Vec<Model>, String> {
+pub fn parse(text: &str, origin: &str) -> Result<Vec<Model>> {
     let f: File = toml::from_str(text)
         .map_err(|e| format!("{origin}: not a valid profile file: {}", e.message()))?;
     for m in &f.model {
         for (what, v) in [("weights_gb", m.weights_gb), ("act_gb", m.act_gb)] {
             let Some(v) = v else { continue };
             if [v.encode, v.denoise, v.decode].iter().any(|x| !x.is_finite() || *x < 0.0) {
-                return Err(format!("{origin}: model {}: {what} must be >= 0", m.name));
+                return Err(format!("{origin}: model {}: {what} must be >= 0", m.name).into());
             }
         }
         let times = m.measured.iter().flat_map(|x| [x.alone, x.colocated]);
@@ -126,7 +127,7 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<Model>, String> {
         if times.clone().any(|t| bad(t.encode_ms) || bad(t.step_ms) || bad(t.decode_ms))
             || [m.encode_ms, m.step_ms, m.decode_ms].iter().any(|x| !x.is_finite() || *x < 0.0)
         {
-            return Err(format!("{origin}: model {}: times must be finite and > 0", m.name));
+            return Err(format!("{origin}: model {}: times must be finite and > 0", m.name).into());
         }
         let elems: u64 = m.latent_shape.iter().product();
         if elems * 2 != m.latent_bytes {
@@ -136,17 +137,18 @@ pub fn parse(text: &str, origin: &str) -> Result<Vec<Model>, String> {
                 m.latent_shape,
                 elems * 2,
                 m.latent_bytes
-            ));
+            )
+            .into());
         }
     }
     if f.model.is_empty() {
-        return Err(format!("{origin}: no [[model]] entries"));
+        return Err(format!("{origin}: no [[model]] entries").into());
     }
     Ok(f.model)
 }
 
 /// Profiles from `path`, or the shipped copy.
-pub fn load(path: Option<&Path>) -> Result<Vec<Model>, String> {
+pub fn load(path: Option<&Path>) -> Result<Vec<Model>> {
     match path {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -158,22 +160,22 @@ pub fn load(path: Option<&Path>) -> Result<Vec<Model>, String> {
 }
 
 /// `models` as a profile file ([`parse`] reads it back).
-pub fn to_toml(models: &[Model]) -> Result<String, String> {
+pub fn to_toml(models: &[Model]) -> Result<String> {
     #[derive(Serialize)]
     struct Out<'a> {
         model: &'a [Model],
     }
-    toml::to_string(&Out { model: models }).map_err(|e| format!("writing profiles: {e}"))
+    toml::to_string(&Out { model: models }).map_err(|e| format!("writing profiles: {e}").into())
 }
 
 /// Looks up models by name; the error lists the known names.
-pub fn pick<'a>(all: &'a [Model], names: &[String]) -> Result<Vec<&'a Model>, String> {
+pub fn pick<'a>(all: &'a [Model], names: &[String]) -> Result<Vec<&'a Model>> {
     names
         .iter()
         .map(|n| {
             all.iter().find(|m| &m.name == n).ok_or_else(|| {
                 let known: Vec<&str> = all.iter().map(|m| m.name.as_str()).collect();
-                format!("unknown model {n:?}; known: {}", known.join(", "))
+                format!("unknown model {n:?}; known: {}", known.join(", ")).into()
             })
         })
         .collect()
@@ -189,8 +191,8 @@ mod tests {
         assert!(all.len() >= 6);
         let wan = &pick(&all, &["wan2.1-t2v-1.3b-480p".into()]).unwrap()[0];
         assert_eq!(wan.chunks(), Some((1, 7)));
-        assert!(pick(&all, &["nope".into()]).unwrap_err().contains("known:"));
-        assert!(parse("model = 3", "x").unwrap_err().starts_with("x: not a valid profile file"));
+        assert!(pick(&all, &["nope".into()]).unwrap_err().0.contains("known:"));
+        assert!(parse("model = 3", "x").unwrap_err().0.starts_with("x: not a valid profile file"));
         let back = parse(&to_toml(&all).unwrap(), "written").unwrap();
         assert_eq!(back.len(), all.len());
         assert_eq!(back[6].measured[0].alone.step_ms, Some(1880.0));

@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use super::engine::{Phase, Shift};
 use super::workload::{Entry, Mix};
+use crate::Result;
 use crate::profiles::Model;
 
 /// Parses `--phases` against the profiles: the union mix and the shift over it.
-pub fn parse(s: &str, all: &[Model]) -> Result<(Mix, Shift), String> {
+pub fn parse(s: &str, all: &[Model]) -> Result<(Mix, Shift)> {
     let bad = |why: String| format!("--phases {s:?}: {why}");
     let mut union: Vec<Entry> = Vec::new();
     let mut parsed = Vec::new();
@@ -27,7 +28,8 @@ pub fn parse(s: &str, all: &[Model]) -> Result<(Mix, Shift), String> {
         if !ok(rate, f64::MAX) || !ok(secs, 1e7) {
             return Err(bad(format!(
                 "{part:?}: the rate must be > 0 and the length in (0, 1e7] s"
-            )));
+            ))
+            .into());
         }
         let m = Mix::parse(mix, all)?;
         let mut shares = Vec::new();
@@ -47,7 +49,7 @@ pub fn parse(s: &str, all: &[Model]) -> Result<(Mix, Shift), String> {
         parsed.push((shares, rate, Duration::from_secs_f64(secs)));
     }
     if parsed.is_empty() {
-        return Err(bad("no phases".into()));
+        return Err(bad("no phases".into()).into());
     }
     let n = union.len();
     let phases: Vec<Phase> = parsed
@@ -126,7 +128,7 @@ mod tests {
             ("", "no phases"),
         ] {
             let e = parse(bad, &all).unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
+            assert!(e.0.contains(why), "{bad}: {e}");
         }
     }
 }

@@ -5,6 +5,7 @@
 
 use tensorwire_orchestrator::Priority;
 
+use crate::Result;
 use crate::profiles::{self, Model};
 
 /// One kind of request in the mix.
@@ -46,14 +47,16 @@ impl Mix {
     }
 
     /// Parses `--mix` against the profiles.
-    pub fn parse(s: &str, all: &[Model]) -> Result<Mix, String> {
+    pub fn parse(s: &str, all: &[Model]) -> Result<Mix> {
         let bad = |why: String| format!("--mix {s:?}: {why}");
         let mut entries = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (rest, priority) = match part.rsplit_once(':') {
                 Some((r, "interactive")) => (r, Some(Priority::Interactive)),
                 Some((r, "batch")) => (r, Some(Priority::Batch)),
-                Some((_, c)) => return Err(bad(format!("{c:?}: expected interactive or batch"))),
+                Some((_, c)) => {
+                    return Err(bad(format!("{c:?}: expected interactive or batch")).into());
+                }
                 None => (part, None),
             };
             let (name, share) = match rest.split_once('=') {
@@ -64,13 +67,13 @@ impl Mix {
                 None => (rest, 1.0),
             };
             if !(share.is_finite() && share > 0.0) {
-                return Err(bad(format!("{name}: share {share} must be > 0")));
+                return Err(bad(format!("{name}: share {share} must be > 0")).into());
             }
             let model = profiles::pick(all, &[name.to_string()])?[0].clone();
             entries.push(Entry { model, share, priority });
         }
         if entries.is_empty() {
-            return Err(bad("no entries".into()));
+            return Err(bad("no entries".into()).into());
         }
         let total: f64 = entries.iter().map(|e| e.share).sum();
         for e in &mut entries {
@@ -132,7 +135,7 @@ mod tests {
             ("", "no entries"),
         ] {
             let e = Mix::parse(bad, &all).unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
+            assert!(e.0.contains(why), "{bad}: {e}");
         }
     }
 }

@@ -39,10 +39,6 @@ fn scaled(ms: f64, scale: f64) -> Duration {
     Duration::from_secs_f64((ms * scale / 1000.0).max(0.0))
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 struct Ctx {
     models: Vec<Model>,
     reqs: Vec<Req>,
@@ -87,7 +83,11 @@ async fn encode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
         if !c.cache.put_from(&key, &meta, &buf.slice(0, m.embed_bytes)?).await
             && !c.enc_store.exists(&key.store_key("emb")).await?
         {
-            return Err(format!("request {}: the embedding could not be cached", w.request).into());
+            return Err(anyhow::anyhow!(
+                "request {}: the embedding could not be cached",
+                w.request
+            )
+            .into());
         }
         c.cached.lock().insert(key);
     }
@@ -100,7 +100,8 @@ async fn encode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
 async fn denoise(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     let r = &c.reqs[w.request as usize];
     let m = &c.models[r.model];
-    let emb = c.emb.lock().get(&w.request).cloned().ok_or("no embedding")?;
+    let emb =
+        c.emb.lock().get(&w.request).cloned().ok_or_else(|| anyhow::Error::msg("no embedding"))?;
     let dst = Arc::new(c.den.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
     let t = Instant::now();
     c.den.consume(&emb, dst, 0, Some(&embed_meta(m)))?.all().await?;
@@ -146,7 +147,7 @@ async fn cfg_features(c: &Ctx, model: usize) -> Result<(), HandlerError> {
     let want = fill(CFG_BYTES, 0x5a + model as u64);
     match c.cfg.get(&key).await {
         Some((_, got)) if got == want => Ok(()),
-        Some(_) => Err(format!("{}: shared CFG features differ", m.name).into()),
+        Some(_) => Err(anyhow::anyhow!("{}: shared CFG features differ", m.name).into()),
         None => {
             let buf = c.den.engine().alloc(CFG_BYTES, Permissions::NONE).await?;
             buf.write_bytes(0, &want)?;
@@ -162,7 +163,8 @@ async fn cfg_features(c: &Ctx, model: usize) -> Result<(), HandlerError> {
 async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     let r = &c.reqs[w.request as usize];
     let m = &c.models[r.model];
-    let lat = c.lat.lock().get(&w.request).cloned().ok_or("no latent")?;
+    let lat =
+        c.lat.lock().get(&w.request).cloned().ok_or_else(|| anyhow::Error::msg("no latent"))?;
     let dst = Arc::new(c.dec.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
     let chunks = m.chunks().map_or(1, |(_, n)| n);
     let t = Instant::now();
@@ -193,7 +195,7 @@ async fn decode(c: Arc<Ctx>, w: Work) -> Result<(), HandlerError> {
     c.moved.fetch_add(m.latent_bytes, Ordering::Relaxed);
     let want = fill(m.latent_bytes, w.request);
     if dst.to_vec(0, m.latent_bytes)? != want {
-        return Err(format!("request {}: latent bytes differ", w.request).into());
+        return Err(anyhow::anyhow!("request {}: latent bytes differ", w.request).into());
     }
     c.e2e.lock().push(c.submitted.elapsed());
     c.bars[2].inc(1);
@@ -221,15 +223,14 @@ pub(crate) async fn disaggregated(
     reqs: Vec<Req>,
     split: Split,
     scale: f64,
-) -> Result<Summary, String> {
+) -> anyhow::Result<Summary> {
     let (node_engine, store, node) = store_node(STORE_BYTES).await?;
     let mut conns = Vec::new();
     let mut stores = Vec::new();
     for mode in [Mode::Store, Mode::Auto, Mode::Auto] {
         let e = tcp_engine(None).await?;
-        let s: Arc<dyn Store> = Arc::new(
-            RemoteStore::connect(&e, node_engine.local_addr(), node.addr()).await.map_err(err)?,
-        );
+        let s: Arc<dyn Store> =
+            Arc::new(RemoteStore::connect(&e, node_engine.local_addr(), node.addr()).await?);
         let cfg = ConnectorConfig { mode, checksum: false, wait_timeout: Duration::from_secs(30) };
         stores.push(s.clone());
         conns.push(DiffusionConnector::new(e, Some(s), cfg));
@@ -237,9 +238,9 @@ pub(crate) async fn disaggregated(
     let den_store = stores[1].clone();
     let enc_store = stores.swap_remove(0);
     let (dec, den, enc) = (
-        conns.pop().ok_or("connector")?,
-        conns.pop().ok_or("connector")?,
-        conns.pop().ok_or("connector")?,
+        conns.pop().ok_or_else(|| anyhow::Error::msg("connector"))?,
+        conns.pop().ok_or_else(|| anyhow::Error::msg("connector"))?,
+        conns.pop().ok_or_else(|| anyhow::Error::msg("connector"))?,
     );
     let n = reqs.len() as u64;
     let (_mp, bars) = bars(n, "disaggregated");
@@ -281,26 +282,26 @@ pub(crate) async fn disaggregated(
                 Stage::Denoise => Arc::new(move |w| denoise(c.clone(), w)),
                 Stage::Decode => Arc::new(move |w| decode(c.clone(), w)),
             };
-            orch.add_worker(stage, 1, "localhost", h).await.map_err(err)?;
+            orch.add_worker(stage, 1, "localhost", h).await?;
         }
     }
     let start = Instant::now();
     let mut waits = Vec::new();
     for r in 0..n {
         let s = Submit::new(r, Priority::Batch);
-        waits.push(orch.submit(s).await.map_err(err)?);
+        waits.push(orch.submit(s).await?);
     }
     for w in waits {
-        match w.await.map_err(|_| "orchestrator stopped")? {
+        match w.await.map_err(|_| anyhow::Error::msg("orchestrator stopped"))? {
             Outcome::Completed { .. } => {}
             Outcome::Failed { request, reason } => {
-                return Err(format!("request {request} failed: {reason}"));
+                return Err(anyhow::anyhow!("request {request} failed: {reason}"));
             }
         }
     }
     let elapsed = start.elapsed();
-    let st = orch.stats().await.map_err(err)?;
-    let slowest = orch.slowest().await.map_err(err)?.map(|t| t.render());
+    let st = orch.stats().await?;
+    let slowest = orch.slowest().await?.map(|t| t.render());
     for b in &ctx.bars {
         b.finish();
     }
@@ -311,13 +312,13 @@ pub(crate) async fn disaggregated(
     // Drop the embedding cache; the store must end empty.
     let keys: Vec<CacheKey> = ctx.cached.lock().drain().collect();
     for key in keys {
-        ctx.enc_store.remove(&key.store_key("emb")).await.map_err(err)?;
+        ctx.enc_store.remove(&key.store_key("emb")).await?;
     }
     let keys: Vec<CacheKey> = ctx.cfg_keys.lock().drain().collect();
     for key in keys {
-        ctx.den_store.remove(&key.store_key("cfg")).await.map_err(err)?;
+        ctx.den_store.remove(&key.store_key("cfg")).await?;
     }
-    let left = store.stats().await.map_err(err)?;
+    let left = store.stats().await?;
     let moved = ctx.moved.load(Ordering::Relaxed);
     let handoff = *ctx.handoff.lock();
     let busy: [f64; 3] = std::array::from_fn(|i| st.busy[i].as_secs_f64());

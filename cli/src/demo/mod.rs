@@ -49,9 +49,9 @@ pub(crate) const DEFAULT_MIX: [&str; 3] =
 impl MixArgs {
     /// The models of the mix (`--models`, or `default`) and the split of `gpus` workers into
     /// pools (`--split`, or proportional to the stage times).
-    pub(crate) fn resolve(&self, default: &[&str]) -> Result<(Vec<Model>, Split), String> {
+    pub(crate) fn resolve(&self, default: &[&str]) -> anyhow::Result<(Vec<Model>, Split)> {
         if self.time_scale.is_nan() || self.time_scale <= 0.0 || self.time_scale > 10.0 {
-            return Err(format!("--time-scale {}: must be in (0, 10]", self.time_scale));
+            return Err(anyhow::anyhow!("--time-scale {}: must be in (0, 10]", self.time_scale));
         }
         let all = profiles::load(self.profiles.as_deref())?;
         let names = self.names(default);
@@ -66,7 +66,7 @@ impl MixArgs {
     }
 
     /// `--split`, or workers proportional to `mix`'s stage times.
-    pub(crate) fn split(&self, mix: &[Model]) -> Result<Split, String> {
+    pub(crate) fn split(&self, mix: &[Model]) -> anyhow::Result<Split> {
         match &self.split {
             Some(s) => parse_split(s, self.gpus),
             None => auto_split(&mix.iter().collect::<Vec<_>>(), self.gpus),
@@ -116,7 +116,7 @@ pub(crate) struct DemoArgs {
 }
 
 /// Runs the demo.
-pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
+pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
     let (d, c) = compare(&a).await?;
     crate::report::print(&d, &c);
     crate::report::print_decided(&d, &c);
@@ -124,10 +124,13 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
         println!("\nslowest request, as the orchestrator saw it (disaggregated):\n{t}");
     }
     if d.store_left != 0 {
-        return Err(format!("the store still holds {} objects after the run", d.store_left));
+        return Err(anyhow::anyhow!(
+            "the store still holds {} objects after the run",
+            d.store_left
+        ));
     }
     if let Some(counted) = d.engine_bytes.filter(|&b| b < d.moved) {
-        return Err(format!(
+        return Err(anyhow::anyhow!(
             "the engines counted {counted} bytes, the pipeline claims {}",
             d.moved
         ));
@@ -136,14 +139,14 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
 }
 
 /// Runs both layouts on the same requests.
-pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> {
+pub(crate) async fn compare(a: &DemoArgs) -> anyhow::Result<(Summary, Summary)> {
     if let Some(c) = a.chaos {
         if !a.processes || !(0.05..=3600.0).contains(&c) {
-            return Err(format!("--chaos {c}: needs --processes and 0.05..=3600 seconds"));
+            return Err(anyhow::anyhow!("--chaos {c}: needs --processes and 0.05..=3600 seconds"));
         }
     }
     if a.requests == 0 || a.requests > 10_000 {
-        return Err(format!("--requests {}: must be in 1..=10000", a.requests));
+        return Err(anyhow::anyhow!("--requests {}: must be in 1..=10000", a.requests));
     }
     let sc = crate::scenario::pick(&a.scenario)?;
     let (models, _) = a.mix.resolve(sc.models)?;
@@ -172,9 +175,9 @@ pub(crate) async fn compare(a: &DemoArgs) -> Result<(Summary, Summary), String> 
             .collect();
         // The worker processes read the pools' stage times from a profile file.
         let dir = std::env::temp_dir().join(format!("tensorwire-demo-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(&dir)?;
         let file = dir.join("models.toml");
-        std::fs::write(&file, profiles::to_toml(dm)?).map_err(|e| e.to_string())?;
+        std::fs::write(&file, profiles::to_toml(dm)?)?;
         let d = in_processes(a, dm, split, Some(file)).await;
         let _ = std::fs::remove_dir_all(&dir);
         (d?, colocated(cm, &unique, a.mix.gpus, a.mix.time_scale).await)
@@ -206,7 +209,7 @@ pub(crate) async fn in_processes(
     models: &[Model],
     split: Split,
     profiles: Option<std::path::PathBuf>,
-) -> Result<Summary, String> {
+) -> anyhow::Result<Summary> {
     let ca = ClusterArgs {
         time_scale: a.mix.time_scale,
         profiles: profiles.or_else(|| a.mix.profiles.clone()),
@@ -266,10 +269,14 @@ pub(crate) async fn in_processes(
         println!("{}", report.line(done.len(), lost.len(), left.objects));
     }
     if let Some(first) = lost.first() {
-        return Err(format!("{} of {} requests lost; first: {first}", lost.len(), a.requests));
+        return Err(anyhow::anyhow!(
+            "{} of {} requests lost; first: {first}",
+            lost.len(),
+            a.requests
+        ));
     }
     if report.orchestrator.duplicated > 0 {
-        return Err(format!(
+        return Err(anyhow::anyhow!(
             "{} stage results were accepted twice",
             report.orchestrator.duplicated
         ));

@@ -17,10 +17,6 @@ pub(crate) fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 /// Workers per stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Split {
@@ -33,17 +29,17 @@ pub(crate) struct Split {
 }
 
 /// Parses "E:N:M".
-pub(crate) fn parse_split(s: &str, gpus: u32) -> Result<Split, String> {
+pub(crate) fn parse_split(s: &str, gpus: u32) -> anyhow::Result<Split> {
     let v: Vec<u32> = s
         .split(':')
         .map(|x| x.trim().parse::<u32>())
         .collect::<Result<_, _>>()
-        .map_err(|_| format!("--split {s:?}: expected E:N:M, e.g. 1:6:1"))?;
+        .map_err(|_| anyhow::anyhow!("--split {s:?}: expected E:N:M, e.g. 1:6:1"))?;
     let [e, n, m] = v[..] else {
-        return Err(format!("--split {s:?}: expected three numbers E:N:M"));
+        return Err(anyhow::anyhow!("--split {s:?}: expected three numbers E:N:M"));
     };
     if e == 0 || n == 0 || m == 0 || e + n + m != gpus {
-        return Err(format!(
+        return Err(anyhow::anyhow!(
             "--split {s:?}: each pool needs a worker and the pools must add up to --gpus {gpus}"
         ));
     }
@@ -51,9 +47,9 @@ pub(crate) fn parse_split(s: &str, gpus: u32) -> Result<Split, String> {
 }
 
 /// Workers proportional to the mix's total stage times (LightX2V's rule), at least one each.
-pub(crate) fn auto_split(mix: &[&Model], gpus: u32) -> Result<Split, String> {
+pub(crate) fn auto_split(mix: &[&Model], gpus: u32) -> anyhow::Result<Split> {
     if gpus < 3 {
-        return Err(format!(
+        return Err(anyhow::anyhow!(
             "--gpus {gpus}: a disaggregated pipeline needs at least 3 (one per stage)"
         ));
     }
@@ -87,12 +83,12 @@ pub(crate) fn latent_meta(m: &Model) -> TensorMeta {
 /// The demo's store node: an engine on loopback with a 512 MiB shared pool served over the RPC.
 pub(crate) async fn store_node(
     capacity: u64,
-) -> Result<(Engine, Arc<EmbeddedStore>, StoreNode), String> {
+) -> anyhow::Result<(Engine, Arc<EmbeddedStore>, StoreNode)> {
     let engine = tcp_engine(None).await?;
     let cfg = StoreConfig { capacity, shared: true, ..StoreConfig::default() };
-    let store = EmbeddedStore::new(&engine, cfg).await.map_err(err)?;
-    let listen = "127.0.0.1:0".parse().map_err(|_| "address")?;
-    let node = StoreNode::serve(store.clone(), listen).await.map_err(err)?;
+    let store = EmbeddedStore::new(&engine, cfg).await?;
+    let listen = "127.0.0.1:0".parse().map_err(|_| anyhow::Error::msg("address"))?;
+    let node = StoreNode::serve(store.clone(), listen).await?;
     Ok((engine, store, node))
 }
 
@@ -100,8 +96,8 @@ pub(crate) async fn store_node(
 pub(crate) const STORE_BYTES: u64 = 512 << 20;
 
 /// An engine on loopback over tcp, with `secret` as its cluster secret.
-pub(crate) async fn tcp_engine(cluster_secret: Option<ClusterSecret>) -> Result<Engine, String> {
-    let tcp = TcpBackend::new(TcpConfig::default()).map_err(err)?;
+pub(crate) async fn tcp_engine(cluster_secret: Option<ClusterSecret>) -> anyhow::Result<Engine> {
+    let tcp = TcpBackend::new(TcpConfig::default())?;
     let config = EngineConfig { cluster_secret, ..EngineConfig::default() };
-    Engine::builder().backend(tcp).config(config).start().await.map_err(err)
+    Engine::builder().backend(tcp).config(config).start().await.map_err(anyhow::Error::from)
 }

@@ -68,7 +68,7 @@ async fn run_once(
     models: &[Model],
     plan: &[(u64, Duration)],
     elastic: bool,
-) -> Result<Run, String> {
+) -> anyhow::Result<Run> {
     let rebalance = match elastic {
         true => {
             let r = RebalanceArgs { rebalance_interval_s: 10.0, dwell_s: 60.0, horizon_s: 120.0 };
@@ -135,7 +135,7 @@ async fn run_once(
 }
 
 /// Runs the scenario.
-pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
+pub(crate) async fn run(a: DemoArgs) -> anyhow::Result<()> {
     let all = profiles::load(a.mix.profiles.as_deref())?;
     let names: Vec<String> = MODELS.iter().map(|m| m.to_string()).collect();
     let models: Vec<Model> = profiles::pick(&all, &names)?.into_iter().cloned().collect();
@@ -186,7 +186,7 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
     );
     for r in &runs {
         if r.lost > 0 || r.duplicated > 0 || r.completed != plan.len() {
-            return Err(format!(
+            return Err(anyhow::anyhow!(
                 "{}: {} of {} requests completed, {} lost, {} duplicated",
                 r.label,
                 r.completed,
@@ -197,7 +197,9 @@ pub(crate) async fn run(a: DemoArgs) -> Result<(), String> {
         }
     }
     if !el.moves.iter().any(|m| m.2 == Stage::Decode.name()) {
-        return Err("the elastic run moved no worker to decode when video arrived".into());
+        return Err(anyhow::Error::msg(
+            "the elastic run moved no worker to decode when video arrived",
+        ));
     }
     Ok(())
 }

@@ -18,6 +18,8 @@ use tensorwire_sim::profiles::Model;
 
 /// An outcome to wait for: the request, when it was submitted (from the run's start), and the
 /// service's answer to come.
+/// A watched request: its (id, submitted, ended) when it completed, or the line saying why it was
+/// lost.
 pub(super) type Pending = tokio::task::JoinHandle<Result<(u64, Duration, Duration), String>>;
 
 /// Waits, from now on, for the outcome of request `r` submitted at `sent` (from `start`): the
@@ -41,10 +43,10 @@ pub(super) fn watch(
 /// lost one.
 pub(super) async fn outcomes(
     waits: Vec<Pending>,
-) -> Result<(Vec<(u64, Duration, Duration)>, Vec<String>), String> {
+) -> anyhow::Result<(Vec<(u64, Duration, Duration)>, Vec<String>)> {
     let (mut done, mut lost) = (Vec::new(), Vec::new());
     for w in waits {
-        match w.await.map_err(|e| e.to_string())? {
+        match w.await? {
             Ok(d) => done.push(d),
             Err(e) => lost.push(e),
         }
@@ -100,7 +102,7 @@ impl Cluster {
         a: &ClusterArgs,
         models: &[Model],
         split: Split,
-    ) -> Result<Cluster, String> {
+    ) -> anyhow::Result<Cluster> {
         let (node_engine, store, node) = store_node(a.store_bytes).await?;
         // Under chaos a long denoise item may be killed a few times in a row: give it more
         // tries (each death counts as one, the same as a failure, so a request that kills
@@ -113,9 +115,11 @@ impl Cluster {
         };
         let rebalance = a.rebalance.as_ref().map(|(r, _)| r.clone());
         let cfg = ServiceConfig { sched, rebalance, ..ServiceConfig::default() };
-        let orch = OrchestratorService::serve("127.0.0.1:0".parse().map_err(|_| "address")?, cfg)
-            .await
-            .map_err(|e| e.to_string())?;
+        let orch = OrchestratorService::serve(
+            "127.0.0.1:0".parse().map_err(|_| anyhow::Error::msg("address"))?,
+            cfg,
+        )
+        .await?;
         let health = tensorwire_observe::Health::new();
         let endpoint = a.metrics.start("orchestrator", health.clone()).await?;
         let mut worker_metrics: Vec<String> = Vec::new();
@@ -132,7 +136,7 @@ impl Cluster {
                 cost.switch_s.to_string(),
             ]);
         }
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let exe = std::env::current_exe()?;
         let (tx, mut lines) = tokio::sync::mpsc::channel::<String>(4096);
         let names = models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(",");
         let mut slots = Vec::new();
@@ -177,11 +181,15 @@ impl Cluster {
             match tokio::time::timeout(Duration::from_secs(30), lines.recv()).await {
                 Ok(Some(l)) if l.starts_with("JOINED") => joined += 1,
                 Ok(Some(_)) => {}
-                _ => return Err(format!("only {joined} of {workers} worker processes joined")),
+                _ => {
+                    return Err(anyhow::anyhow!(
+                        "only {joined} of {workers} worker processes joined"
+                    ));
+                }
             }
         }
         sup.unleash();
-        let sub = SubmitClient::connect(orch.addr(), None).await.map_err(|e| e.to_string())?;
+        let sub = SubmitClient::connect(orch.addr(), None).await?;
         let list = orch.metrics_targets_fn();
         health.targets(move || crate::observe::targets(list()));
         Ok(Cluster {
@@ -203,7 +211,7 @@ impl Cluster {
         &self,
         requests: std::ops::Range<u64>,
         start: Instant,
-    ) -> Result<(Vec<(u64, Duration)>, Vec<String>), String> {
+    ) -> anyhow::Result<(Vec<(u64, Duration)>, Vec<String>)> {
         self.run_as(requests, Priority::Batch, start).await
     }
 
@@ -214,11 +222,11 @@ impl Cluster {
         &self,
         schedule: &[(u64, Duration)],
         start: Instant,
-    ) -> Result<(Vec<(u64, Duration, Duration)>, Vec<String>), String> {
+    ) -> anyhow::Result<(Vec<(u64, Duration, Duration)>, Vec<String>)> {
         let mut waits = Vec::new();
         for &(r, at) in schedule {
             tokio::time::sleep_until((start + at).into()).await;
-            let o = self.sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?;
+            let o = self.sub.submit(r, Priority::Batch).await?;
             waits.push(watch(r, start.elapsed(), o, start));
         }
         outcomes(waits).await
@@ -230,10 +238,10 @@ impl Cluster {
         requests: impl IntoIterator<Item = u64>,
         p: Priority,
         start: Instant,
-    ) -> Result<(Vec<(u64, Duration)>, Vec<String>), String> {
+    ) -> anyhow::Result<(Vec<(u64, Duration)>, Vec<String>)> {
         let mut waits = Vec::new();
         for r in requests {
-            let o = self.sub.submit(r, p).await.map_err(|e| e.to_string())?;
+            let o = self.sub.submit(r, p).await?;
             waits.push(watch(r, start.elapsed(), o, start));
         }
         let (done, lost) = outcomes(waits).await?;
@@ -266,8 +274,8 @@ impl Cluster {
         first: u64,
         holders: u32,
         models: &[Model],
-    ) -> Result<String, String> {
-        let before = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+    ) -> anyhow::Result<String> {
+        let before = self.orch.stats().await?.sched;
         let n = u64::from(holders);
         let (batch, (long, short)) = long_jobs(first, n, models);
         let len = models.len().max(1) as u64;
@@ -290,11 +298,11 @@ impl Cluster {
         let (held, (took, inter)) = tokio::join!(held, wait);
         let ((batch, lost), (_, lost2)) = (held?, inter?);
         if let Some(e) = lost.first().or(lost2.first()) {
-            return Err(format!("preemption probe: {e}"));
+            return Err(anyhow::anyhow!("preemption probe: {e}"));
         }
         let mut times: Vec<Duration> = batch.iter().map(|(_, t)| *t).collect();
         times.sort();
-        let after = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+        let after = self.orch.stats().await?.sched;
         Ok(format!(
             "preemption: with {holders} batch jobs ({}) on the {holders} denoise workers, an \
              interactive request ({}) completed in {} ms (batch median {} ms); {} yield asks, {} \
@@ -317,12 +325,12 @@ impl Cluster {
         first: u64,
         holders: u32,
         models: &[Model],
-    ) -> Result<(String, Vec<String>), String> {
-        let before = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+    ) -> anyhow::Result<(String, Vec<String>)> {
+        let before = self.orch.stats().await?.sched;
         let (batch, _) = long_jobs(first, u64::from(holders), models);
         let mut outs = Vec::new();
         for &r in &batch {
-            outs.push(self.sub.submit(r, Priority::Batch).await.map_err(|e| e.to_string())?);
+            outs.push(self.sub.submit(r, Priority::Batch).await?);
         }
         let mut seen: Vec<String> = Vec::new();
         let words = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
@@ -338,17 +346,18 @@ impl Cluster {
             }
             seen.push(l);
         }
-        let pid = pid.ok_or("migration probe: no denoise job started")?;
+        let pid =
+            pid.ok_or_else(|| anyhow::Error::msg("migration probe: no denoise job started"))?;
         // Let it run a few steps first.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let t = Instant::now();
         let target: libc::pid_t =
-            pid.parse().map_err(|_| format!("migration probe: a worker pid {pid:?}"))?;
+            pid.parse().map_err(|_| anyhow::anyhow!("migration probe: a worker pid {pid:?}"))?;
         // SAFETY: kill(2) takes plain integers and touches no memory of ours; `target` is a
         // worker process this cluster supervises.
         if unsafe { libc::kill(target, libc::SIGTERM) } != 0 {
             let e = std::io::Error::last_os_error();
-            return Err(format!("migration probe: cannot send SIGTERM to {pid}: {e}"));
+            return Err(anyhow::anyhow!("migration probe: cannot send SIGTERM to {pid}: {e}"));
         }
         let mut drained = None;
         while drained.is_none() && t.elapsed() < Duration::from_secs(120) {
@@ -358,14 +367,15 @@ impl Cluster {
             }
             seen.push(l);
         }
-        let drained = drained.ok_or("migration probe: the worker did not drain")?;
+        let drained = drained
+            .ok_or_else(|| anyhow::Error::msg("migration probe: the worker did not drain"))?;
         for (r, o) in batch.iter().zip(outs) {
             match tokio::time::timeout(Duration::from_secs(600), o).await {
                 Ok(Ok(Ok(()))) => {}
-                other => return Err(format!("migration probe: request {r}: {other:?}")),
+                other => return Err(anyhow::anyhow!("migration probe: request {r}: {other:?}")),
             }
         }
-        let after = self.orch.stats().await.map_err(|e| e.to_string())?.sched;
+        let after = self.orch.stats().await?.sched;
         Ok((
             format!(
                 "migration: the denoise worker running a batch job got SIGTERM, drained in {} ms \
@@ -381,10 +391,10 @@ impl Cluster {
 
     /// Store counters once the last releases have landed (bounded wait: releases follow
     /// results).
-    pub(crate) async fn settled_store(&self) -> Result<tensorwire_store::StoreStats, String> {
+    pub(crate) async fn settled_store(&self) -> anyhow::Result<tensorwire_store::StoreStats> {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let st = self.store.stats().await.map_err(|e| e.to_string())?;
+            let st = self.store.stats().await?;
             if st.objects == 0 || Instant::now() >= deadline {
                 return Ok(st);
             }
@@ -398,9 +408,9 @@ impl Cluster {
     }
 
     /// Stops the workers and says what happened.
-    pub(crate) async fn stop(self) -> Result<ClusterReport, String> {
+    pub(crate) async fn stop(self) -> anyhow::Result<ClusterReport> {
         let supervisor = self.sup.stop();
-        let orchestrator = self.orch.stats().await.map_err(|e| e.to_string())?;
+        let orchestrator = self.orch.stats().await?;
         Ok(ClusterReport { supervisor, orchestrator, attempts: self.attempts })
     }
 }

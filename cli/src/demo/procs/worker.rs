@@ -160,13 +160,14 @@ pub(super) async fn run_item(
         }
         Stage::Denoise => {
             let refs = decode_refs(&a.inputs)?;
-            let emb = refs.first().ok_or("denoise without an embedding")?;
+            let emb =
+                refs.first().ok_or_else(|| anyhow::Error::msg("denoise without an embedding"))?;
             let dst = Arc::new(c.engine().alloc(m.embed_bytes, Permissions::NONE).await?);
             let t = tokio::time::Instant::now();
             c.consume_held(emb, dst.clone(), 0, Some(&embed))?.all().await?;
             w.handoff(a, m.embed_bytes, t.elapsed()).await?;
             if dst.to_vec(0, m.embed_bytes)? != fill(m.embed_bytes, a.request) {
-                return Err(format!("request {}: embedding bytes differ", a.request).into());
+                return Err(anyhow::anyhow!("request {}: embedding bytes differ", a.request).into());
             }
             let buf = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::READ).await?);
             let saved = std::collections::VecDeque::new();
@@ -206,7 +207,7 @@ pub(super) async fn run_item(
         }
         Stage::Decode => {
             let refs = decode_refs(&a.inputs)?;
-            let lat = refs.first().ok_or("decode without a latent")?;
+            let lat = refs.first().ok_or_else(|| anyhow::Error::msg("decode without a latent"))?;
             let dst = Arc::new(c.engine().alloc(m.latent_bytes, Permissions::NONE).await?);
             let chunks = m.chunks().map_or(1, |(_, n)| n);
             let t = tokio::time::Instant::now();
@@ -226,7 +227,7 @@ pub(super) async fn run_item(
                 }
             }
             if dst.to_vec(0, m.latent_bytes)? != fill(m.latent_bytes, a.request + 1) {
-                return Err(format!("request {}: latent bytes differ", a.request).into());
+                return Err(anyhow::anyhow!("request {}: latent bytes differ", a.request).into());
             }
             Ok(Ran::Done(Vec::new()))
         }
@@ -244,11 +245,10 @@ pub(crate) async fn payload_worker(
     (models, mobility): (Vec<Model>, crate::switching::Mobility),
     (scale, every): (f64, [u32; 2]),
     join: &crate::observe::Joining,
-) -> Result<(), String> {
+) -> anyhow::Result<()> {
     let engine = tcp_engine(secret.clone()).await?;
-    let store: Arc<dyn Store> = Arc::new(
-        RemoteStore::connect(&engine, store_engine, store_rpc).await.map_err(|e| e.to_string())?,
-    );
+    let store: Arc<dyn Store> =
+        Arc::new(RemoteStore::connect(&engine, store_engine, store_rpc).await?);
     let cfg = ConnectorConfig {
         mode: Mode::Auto,
         checksum: false,
@@ -259,14 +259,13 @@ pub(crate) async fn payload_worker(
     let models = Arc::new(models);
     // SIGTERM: drain (nothing new; denoise jobs yield and move), then exit.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| format!("SIGTERM handler: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("SIGTERM handler: {e}"))?;
     let (mut stage, mut switched) = (stage, None);
     loop {
         let spec = mobility.spec((stage, slots.max(1)), ("localhost", &join.labels), switched);
         let (w, mut rx) =
             WorkerClient::join(orch.clone(), secret.as_ref(), spec, Duration::from_millis(500))
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
         join.joined.set(true);
         println!("@@JOINED {}", w.id());
         let w = Arc::new(w);
@@ -297,7 +296,7 @@ pub(crate) async fn payload_worker(
         };
         let left = crate::switching::serve_pool(&w, &mut rx, &mut term, DRAIN, run)
             .await
-            .map_err(|e| format!("{e} (orchestrator {orch:?})"))?;
+            .map_err(|e| anyhow::anyhow!("{e} (orchestrator {orch:?})"))?;
         // Latents it published p2p are still to be read by decode: wait for them.
         let until = tokio::time::Instant::now() + Duration::from_secs(30);
         while conn.held() > 0 && tokio::time::Instant::now() < until {
