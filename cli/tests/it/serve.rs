@@ -329,27 +329,40 @@ async fn serve_rebalance_moves_a_worker_that_can_decode_to_the_short_decode_pool
             .spawn()
             .unwrap()
     };
-    let mut mobile = worker("denoise", "0.005", &["--can", "decode"]);
-    let lines = BufReader::new(mobile.child_stdout());
-    let _mobile = Kill(mobile);
-    let _others: Vec<Kill> = [
+    // Every worker's stdout is read: "joined" lines go to `joined`, the mobile worker's
+    // "@@SWITCHED" to `switched`.
+    let (joined_tx, joined) = std::sync::mpsc::sync_channel(16);
+    let (tx, switched) = std::sync::mpsc::sync_channel(16);
+    let watch = |mut child: Child| {
+        let lines = BufReader::new(child.child_stdout());
+        let (joined_tx, tx) = (joined_tx.clone(), tx.clone());
+        std::thread::spawn(move || {
+            for l in lines.lines().map_while(Result::ok) {
+                if l.starts_with("@@SWITCHED") {
+                    let _ = tx.send(l);
+                } else if l.starts_with("worker ") && l.contains(" joined ") {
+                    let _ = joined_tx.send(());
+                }
+            }
+        });
+        Kill(child)
+    };
+    let _workers: Vec<Kill> = [
+        worker("denoise", "0.005", &["--can", "decode"]),
         worker("encode", "0.005", &[]),
         worker("denoise", "0.005", &[]),
         worker("denoise", "0.005", &[]),
         worker("decode", "0.1", &[]),
     ]
     .into_iter()
-    .map(Kill)
+    .map(watch)
     .collect();
-    let (tx, switched) = std::sync::mpsc::sync_channel(16);
-    std::thread::spawn(move || {
-        for l in lines.lines().map_while(Result::ok) {
-            if l.starts_with("@@SWITCHED") {
-                let _ = tx.send(l);
-            }
-        }
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await; // every worker joined
+    // Submit only once all five joined (on a loaded machine a process can take seconds to start,
+    // and a worker that joins after the work is done is never moved).
+    for i in 0..5 {
+        let got = tokio::task::block_in_place(|| joined.recv_timeout(Duration::from_secs(60)));
+        assert!(got.is_ok(), "only {i} of 5 workers joined within 60 s");
+    }
     let sub = SubmitClient::connect(orch.parse().unwrap(), None).await.unwrap();
     let mut outs = Vec::new();
     for r in 0..24 {

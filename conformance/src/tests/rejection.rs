@@ -90,7 +90,8 @@ fn unrelated_keys(k: u128, n: usize) -> Vec<u128> {
     (0..n).map(|_| (u128::from(next()) << 64) | u128::from(next())).collect()
 }
 
-/// A region id the peer never registered is `NotFound(Region)`.
+/// A region id the peer never registered (far out, or the next it would issue) is
+/// `NotFound(Region)`.
 pub async fn reject_unknown_region(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let src = crate::alloc(f, &pair.a, 64, Permissions::NONE).await.unwrap();
@@ -99,6 +100,11 @@ pub async fn reject_unknown_region(f: &dyn PairFactory) {
     forged.id = RegionId(1 << 40);
     let e = expect_err("unknown region", &s, TransferOp::write(&src, 0, &forged, 0, 8)).await;
     assert!(matches!(e, Error::NotFound(Missing::Region(RegionId(id))) if id == 1 << 40), "{e}");
+    // The id the peer would issue next was never issued either (not a deregistered region).
+    let next = RegionId(dst.id().0 + 1);
+    forged.id = next;
+    let e = expect_err("next region id", &s, TransferOp::write(&src, 0, &forged, 0, 8)).await;
+    assert!(matches!(e, Error::NotFound(Missing::Region(id)) if id == next), "{e}");
 }
 
 /// A deregistered region, remote or local, is `NotFound(Deregistered)`.
