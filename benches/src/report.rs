@@ -28,6 +28,18 @@ pub struct Line {
     pub samples: Vec<f64>,
     /// Every run's baseline GB/s.
     pub baseline_samples: Vec<f64>,
+    /// The medium's physical bound at this size, when the harness measured one ([`Line::bounded`]):
+    /// "memcpy/2" for tcp (the kernel copies every byte twice, into the socket and out of it),
+    /// "memcpy" for a one-copy medium (shm, mem, UCX's shared memory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<String>,
+    /// The bound's GB/s: memcpy of the same size, measured in the same run right after the
+    /// samples, divided by the medium's copies per byte.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound_gbps: Option<f64>,
+    /// tensorwire's median GB/s over the bound's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound_ratio: Option<f64>,
 }
 
 /// The final line.
@@ -85,14 +97,31 @@ impl Line {
             runs: samples.len(),
             samples,
             baseline_samples,
+            bound: None,
+            bound_gbps: None,
+            bound_ratio: None,
         }
         .rounded()
     }
 
+    /// The line with the medium's bound: `copies` copies of every byte at `memcpy_gbps`.
+    pub fn bounded(mut self, copies: u32, memcpy_gbps: f64) -> Line {
+        let what = if copies == 1 { "memcpy".to_string() } else { format!("memcpy/{copies}") };
+        let b = memcpy_gbps / f64::from(copies.max(1));
+        self.bound = Some(what);
+        self.bound_gbps = Some(round3(b));
+        self.bound_ratio = (b > 0.0).then(|| round3(self.gbps / b));
+        self
+    }
+
     /// Prints the line: JSON on stdout, a readable form on stderr.
     pub fn emit(&self) {
+        let bound = match (&self.bound, self.bound_gbps, self.bound_ratio) {
+            (Some(w), Some(g), Some(r)) => format!("   bound {w} {g:>7.3} GB/s   ratio {r:.3}"),
+            _ => String::new(),
+        };
         eprintln!(
-            "{:>8} {:>7}: tensorwire {:>7.3} GB/s   {} {:>7.3} GB/s   ratio {:.3}",
+            "{:>8} {:>7}: tensorwire {:>7.3} GB/s   {} {:>7.3} GB/s   ratio {:.3}{bound}",
             self.op,
             crate::measure::fmt_size(self.size),
             self.gbps,
@@ -133,5 +162,20 @@ mod tests {
         assert_eq!((l.gbps, l.baseline_gbps, l.ratio), (4.0, 3.0, 2.0));
         let none = Line::from_samples("tcp", "read", 4096, 2, "x", vec![1.0], vec![0.0]);
         assert_eq!(none.ratio, 0.0, "a baseline that moved nothing gives no ratio");
+    }
+
+    #[test]
+    fn the_bound_divides_memcpy_by_the_copies_per_byte() {
+        let l =
+            Line::from_samples("tcp", "read", 4096, 2, "x", vec![3.0], vec![1.0]).bounded(2, 12.0);
+        assert_eq!(l.bound.as_deref(), Some("memcpy/2"));
+        assert_eq!((l.bound_gbps, l.bound_ratio), (Some(6.0), Some(0.5)));
+        let json = serde_json::to_string(&l).unwrap();
+        assert!(json.contains("\"bound_ratio\":0.5"), "{json}");
+        let plain = Line::from_samples("tcp", "read", 4096, 2, "x", vec![3.0], vec![1.0]);
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(!json.contains("bound"), "no bound measured, none printed: {json}");
+        let shm = Line::from_samples("shm", "write", 4096, 1, "memcpy", vec![3.0], vec![4.0]);
+        assert_eq!(shm.bounded(1, 4.0).bound.as_deref(), Some("memcpy"));
     }
 }

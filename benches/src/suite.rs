@@ -55,7 +55,10 @@ pub async fn transfers(
     let pair = EnginePair::new(backend, streams, max).await?;
     let raw = if backend == "tcp" { Some(RawTcp::new(streams, max).await?) } else { None };
     let raw = tokio::sync::Mutex::new(raw);
-    let copy = std::sync::Mutex::new(Memcpy::new(if backend == "tcp" { 0 } else { max }));
+    // The baseline of shm and mem, and the bound of every medium: tcp copies every byte twice
+    // (into the socket, out of it), shm and mem once.
+    let copy = std::sync::Mutex::new(Memcpy::new(max));
+    let copies = if backend == "tcp" { 2 } else { 1 };
     let baseline = if backend == "tcp" { "tokio-socket" } else { "memcpy" };
     let (pair_ref, raw, copy) = (&pair, &raw, &copy);
     let lines = sweep(sizes, ops, on_line, move |size, write| async move {
@@ -76,7 +79,10 @@ pub async fn transfers(
         )
         .await?;
         let op = if write { "write" } else { "read" };
-        Ok(Line::from_samples(backend, op, size, streams, baseline, tw, base))
+        let line = Line::from_samples(backend, op, size, streams, baseline, tw, base);
+        let memcpy =
+            copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).gbps(size, plan.budget);
+        Ok(line.bounded(copies, memcpy))
     })
     .await?;
     pair.a.shutdown().await;
@@ -136,7 +142,9 @@ async fn ucx_transfers(
     let perf = Perftest::new()?;
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let pair = ChildPair::new("ucx", max).await?;
-    let (pair_ref, perf) = (&pair, &perf);
+    // The bound: UCX's shared memory moves each byte with one copy.
+    let copy = std::sync::Mutex::new(Memcpy::new(max));
+    let (pair_ref, perf, copy) = (&pair, &perf, &copy);
     // Each size and direction twice: one op at a time (each waits for the one before), and
     // UCX_BATCH ops per submit, each completing on its own (ucx_perftest streams its puts).
     let mut lines = Vec::new();
@@ -162,7 +170,12 @@ async fn ucx_transfers(
                     (true, n) => format!("write x{n}"),
                     (false, n) => format!("read x{n}"),
                 };
-                Ok(Line::from_samples("ucx", &op, size, 1, &perf.name(), tw, base))
+                let line = Line::from_samples("ucx", &op, size, 1, &perf.name(), tw, base);
+                let memcpy = copy
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .gbps(size, plan.budget);
+                Ok(line.bounded(1, memcpy))
             })
             .await?,
         );
