@@ -55,6 +55,27 @@ pub struct StoreStats {
     pub largest_free: u64,
 }
 
+/// One stored object as a listing shows it: what a copy of it must carry (its bytes aside) to
+/// be the same object elsewhere. [`crate::EmbeddedStore::list`] and [`crate::RemoteStore::list`]
+/// page through a store in key order; a cluster's repair reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    /// The key.
+    pub key: Vec<u8>,
+    /// Its length in bytes.
+    pub len: u64,
+    /// How it may be evicted.
+    pub retention: Retention,
+    /// Pins held on it.
+    pub pins: u32,
+    /// Consumers still expected (0: no consumer count).
+    pub consumers: u32,
+    /// Consumer reports kept until a count is set.
+    pub early: u32,
+    /// Time left before its lease removes it, if it has one.
+    pub ttl_left: Option<std::time::Duration>,
+}
+
 /// An object store of tensors in registered memory.
 #[async_trait]
 pub trait Store: Send + Sync + Debug {

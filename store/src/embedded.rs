@@ -14,7 +14,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use tensorwire_core::ClusterSecret;
 use tensorwire_core::{Engine, MemSlice, Permissions, Region, RemoteRegion, TensorMeta};
 
-use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
+use crate::api::{ObjectInfo, Retention, Store, StoreStats, check_key, check_meta};
 use crate::error::{Result, StoreError};
 use crate::spill::Spill;
 use crate::state::{Io, LoadJob, Marks, Opened, PoolState, Reserved, Source, Step, deadline};
@@ -346,6 +346,13 @@ impl EmbeddedStore {
     /// Sweeps expired puts, reads and leased objects now (a node calls this periodically).
     pub fn expire(&self) {
         let _ = self.run(|_| Ok(Step::Done(())));
+    }
+
+    /// Up to `limit` objects (at most [`crate::rpc::MAX_LIST`]) with keys after `after`, in key
+    /// order: start with an empty `after`, then pass the last key of each page.
+    pub fn list(&self, after: &[u8], limit: usize) -> Vec<ObjectInfo> {
+        let limit = limit.min(crate::rpc::MAX_LIST);
+        self.state.lock().list(after, limit, Instant::now())
     }
 
     /// Publishes the pool's levels (objects, bytes, pinned, spilled) through the `metrics`

@@ -19,6 +19,7 @@
 
 pub mod alloc;
 mod api;
+pub mod cluster;
 mod embedded;
 mod error;
 mod node;
@@ -30,7 +31,10 @@ mod state;
 pub mod testing;
 mod uring;
 
-pub use api::{GetInto, MAX_KEY, PutFrom, Retention, Store, StoreStats, check_key, check_meta};
+pub use cluster::{ClusterConfig, ClusterStore};
+pub use api::{
+    GetInto, MAX_KEY, ObjectInfo, PutFrom, Retention, Store, StoreStats, check_key, check_meta,
+};
 pub use embedded::{EmbeddedStore, PendingPut, StoreConfig};
 pub use error::{Result, StoreError, StoreKey};
 pub use node::StoreNode;

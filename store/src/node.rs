@@ -213,6 +213,7 @@ async fn handle(store: &EmbeddedStore, req: Request, held: &mut Held) -> Result<
             Response::Done
         }
         Request::Consumed { key } => Response::Flag(store.consumed(&key).await?),
+        Request::List { after, limit } => Response::Objects(store.list(&after, limit as usize)),
         Request::Hello | Request::Auth { .. } => Response::Done,
     })
 }

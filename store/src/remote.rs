@@ -19,7 +19,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
-use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
+use crate::api::{ObjectInfo, Retention, Store, StoreStats, check_key, check_meta};
 use crate::embedded::PendingPut;
 use crate::error::{Result, StoreError};
 use crate::rpc::{self, FRAMING, Request, Response};
@@ -262,6 +262,21 @@ impl RemoteStore {
     /// The session with the node's engine.
     pub fn session(&self) -> &Session {
         &self.session
+    }
+
+    /// Up to `limit` of the node's objects (at most [`crate::rpc::MAX_LIST`]) with keys after
+    /// `after`, in key order.
+    pub async fn list(&self, after: &[u8], limit: usize) -> Result<Vec<ObjectInfo>> {
+        let limit = limit.min(crate::rpc::MAX_LIST) as u32;
+        match self.call(Request::List { after: after.to_vec(), limit }).await? {
+            Response::Objects(list) => Ok(list),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// The node's RPC address.
+    pub fn node(&self) -> SocketAddr {
+        self.node_rpc
     }
 
     async fn reserve(

@@ -11,11 +11,14 @@ use tensorwire_core::{AccessKey, Error, RegionId, Result, TensorMeta};
 use tensorwire_proto::wire::codec::{Reader, Writer};
 use tensorwire_proto::wire::frame::Framing;
 
-use crate::api::{MAX_KEY, Retention, StoreStats};
+use crate::api::{MAX_KEY, ObjectInfo, Retention, StoreStats};
 use crate::error::{self, MAX_STORE_ERROR_BYTES, StoreError};
 
 /// Largest payload.
 pub const MAX_PAYLOAD: u32 = 64 << 10;
+/// Most objects in one page of a listing (its answer stays under [`MAX_PAYLOAD`]: an entry is
+/// at most a key of [`MAX_KEY`] bytes and 34 bytes more).
+pub const MAX_LIST: usize = 200;
 /// Longest socket address in text ("[ffff:...]:65535" is 47 bytes).
 const MAX_ADDR: usize = 64;
 /// The store RPC's framing.
@@ -52,6 +55,8 @@ pub enum Request {
     Lease { key: Vec<u8>, consumers: u32, ttl_ms: u64 },
     /// One consumer is done.
     Consumed { key: Vec<u8> },
+    /// A page of the objects: up to `limit` (at most [`MAX_LIST`]) with keys after `after`.
+    List { after: Vec<u8>, limit: u32 },
 }
 
 /// A successful response (its shape follows the request; field names say what the variant
@@ -72,6 +77,8 @@ pub enum Response {
     Flag(bool),
     /// Counters.
     Stats(StoreStats),
+    /// A page of the listing, in key order.
+    Objects(Vec<ObjectInfo>),
 }
 
 /// Frame kind of a successful response.
@@ -153,6 +160,10 @@ impl Request {
                 w.bytes(key);
                 13
             }
+            Request::List { after, limit } => {
+                w.bytes(after).u32(*limit);
+                14
+            }
         };
         (kind, w.finish())
     }
@@ -180,6 +191,7 @@ impl Request {
             11 => Request::Stats,
             12 => Request::Lease { key: key(&mut r)?, consumers: r.u32()?, ttl_ms: r.u64()? },
             13 => Request::Consumed { key: key(&mut r)? },
+            14 => Request::List { after: key(&mut r)?, limit: r.u32()? },
             k => return Err(Error::protocol(format!("store rpc: unknown request kind {k}"))),
         };
         r.finish()?;
@@ -216,6 +228,16 @@ impl Response {
                     .u64(s.spilled_objects)
                     .u64(s.evictions)
                     .u64(s.largest_free);
+            }
+            Response::Objects(list) => {
+                w.u8(6).u32(list.len() as u32);
+                for o in list {
+                    let ttl = o.ttl_left.map_or(0, |t| {
+                        u64::try_from(t.as_millis()).unwrap_or(u64::MAX - 1).saturating_add(1)
+                    });
+                    w.bytes(&o.key).u64(o.len).u8(o.retention.tag());
+                    w.u32(o.pins).u32(o.consumers).u32(o.early).u64(ttl);
+                }
             }
         }
         w.finish()
@@ -259,6 +281,22 @@ impl Response {
                 evictions: r.u64()?,
                 largest_free: r.u64()?,
             }),
+            6 => {
+                let n = r.u32()? as usize;
+                if n > MAX_LIST {
+                    return Err(Error::protocol(format!("store rpc: a page of {n} objects")));
+                }
+                let mut list = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let key = r.bytes(MAX_KEY, "key")?.to_vec();
+                    let (len, retention) = (r.u64()?, Retention::from_tag(r.u8()?)?);
+                    let (pins, consumers, early) = (r.u32()?, r.u32()?, r.u32()?);
+                    let ttl = r.u64()?;
+                    let ttl_left = (ttl > 0).then(|| std::time::Duration::from_millis(ttl - 1));
+                    list.push(ObjectInfo { key, len, retention, pins, consumers, early, ttl_left });
+                }
+                Response::Objects(list)
+            }
             t => return Err(Error::protocol(format!("store rpc: unknown response tag {t}"))),
         };
         r.finish()?;
@@ -287,6 +325,7 @@ mod tests {
             Request::Open { key: b"k".to_vec() },
             Request::Pin { key: b"k".to_vec(), up: true },
             Request::Stats,
+            Request::List { after: b"k".to_vec(), limit: 200 },
         ];
         for q in reqs {
             let (k, p) = q.encode();
@@ -298,6 +337,26 @@ mod tests {
             Response::Pool { region: RegionId(3), engine: "[::]:7000".parse().unwrap() },
             Response::Opened { ticket: 1, offset: 4096, len: 12, meta },
             Response::Stats(StoreStats { capacity: 1, used: 2, ..StoreStats::default() }),
+            Response::Objects(vec![
+                ObjectInfo {
+                    key: vec![7; MAX_KEY],
+                    len: 9,
+                    retention: Retention::Pinned,
+                    pins: 2,
+                    consumers: 3,
+                    early: 1,
+                    ttl_left: Some(std::time::Duration::from_millis(1500)),
+                },
+                ObjectInfo {
+                    key: b"k".to_vec(),
+                    len: 0,
+                    retention: Retention::Normal,
+                    pins: 0,
+                    consumers: 0,
+                    early: 0,
+                    ttl_left: None,
+                },
+            ]),
         ];
         for s in resps {
             assert_eq!(Response::decode(OK, &s.encode()).unwrap().unwrap(), s);
@@ -314,6 +373,24 @@ mod tests {
         let mut w = Writer::new();
         w.u8(1).u64(3).str("not an address");
         assert!(Response::decode(OK, &w.finish()).is_err());
+    }
+
+    #[test]
+    fn a_full_page_fits_a_frame() {
+        let most = ObjectInfo {
+            key: vec![0xff; MAX_KEY],
+            len: u64::MAX,
+            retention: Retention::Soft,
+            pins: u32::MAX,
+            consumers: u32::MAX,
+            early: u32::MAX,
+            ttl_left: Some(std::time::Duration::MAX),
+        };
+        let body = Response::Objects(vec![most; MAX_LIST]).encode();
+        assert!(frame(OK, u64::MAX, &body).is_ok(), "{} bytes", body.len());
+        let mut w = Writer::new();
+        w.u8(6).u32(MAX_LIST as u32 + 1);
+        assert!(Response::decode(OK, &w.finish()).is_err(), "an oversized page is refused");
     }
 
     proptest! {

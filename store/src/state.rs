@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tensorwire_core::TensorMeta;
 
 use crate::alloc::Allocator;
-use crate::api::{Retention, StoreStats};
+use crate::api::{ObjectInfo, Retention, StoreStats};
 use crate::error::{Result, StoreError, StoreKey};
 
 /// Where an object's bytes are. Blocks are named by their pool offset.
@@ -689,6 +689,29 @@ impl PoolState {
         for k in keys {
             self.relist(&k, false);
         }
+    }
+
+    /// Up to `limit` objects with keys after `after`, in key order (a page of the listing a
+    /// cluster's repair reads).
+    pub(crate) fn list(&self, after: &[u8], limit: usize, now: Instant) -> Vec<ObjectInfo> {
+        let mut keys: Vec<&Vec<u8>> =
+            self.objs.keys().filter(|k| k.as_slice() > after).collect();
+        keys.sort_unstable();
+        keys.truncate(limit);
+        keys.into_iter()
+            .map(|k| {
+                let o = &self.objs[k];
+                ObjectInfo {
+                    key: k.clone(),
+                    len: o.len,
+                    retention: o.retention,
+                    pins: o.pins,
+                    consumers: o.consumers,
+                    early: o.early,
+                    ttl_left: o.expires.map(|t| t.saturating_duration_since(now)),
+                }
+            })
+            .collect()
     }
 
     pub(crate) fn stats(&self) -> StoreStats {
