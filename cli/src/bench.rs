@@ -362,6 +362,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         seed: 1,
         checkpoint_every: 0,
         metrics: Default::default(),
+        store: crate::demo::procs::StoreArgs { store_nodes: 0, replicas: 2, chaos_store: None },
     };
     let (d, c) = crate::demo::compare(&demo).await?;
     let cdf = |v: &[Duration]| -> Vec<(f64, f64)> {

@@ -305,6 +305,13 @@ pub(crate) struct WorkerArgs {
     /// ...and its RPC address.
     #[arg(long, requires = "store_engine")]
     pub(crate) store: Option<SocketAddr>,
+    /// Or move real payloads through a cluster store over these store nodes (their RPC
+    /// addresses, comma-separated: objects placed by rendezvous hashing, with --replicas copies).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["store", "store_engine"])]
+    pub(crate) store_nodes: Vec<SocketAddr>,
+    /// With --store-nodes: copies of each object.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) replicas: usize,
     /// With payloads: the request mix (request r uses model r mod len), as in `demo --models`.
     /// With `--etcd` and without the two store options, `--models` alone moves payloads through
     /// the store node found in etcd (the registered one with the lowest id).
@@ -369,9 +376,14 @@ pub(crate) async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         let cost = a.switch.times(models)?.map(|d| d.mul_f64(a.time_scale));
         Ok(crate::switching::Mobility { serves: serves.clone(), cost })
     };
+    use crate::demo::procs::StoreAt;
     let store = match (a.store_engine.zip(a.store), &etcd) {
-        (Some(s), _) => Some(s),
-        (None, Some(e)) if !a.models.is_empty() => Some(e.find_store().await?),
+        (Some((e, rpc)), _) => Some(StoreAt::Node(e, rpc)),
+        _ if !a.store_nodes.is_empty() => Some(StoreAt::Cluster(a.store_nodes.clone(), a.replicas)),
+        (None, Some(e)) if !a.models.is_empty() => {
+            let (engine, rpc) = e.find_store().await?;
+            Some(StoreAt::Node(engine, rpc))
+        }
         (None, _) => None,
     };
     if let Some(store) = store {

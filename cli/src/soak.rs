@@ -33,6 +33,9 @@ pub(crate) struct SoakArgs {
     /// The mix and the pools.
     #[command(flatten)]
     pub(crate) mix: MixArgs,
+    /// The store: one node, or store node processes (killed too, with --chaos-store).
+    #[command(flatten)]
+    pub(crate) store: crate::demo::procs::StoreArgs,
 }
 
 /// One sample.
@@ -92,7 +95,7 @@ pub(crate) async fn run(a: SoakArgs) -> anyhow::Result<()> {
         checkpoint_every: 10,
         metrics: crate::observe::MetricsArgs::default(),
         rebalance: None,
-        store_bytes: crate::demo::pipeline::STORE_BYTES,
+        store: a.store.layout(a.seed, crate::demo::pipeline::STORE_BYTES)?,
     };
     println!(
         "tensorwire soak: {} min, batches of {} requests, {}:{}:{} worker processes, {}",
@@ -101,9 +104,13 @@ pub(crate) async fn run(a: SoakArgs) -> anyhow::Result<()> {
         split.encode,
         split.denoise,
         split.decode,
-        match ca.chaos {
-            Some(s) => format!("a worker killed about every {s} s"),
-            None => "no chaos".into(),
+        match (ca.chaos, ca.store.chaos) {
+            (Some(s), None) => format!("a worker killed about every {s} s"),
+            (Some(s), Some(n)) => {
+                format!("a worker killed about every {s} s, a store node about every {n} s")
+            }
+            (None, Some(n)) => format!("a store node killed about every {n} s"),
+            (None, None) => "no chaos".into(),
         }
     );
     let mut c = Cluster::start(&ca, &models, split).await?;
@@ -155,6 +162,9 @@ pub(crate) async fn run(a: SoakArgs) -> anyhow::Result<()> {
     let report = c.stop().await?;
     let last = samples.last().copied().unwrap_or_default();
     println!("{}", report.line(completed as usize, lost as usize, last.objects));
+    if let Some(l) = &report.store {
+        println!("{l}");
+    }
     if let Some(e) = first_lost {
         return Err(anyhow::anyhow!("{lost} requests lost; first: {e}"));
     }

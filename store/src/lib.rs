@@ -31,10 +31,10 @@ mod state;
 pub mod testing;
 mod uring;
 
-pub use cluster::{ClusterConfig, ClusterStore};
 pub use api::{
     GetInto, MAX_KEY, ObjectInfo, PutFrom, Retention, Store, StoreStats, check_key, check_meta,
 };
+pub use cluster::{ClusterConfig, ClusterStore};
 pub use embedded::{EmbeddedStore, PendingPut, StoreConfig};
 pub use error::{Result, StoreError, StoreKey};
 pub use node::StoreNode;

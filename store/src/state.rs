@@ -694,8 +694,7 @@ impl PoolState {
     /// Up to `limit` objects with keys after `after`, in key order (a page of the listing a
     /// cluster's repair reads).
     pub(crate) fn list(&self, after: &[u8], limit: usize, now: Instant) -> Vec<ObjectInfo> {
-        let mut keys: Vec<&Vec<u8>> =
-            self.objs.keys().filter(|k| k.as_slice() > after).collect();
+        let mut keys: Vec<&Vec<u8>> = self.objs.keys().filter(|k| k.as_slice() > after).collect();
         keys.sort_unstable();
         keys.truncate(limit);
         keys.into_iter()

@@ -113,6 +113,10 @@ pub(crate) struct DemoArgs {
     /// ADDR` shows the cluster.
     #[command(flatten)]
     pub(crate) metrics: crate::observe::MetricsArgs,
+    /// With --processes: the store (one node, or store node processes behind a cluster store,
+    /// killed at random with --chaos-store).
+    #[command(flatten)]
+    pub(crate) store: procs::StoreArgs,
 }
 
 /// Runs the demo.
@@ -144,6 +148,10 @@ pub(crate) async fn compare(a: &DemoArgs) -> anyhow::Result<(Summary, Summary)> 
         if !a.processes || !(0.05..=3600.0).contains(&c) {
             return Err(anyhow::anyhow!("--chaos {c}: needs --processes and 0.05..=3600 seconds"));
         }
+    }
+    a.store.layout(a.seed, STORE_BYTES)?; // checked before anything starts
+    if a.store.store_nodes > 0 && !a.processes {
+        return Err(anyhow::anyhow!("--store-nodes: needs --processes"));
     }
     if a.requests == 0 || a.requests > 10_000 {
         return Err(anyhow::anyhow!("--requests {}: must be in 1..=10000", a.requests));
@@ -218,7 +226,7 @@ pub(crate) async fn in_processes(
         checkpoint_every: a.checkpoint_every,
         metrics: a.metrics.clone(),
         rebalance: None,
-        store_bytes: STORE_BYTES,
+        store: a.store.layout(a.seed, STORE_BYTES)?,
     };
     let mut c = Cluster::start(&ca, models, split).await?;
     let start = Instant::now();
@@ -265,8 +273,11 @@ pub(crate) async fn in_processes(
     let left = c.settled_store().await?;
     let report = c.stop().await?;
     let ttff = firsts.values().map(|&us| Duration::from_micros(us.saturating_sub(t0))).collect();
-    if a.chaos.is_some() || report.supervisor.restarts > 0 {
+    if a.chaos.is_some() || a.store.chaos_store.is_some() || report.supervisor.restarts > 0 {
         println!("{}", report.line(done.len(), lost.len(), left.objects));
+    }
+    if let Some(l) = &report.store {
+        println!("{l}");
     }
     if let Some(first) = lost.first() {
         return Err(anyhow::anyhow!(

@@ -86,7 +86,13 @@ async fn run_once(
         metrics: crate::observe::MetricsArgs::default(),
         rebalance,
         // A backlog of a few hundred requests, each holding its embeddings until it ends.
-        store_bytes: 4 << 30,
+        store: crate::demo::procs::StoreLayout {
+            nodes: 0,
+            replicas: 1,
+            chaos: None,
+            seed: 0,
+            bytes: 4 << 30,
+        },
     };
     let mut c = Cluster::start(&ca, models, SPLIT).await?;
     let (start, t0) = (Instant::now(), now_us());

@@ -63,6 +63,23 @@ fn chaos_demo_loses_nothing() {
 }
 
 #[test]
+fn store_chaos_demo_loses_nothing() {
+    // Three store node processes behind the cluster store with two replicas; one is killed
+    // with SIGKILL about every second and started again, empty. Every request completes once,
+    // the repair refills the restarted nodes, and the store ends empty.
+    let args = ["demo", "--processes", "--requests", "24", "--time-scale", "0.02"];
+    let store = ["--store-nodes", "3", "--replicas", "2", "--chaos-store", "1", "--seed", "3"];
+    let (ok, out, err) = tensorwire(&[&args[..], &store[..]].concat());
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("lost 0, duplicated 0"), "{out}");
+    assert!(out.contains("store objects left 0"), "{out}");
+    let line = out.lines().find(|l| l.starts_with("store: 3 nodes, 2 replicas")).expect(&out);
+    let killed: u32 =
+        line.split("; ").nth(1).and_then(|w| w.split(' ').next()?.parse().ok()).expect(line);
+    assert!(killed > 0, "no store node was killed: {line}");
+}
+
+#[test]
 fn simulated_preemption_shortens_the_interactive_tail() {
     // Deterministic (simulated time, a fixed seed): a fifth of the requests are interactive;
     // with preemption their p99 TTFF is about the pipeline's own time, without it they wait
@@ -127,6 +144,8 @@ fn bad_input_is_one_clear_line() {
         (vec!["demo".into(), "--profiles".into(), "/nonexistent/x.toml".into()], "cannot read"),
         (vec!["demo".into(), "--split".into(), "1:1".into()], "expected three numbers"),
         (vec!["demo".into(), "--chaos".into(), "1".into()], "needs --processes"),
+        (vec!["demo".into(), "--chaos-store".into(), "1".into()], "needs --store-nodes 2"),
+        (vec!["demo".into(), "--store-nodes".into(), "3".into()], "needs --processes"),
         (vec!["soak".into(), "--minutes".into(), "0".into()], "--minutes 0"),
         (vec!["soak".into(), "--chaos".into(), "0.001".into()], "--chaos 0.001"),
         (vec!["simulate".into(), "--model".into(), "nope".into()], "unknown model"),

@@ -160,6 +160,21 @@ impl Session {
         Ok(e)
     }
 
+    /// Forgets the peer, for one known to be gone for good (a store node that restarted with a
+    /// new engine, say): the engine drops this session (a later [`crate::Engine::connect`]
+    /// opens a new one) and its backend connections close now rather than when the engine
+    /// stops. Other holders of this session open new connections on their next transfer.
+    pub async fn close(&self) {
+        if let Some(e) = self.inner.engine.upgrade() {
+            let mut sessions = lock(&e.sessions);
+            let peer = self.peer();
+            if sessions.get(&peer).is_some_and(|s| Arc::ptr_eq(&s.inner, &self.inner)) {
+                sessions.remove(&peer);
+            }
+        }
+        self.inner.conns.lock().await.clear();
+    }
+
     /// The peer's engine id.
     pub fn peer(&self) -> EngineId {
         self.descriptor().engine

@@ -24,8 +24,8 @@ pub struct ClusterConfig {
     /// Copies of each object (Mooncake's `ReplicateConfig.replica_num`); a put may ask for
     /// another count with [`ClusterStore::put_replicated`].
     pub replicas: usize,
-    /// Copies a put must have written to succeed; `None`: all of them (as many as there are
-    /// live nodes, when fewer than `replicas`).
+    /// Copies a put must have written to succeed; `None`: all of them, or as many as there
+    /// are nodes thought alive when fewer (the repair makes the rest once nodes come back).
     pub write_quorum: Option<usize>,
     /// Bound on dialling a node.
     pub dial_timeout: Duration,
@@ -94,7 +94,8 @@ impl ClusterStore {
     pub fn set_nodes(&self, ids: impl IntoIterator<Item = NodeId>) {
         let ids: BTreeSet<NodeId> = ids.into_iter().collect();
         let mut nodes = self.nodes.write();
-        let mut next: Vec<Arc<Node>> = nodes.iter().filter(|n| ids.contains(&n.id)).cloned().collect();
+        let mut next: Vec<Arc<Node>> =
+            nodes.iter().filter(|n| ids.contains(&n.id)).cloned().collect();
         for id in ids {
             if !next.iter().any(|n| n.id == id) {
                 next.push(Arc::new(Node::new(id)));
@@ -118,7 +119,10 @@ impl ClusterStore {
         let nodes = self.nodes.read();
         let up: Vec<&Arc<Node>> = nodes.iter().filter(|n| n.up()).collect();
         let order = rank(key, up.iter().map(|n| &n.id));
-        order.into_iter().filter_map(|id| up.iter().find(|n| n.id == *id).map(|n| (*n).clone())).collect()
+        order
+            .into_iter()
+            .filter_map(|id| up.iter().find(|n| n.id == *id).map(|n| (*n).clone()))
+            .collect()
     }
 
     /// Members thought alive.
@@ -135,13 +139,25 @@ impl ClusterStore {
         order
     }
 
-    /// Runs `f` on `node`'s client; a node failure drops its connection.
+    /// Runs `f` on `node`'s client. A node failure drops the connection; when the connection
+    /// was an old one (its node may have restarted since), `f` runs once more on a new one.
     pub(crate) async fn on<T, F, Fut>(&self, node: &Arc<Node>, f: F) -> Result<T>
     where
-        F: FnOnce(Arc<dyn Member>) -> Fut,
+        F: Fn(Arc<dyn Member>) -> Fut,
         Fut: Future<Output = Result<T>>,
     {
-        let m = node.client(&*self.dial, self.cfg.dial_timeout, self.cfg.down_for).await?;
+        let (dial, cfg) = (&*self.dial, &self.cfg);
+        let (m, fresh) = node.client(dial, cfg.dial_timeout, cfg.down_for).await?;
+        let r = f(m.clone()).await;
+        let e = match r {
+            Err(e) if node_failed(&e) => e,
+            r => return r,
+        };
+        node.failed(&m, &e).await;
+        if fresh {
+            return Err(e);
+        }
+        let (m, _) = node.client(dial, cfg.dial_timeout, cfg.down_for).await?;
         let r = f(m.clone()).await;
         if let Err(e) = &r {
             node.failed(&m, e).await;
@@ -201,10 +217,6 @@ impl ClusterStore {
             return Err(StoreError::InvalidArgument("a put with 0 replicas".into()));
         }
         let order = self.ranked(key);
-        let quorum = match self.cfg.write_quorum {
-            Some(q) => q.min(replicas),
-            None => replicas.min(order.len()).max(1),
-        };
         let mut next = order.into_iter();
         let mut written: Vec<Arc<Node>> = Vec::new();
         let mut last: Option<StoreError> = None;
@@ -235,17 +247,42 @@ impl ClusterStore {
                 break;
             }
         }
+        // Without a set quorum: every replica the nodes still thought alive can hold (a node
+        // that failed during this put is out of placement for a while; the repair adds the
+        // missing copies once it is back).
+        let quorum = match self.cfg.write_quorum {
+            Some(q) => q.min(replicas),
+            None => replicas.min(self.live().len()).max(1),
+        };
         if written.len() >= quorum {
             return Ok(());
         }
         self.undo(key, &written).await;
-        Err(last.unwrap_or_else(|| {
-            StoreError::Capacity {
-                what: "cluster store: live store nodes".into(),
-                requested: quorum as u64,
-                limit: written.len() as u64,
-            }
+        Err(last.unwrap_or_else(|| StoreError::Capacity {
+            what: "cluster store: live store nodes".into(),
+            requested: quorum as u64,
+            limit: written.len() as u64,
         }))
+    }
+
+    /// Removes `key` from the nodes thought down, in the background: such a node may be back
+    /// already (it is left out of placement a while after a failed dial) and hold a copy the
+    /// repair made meanwhile, which would otherwise outlive the object.
+    fn sweep(&self, key: &[u8]) {
+        let down: Vec<Arc<Node>> = self.nodes.read().iter().filter(|n| !n.up()).cloned().collect();
+        if down.is_empty() {
+            return;
+        }
+        let (dial, cfg, key) = (self.dial.clone(), self.cfg.clone(), key.to_vec());
+        tokio::spawn(async move {
+            for n in down {
+                if let Ok((m, _)) = n.client(&*dial, cfg.dial_timeout, cfg.down_for).await {
+                    if let Err(e) = m.remove(&key).await {
+                        n.failed(&m, &e).await;
+                    }
+                }
+            }
+        });
     }
 
     /// Removes the copies a failed put wrote.
@@ -332,6 +369,7 @@ impl Store for ClusterStore {
 
     async fn remove(&self, key: &[u8]) -> Result<bool> {
         check_key(key)?;
+        self.sweep(key);
         match merge(key, self.everywhere(|m| async move { m.remove(key).await }).await) {
             Ok(v) => Ok(v.into_iter().any(|b| b)),
             Err(StoreError::NotFound { .. }) => Ok(false),
@@ -394,6 +432,7 @@ impl Store for ClusterStore {
         let answers = merge(key, self.everywhere(|m| async move { m.consumed(key).await }).await)?;
         let gone = answers.into_iter().any(|last| last);
         if gone {
+            self.sweep(key);
             drop(self.everywhere(|m| async move { m.remove(key).await }).await);
         }
         Ok(gone)

@@ -23,12 +23,19 @@ use crate::remote::RemoteStore;
 pub trait Member: Store {
     /// Up to `limit` objects with keys after `after`, in key order.
     async fn list(&self, after: &[u8], limit: usize) -> Result<Vec<ObjectInfo>>;
+    /// The client is dropped after its node failed: release what it holds of the node (its
+    /// engine session's connections).
+    async fn close(&self) {}
 }
 
 #[async_trait]
 impl Member for RemoteStore {
     async fn list(&self, after: &[u8], limit: usize) -> Result<Vec<ObjectInfo>> {
         RemoteStore::list(self, after, limit).await
+    }
+
+    async fn close(&self) {
+        self.session().close().await;
     }
 }
 
@@ -106,26 +113,29 @@ impl Node {
         self.down_until.lock().is_none_or(|t| Instant::now() >= t)
     }
 
-    /// The node's client, dialled (within `timeout`) if it has none.
+    /// The node's client, dialled (within `timeout`) if it has none; and whether it was
+    /// dialled just now (a connection kept from earlier may have gone stale: its node restarted).
     pub(crate) async fn client(
         &self,
         dial: &dyn Dial,
         timeout: Duration,
         down_for: Duration,
-    ) -> Result<Arc<dyn Member>> {
+    ) -> Result<(Arc<dyn Member>, bool)> {
         let mut c = self.client.lock().await;
         if let Some(m) = c.as_ref() {
-            return Ok(m.clone());
+            return Ok((m.clone(), false));
         }
         let dialled = match tokio::time::timeout(timeout, dial.dial(&self.id)).await {
             Ok(r) => r,
-            Err(_) => Err(Error::timeout(format!("dialling store node {}", self.id), timeout).into()),
+            Err(_) => {
+                Err(Error::timeout(format!("dialling store node {}", self.id), timeout).into())
+            }
         };
         match dialled {
             Ok(m) => {
                 *self.down_until.lock() = None;
                 *c = Some(m.clone());
-                Ok(m)
+                Ok((m, true))
             }
             Err(e) => {
                 *self.down_until.lock() = Some(Instant::now() + down_for);
@@ -141,6 +151,8 @@ impl Node {
             let mut c = self.client.lock().await;
             if c.as_ref().is_some_and(|cur| Arc::ptr_eq(cur, m)) {
                 *c = None;
+                drop(c);
+                m.close().await;
             }
         }
     }

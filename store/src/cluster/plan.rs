@@ -120,7 +120,8 @@ mod tests {
         let live = proptest::bits::u8::between(0, 6);
         let objs = proptest::collection::vec((proptest::bits::u8::between(0, 6), 1u64..100), 0..40);
         (live, objs, 1usize..4).prop_map(|(live, objs, r)| {
-            let live: BTreeSet<NodeId> = (0..6).filter(|i| live & (1 << i) != 0).map(node).collect();
+            let live: BTreeSet<NodeId> =
+                (0..6).filter(|i| live & (1 << i) != 0).map(node).collect();
             let objects = objs
                 .into_iter()
                 .enumerate()
@@ -138,7 +139,11 @@ mod tests {
     }
 
     /// Carries out `actions` (copies where `ok` says, every deletion) on `objects`.
-    fn apply(objects: &mut BTreeMap<Vec<u8>, Holding>, actions: &[Action], ok: impl Fn(usize) -> bool) {
+    fn apply(
+        objects: &mut BTreeMap<Vec<u8>, Holding>,
+        actions: &[Action],
+        ok: impl Fn(usize) -> bool,
+    ) {
         for (i, a) in actions.iter().enumerate() {
             match a {
                 Action::Copy { key, from, to, .. } => {
@@ -229,13 +234,21 @@ mod tests {
         let p = plan(&live, &objects, 2, u64::MAX);
         assert_eq!(
             p.actions,
-            vec![Action::Copy { key: key.clone(), from: second.clone(), to: third.clone(), len: 10 }]
+            vec![Action::Copy {
+                key: key.clone(),
+                from: second.clone(),
+                to: third.clone(),
+                len: 10
+            }]
         );
         // It comes back (empty): it takes its copy back, and then the third node's goes.
         let mut objects = objects;
         objects.get_mut(&key).unwrap().on = BTreeSet::from([second.clone(), third.clone()]);
         let p = plan(&all, &objects, 2, u64::MAX);
-        assert_eq!(p.actions, vec![Action::Copy { key: key.clone(), from: second, to: first, len: 10 }]);
+        assert_eq!(
+            p.actions,
+            vec![Action::Copy { key: key.clone(), from: second, to: first, len: 10 }]
+        );
         apply(&mut objects, &p.actions, |_| true);
         let p = plan(&all, &objects, 2, u64::MAX);
         assert_eq!(p.actions, vec![Action::Delete { key, node: third }]);

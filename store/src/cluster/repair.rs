@@ -42,12 +42,15 @@ pub struct RepairReport {
     pub failed: usize,
     /// Copies left for a later round (the byte budget).
     pub deferred: usize,
+    /// Replicas whose consumer count was lowered to their object's lowest (one that missed a
+    /// report, or a copy made just before one).
+    pub recounted: usize,
 }
 
 impl RepairReport {
-    /// Nothing was left to do: no copy, deletion, failure or deferred copy.
+    /// Nothing was left to do: no copy, deletion, recount, failure or deferred copy.
     pub fn idle(&self) -> bool {
-        self.copied + self.deleted + self.failed + self.deferred == 0
+        self.copied + self.deleted + self.recounted + self.failed + self.deferred == 0
     }
 }
 
@@ -56,7 +59,8 @@ async fn list_all(store: &ClusterStore, node: &Arc<Node>) -> Result<Vec<ObjectIn
     let mut all: Vec<ObjectInfo> = Vec::new();
     loop {
         let after = all.last().map(|o| o.key.clone()).unwrap_or_default();
-        let page = store.on(node, |m| async move { m.list(&after, MAX_LIST).await }).await?;
+        let after = &after;
+        let page = store.on(node, |m| async move { m.list(after, MAX_LIST).await }).await?;
         let more = page.len() == MAX_LIST;
         all.extend(page);
         if !more {
@@ -78,10 +82,9 @@ impl ClusterStore {
             let Ok(l) = l else { continue }; // unreachable: not live for this round
             listed.insert(n.id.clone());
             for o in l {
-                let h = objects.entry(o.key.clone()).or_insert_with(|| Holding {
-                    len: o.len,
-                    on: BTreeSet::new(),
-                });
+                let h = objects
+                    .entry(o.key.clone())
+                    .or_insert_with(|| Holding { len: o.len, on: BTreeSet::new() });
                 h.on.insert(n.id.clone());
                 infos.insert((o.key.clone(), n.id.clone()), o);
             }
@@ -93,6 +96,7 @@ impl ClusterStore {
             deferred: p.deferred,
             ..RepairReport::default()
         };
+        report.recounted = self.recount(&live, &infos).await;
         let steps = p.actions.into_iter().map(|a| self.step(a, &live, &infos));
         let results: Vec<Result<Option<u64>>> =
             futures::stream::iter(steps).buffered(PARALLEL).collect().await;
@@ -107,6 +111,33 @@ impl ClusterStore {
             }
         }
         Ok(report)
+    }
+
+    /// Brings every replica's consumer count down to its object's lowest. Each replica counts
+    /// the reports it received, so none is below the true count and the lowest is the closest;
+    /// a higher one (a copy made while a report was on its way, a replica a report missed)
+    /// would keep its copy alive after the object is done.
+    async fn recount(
+        &self,
+        live: &[Arc<Node>],
+        infos: &BTreeMap<(Vec<u8>, NodeId), ObjectInfo>,
+    ) -> usize {
+        let mut lowest: BTreeMap<&[u8], u32> = BTreeMap::new();
+        for ((key, _), o) in infos.iter().filter(|(_, o)| o.consumers > 0) {
+            let l = lowest.entry(key.as_slice()).or_insert(o.consumers);
+            *l = (*l).min(o.consumers);
+        }
+        let mut n = 0;
+        for ((key, id), o) in infos {
+            let Some(&low) = lowest.get(key.as_slice()) else { continue };
+            let Some(node) = live.iter().find(|x| x.id == *id) else { continue };
+            if o.consumers > low {
+                let ttl = o.ttl_left.map(|t| t.max(Duration::from_millis(1)));
+                let set = self.on(node, |m| async move { m.set_lease(key, low, ttl).await }).await;
+                n += usize::from(set.is_ok());
+            }
+        }
+        n
     }
 
     /// Carries out one action: a copy's bytes, or `None` for a deletion.
@@ -126,7 +157,9 @@ impl ClusterStore {
                     StoreError::Internal("a planned copy from a node that does not hold it".into())
                 });
                 match info {
-                    Ok(info) => self.copy(info, &node(from)?, &node(to)?).await.map(|()| Some(*len)),
+                    Ok(info) => {
+                        self.copy(info, &node(from)?, &node(to)?).await.map(|()| Some(*len))
+                    }
                     Err(e) => Err(e),
                 }
             }
@@ -149,7 +182,8 @@ impl ClusterStore {
         let (meta, len) = self.on(from, |m| async move { m.get_into(key, dst, 0).await }).await?;
         let src = staging.slice(0, len)?;
         let (meta, src) = (&meta, &src);
-        let put = self.on(to, |m| async move { m.put_from(key, meta, src, info.retention).await }).await;
+        let put =
+            self.on(to, |m| async move { m.put_from(key, meta, src, info.retention).await }).await;
         match put {
             Ok(()) => {}
             Err(StoreError::Exists { .. }) => return Ok(()), // another copy got there first
@@ -157,7 +191,8 @@ impl ClusterStore {
         }
         let lease = async {
             if info.consumers > 0 || info.ttl_left.is_some() {
-                let (c, ttl) = (info.consumers, info.ttl_left.map(|t| t.max(Duration::from_millis(1))));
+                let (c, ttl) =
+                    (info.consumers, info.ttl_left.map(|t| t.max(Duration::from_millis(1))));
                 self.on(to, |m| async move { m.set_lease(key, c, ttl).await }).await?;
             }
             for _ in 0..info.pins {

@@ -16,7 +16,8 @@ use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 async fn engine() -> Engine {
     let tcp = TcpBackend::new(TcpConfig::default()).unwrap();
-    let config = EngineConfig { transfer_timeout: Duration::from_secs(5), ..EngineConfig::default() };
+    let config =
+        EngineConfig { transfer_timeout: Duration::from_secs(5), ..EngineConfig::default() };
     Engine::builder().backend(tcp).config(config).start().await.unwrap()
 }
 
@@ -136,13 +137,7 @@ mod suite {
             }
         )*};
     }
-    run!(
-        exact_bytes,
-        exists_and_remove,
-        meta_without_bytes,
-        batches,
-        leases
-    );
+    run!(exact_bytes, exists_and_remove, meta_without_bytes, batches, leases);
 }
 
 fn pool() -> StoreConfig {
@@ -204,6 +199,18 @@ async fn leases_count_each_consumer_once_per_object_and_reach_every_replica() {
     s.set_lease(b"early", 1, None).await.unwrap();
     assert!(c.holders(b"early").await.is_empty());
 
+    // A replica that missed a report (its node was out of reach) holds a higher count: the
+    // repair lowers it to the lowest, so the object still goes with its last consumer.
+    s.put(b"missed", &meta(8), &[5; 8], Retention::Pinned).await.unwrap();
+    s.set_lease(b"missed", 3, None).await.unwrap();
+    let first = c.placement(b"missed")[0];
+    assert!(!c.nodes[first].as_ref().unwrap().store.consumed(b"missed").await.unwrap());
+    let r = s.repair().await.unwrap();
+    assert_eq!(r.recounted, 1, "{r:?}");
+    assert!(!s.consumed(b"missed").await.unwrap());
+    assert!(s.consumed(b"missed").await.unwrap());
+    assert!(c.holders(b"missed").await.is_empty(), "a replica outlived the last consumer");
+
     // A TTL applies on every replica.
     s.put(b"ttl", &meta(8), &[2; 8], Retention::Normal).await.unwrap();
     s.set_lease(b"ttl", 0, Some(Duration::from_millis(200))).await.unwrap();
@@ -232,7 +239,10 @@ async fn repair_restores_replicas_after_a_loss_and_rebalances_after_a_restart() 
     for i in 0..n {
         let key = format!("obj-{i}");
         let body = vec![i as u8; 1000 + i];
-        c.store.put(key.as_bytes(), &meta(body.len() as u64), &body, Retention::Pinned).await.unwrap();
+        c.store
+            .put(key.as_bytes(), &meta(body.len() as u64), &body, Retention::Pinned)
+            .await
+            .unwrap();
         c.store.set_lease(key.as_bytes(), 2, None).await.unwrap();
     }
     // One consumer of every object reported before the loss: the copies must remember it.
@@ -254,7 +264,8 @@ async fn repair_restores_replicas_after_a_loss_and_rebalances_after_a_restart() 
         }
         assert!(round < 10, "repair does not converge: {r:?}");
     }
-    let lost_replica = (0..n).filter(|i| c.placement(format!("obj-{i}").as_bytes())[..2].contains(&1)).count();
+    let lost_replica =
+        (0..n).filter(|i| c.placement(format!("obj-{i}").as_bytes())[..2].contains(&1)).count();
     assert_eq!(copied, lost_replica, "one copy per object that had a replica on the dead node");
     for i in 0..n {
         let key = format!("obj-{i}");

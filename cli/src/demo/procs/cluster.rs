@@ -1,19 +1,16 @@
-//! The parent's side: a store node, the orchestrator service and supervised worker processes,
+//! The parent's side: the store (one node, or store node processes), the orchestrator service and supervised worker processes,
 //! with a submitter ([`Cluster`]), and the probes and counts the demo and soak report.
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::demo::pipeline::Split;
+use crate::supervise::{Chaos, Slot, Supervisor};
 use tensorwire_orchestrator::rebalance::RebalanceConfig;
 use tensorwire_orchestrator::sched::SchedConfig;
 use tensorwire_orchestrator::service::{OrchestratorService, ServiceConfig, SubmitClient};
 use tensorwire_orchestrator::{Priority, Stage};
-use tensorwire_store::Store;
-
-use crate::demo::pipeline::{Split, store_node};
-use crate::supervise::{Chaos, Slot, Supervisor};
 use tensorwire_sim::profiles::Model;
 
 /// An outcome to wait for: the request, when it was submitted (from the run's start), and the
@@ -72,15 +69,14 @@ pub(crate) struct ClusterArgs {
     /// Elastic pools: the orchestrator's rebalancer, and every worker may serve every stage
     /// (each switch paying, on the time scale, the fixed time below plus the weights' load).
     pub(crate) rebalance: Option<(RebalanceConfig, crate::switching::SwitchCost)>,
-    /// The store node's pool (every request in flight holds its embeddings there).
-    pub(crate) store_bytes: u64,
+    /// The store: one node here, or store node processes (each with a pool big enough for
+    /// every request in flight's embeddings).
+    pub(crate) store: super::StoreLayout,
 }
 
 /// A store node, the orchestrator service and supervised worker processes, with a submitter.
 pub(crate) struct Cluster {
-    _node_engine: tensorwire_core::Engine,
-    store: Arc<tensorwire_store::EmbeddedStore>,
-    _node: tensorwire_store::StoreNode,
+    stores: super::stores::Stores,
     orch: OrchestratorService,
     sup: Supervisor,
     lines: tokio::sync::mpsc::Receiver<String>,
@@ -94,6 +90,8 @@ pub(crate) struct ClusterReport {
     pub(crate) supervisor: crate::supervise::SupervisorReport,
     pub(crate) orchestrator: tensorwire_orchestrator::OrchestratorStats,
     pub(crate) attempts: u32,
+    /// What the store nodes went through (with store node processes).
+    pub(crate) store: Option<String>,
 }
 
 impl Cluster {
@@ -103,7 +101,7 @@ impl Cluster {
         models: &[Model],
         split: Split,
     ) -> anyhow::Result<Cluster> {
-        let (node_engine, store, node) = store_node(a.store_bytes).await?;
+        let stores = super::stores::Stores::start(a.store).await?;
         // Under chaos a long denoise item may be killed a few times in a row: give it more
         // tries (each death counts as one, the same as a failure, so a request that kills
         // every worker it touches still ends).
@@ -150,10 +148,6 @@ impl Cluster {
                     role.into(),
                     "--connect".into(),
                     orch.addr().to_string(),
-                    "--store-engine".into(),
-                    node_engine.local_addr().to_string(),
-                    "--store".into(),
-                    node.addr().to_string(),
                     "--models".into(),
                     names.clone(),
                     "--time-scale".into(),
@@ -161,7 +155,11 @@ impl Cluster {
                     "--checkpoint-every".into(),
                     a.checkpoint_every.to_string(),
                 ];
-                let args: Vec<String> = args.into_iter().chain(worker_metrics.clone()).collect();
+                let args: Vec<String> = args
+                    .into_iter()
+                    .chain(stores.worker_args())
+                    .chain(worker_metrics.clone())
+                    .collect();
                 let (exe, profiles) = (exe.clone(), a.profiles.clone());
                 slots.push(Slot::new(role, move || {
                     let mut cmd = Command::new(&exe);
@@ -189,20 +187,11 @@ impl Cluster {
             }
         }
         sup.unleash();
+        stores.unleash();
         let sub = SubmitClient::connect(orch.addr(), None).await?;
         let list = orch.metrics_targets_fn();
         health.targets(move || crate::observe::targets(list()));
-        Ok(Cluster {
-            _node_engine: node_engine,
-            store,
-            _node: node,
-            orch,
-            sup,
-            lines,
-            sub,
-            attempts,
-            _endpoint: endpoint,
-        })
+        Ok(Cluster { stores, orch, sup, lines, sub, attempts, _endpoint: endpoint })
     }
 
     /// Submits `requests` at once and waits for each; returns the completed ones with their
@@ -394,7 +383,7 @@ impl Cluster {
     pub(crate) async fn settled_store(&self) -> anyhow::Result<tensorwire_store::StoreStats> {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let st = self.store.stats().await?;
+            let st = self.stores.store().stats().await?;
             if st.objects == 0 || Instant::now() >= deadline {
                 return Ok(st);
             }
@@ -411,7 +400,8 @@ impl Cluster {
     pub(crate) async fn stop(self) -> anyhow::Result<ClusterReport> {
         let supervisor = self.sup.stop();
         let orchestrator = self.orch.stats().await?;
-        Ok(ClusterReport { supervisor, orchestrator, attempts: self.attempts })
+        let store = self.stores.stop();
+        Ok(ClusterReport { supervisor, orchestrator, attempts: self.attempts, store })
     }
 }
 

@@ -21,7 +21,9 @@
 //! denoise jobs move to other workers from their checkpoints) and then it exits.
 
 mod cluster;
+mod stores;
 mod worker;
 
 pub(crate) use cluster::{Cluster, ClusterArgs, Steps};
-pub(crate) use worker::payload_worker;
+pub(crate) use stores::{StoreArgs, StoreLayout};
+pub(crate) use worker::{StoreAt, payload_worker};

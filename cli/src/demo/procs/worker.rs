@@ -18,7 +18,7 @@ use tensorwire_diffusion::{
 use tensorwire_orchestrator::service::{Assignment, WorkerClient};
 use tensorwire_orchestrator::{HandlerError, Priority, Stage};
 use tensorwire_proto::wire::codec::{Reader, Writer};
-use tensorwire_store::{RemoteStore, Store};
+use tensorwire_store::{ClusterConfig, ClusterStore, RemoteStore, Store};
 
 use crate::demo::pipeline::{embed_meta, fill, latent_meta, now_us, tcp_engine};
 use tensorwire_sim::profiles::Model;
@@ -234,21 +234,41 @@ pub(super) async fn run_item(
     }
 }
 
+/// Where a worker's store is.
+#[derive(Debug, Clone)]
+pub(crate) enum StoreAt {
+    /// One store node: its engine's control address and its RPC address.
+    Node(SocketAddr, SocketAddr),
+    /// Store nodes (their RPC addresses) behind a cluster store with this many replicas.
+    Cluster(Vec<SocketAddr>, usize),
+}
+
+impl StoreAt {
+    async fn open(&self, engine: &tensorwire_core::Engine) -> anyhow::Result<Arc<dyn Store>> {
+        Ok(match self {
+            StoreAt::Node(e, rpc) => Arc::new(RemoteStore::connect(engine, *e, *rpc).await?),
+            StoreAt::Cluster(nodes, replicas) => {
+                let cfg = ClusterConfig { replicas: *replicas, ..ClusterConfig::default() };
+                Arc::new(ClusterStore::remote(engine, nodes, cfg)?)
+            }
+        })
+    }
+}
+
 /// A worker process that moves payloads (called from `tensorwire worker --store-engine ...`).
 /// With `--can`, an orchestrator with `--rebalance` may move it to another pool: it drains,
 /// waits for the latents it published to be read, pays the switch and joins that pool.
 pub(crate) async fn payload_worker(
     (stage, slots): (Stage, u32),
     orch: tensorwire_orchestrator::service::Target,
-    (store_engine, store_rpc): (SocketAddr, SocketAddr),
+    store_at: StoreAt,
     secret: Option<ClusterSecret>,
     (models, mobility): (Vec<Model>, crate::switching::Mobility),
     (scale, every): (f64, [u32; 2]),
     join: &crate::observe::Joining,
 ) -> anyhow::Result<()> {
     let engine = tcp_engine(secret.clone()).await?;
-    let store: Arc<dyn Store> =
-        Arc::new(RemoteStore::connect(&engine, store_engine, store_rpc).await?);
+    let store = store_at.open(&engine).await?;
     let cfg = ConnectorConfig {
         mode: Mode::Auto,
         checksum: false,
