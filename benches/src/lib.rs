@@ -9,6 +9,7 @@ pub type BenchError = Box<dyn std::error::Error + Send + Sync>;
 pub type Result<T, E = BenchError> = std::result::Result<T, E>;
 
 pub mod child_peer;
+pub mod cluster;
 pub mod connector;
 pub mod latency;
 pub mod measure;

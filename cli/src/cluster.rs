@@ -100,21 +100,9 @@ impl Etcd {
         Target::Resolve(tensorwire_etcd::leader_resolver(self.client.clone(), &self.cluster))
     }
 
-    /// A store node registered in the cluster (the one with the lowest id, so that every worker
-    /// picks the same): its engine's control address and its RPC address.
-    pub(crate) async fn find_store(&self) -> anyhow::Result<(SocketAddr, SocketAddr)> {
-        use tensorwire_proto::discovery::Discovery;
-        let d = tensorwire_etcd::EtcdDiscovery::new(self.client.clone(), &self.cluster, self.ttl);
-        let mut stores = d.list("store").await.map_err(|e| anyhow::anyhow!("etcd: {e}"))?;
-        stores.sort_by(|a, b| a.id.cmp(&b.id));
-        let s = stores.first().ok_or_else(|| {
-            anyhow::anyhow!("no store node is registered in etcd for cluster {}", self.cluster)
-        })?;
-        let engine =
-            std::str::from_utf8(&s.meta).ok().and_then(|m| m.parse().ok()).ok_or_else(|| {
-                anyhow::anyhow!("store node {} in etcd names no engine address", s.id)
-            })?;
-        Ok((engine, s.addr))
+    /// The cluster's registry (the store nodes a cluster store follows).
+    pub(crate) fn discovery(&self) -> Arc<dyn tensorwire_proto::discovery::Discovery> {
+        Arc::new(tensorwire_etcd::EtcdDiscovery::new(self.client.clone(), &self.cluster, self.ttl))
     }
 }
 
@@ -137,7 +125,7 @@ impl Etcd {
         match self.never {}
     }
 
-    pub(crate) async fn find_store(&self) -> anyhow::Result<(SocketAddr, SocketAddr)> {
+    pub(crate) fn discovery(&self) -> Arc<dyn tensorwire_proto::discovery::Discovery> {
         match self.never {}
     }
 }

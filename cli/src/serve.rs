@@ -309,7 +309,7 @@ pub(crate) struct WorkerArgs {
     /// addresses, comma-separated: objects placed by rendezvous hashing, with --replicas copies).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["store", "store_engine"])]
     pub(crate) store_nodes: Vec<SocketAddr>,
-    /// With --store-nodes: copies of each object.
+    /// With --store-nodes (or store nodes found in etcd): copies of each object.
     #[arg(long, default_value_t = 2)]
     pub(crate) replicas: usize,
     /// With payloads: the request mix (request r uses model r mod len), as in `demo --models`.
@@ -381,8 +381,7 @@ pub(crate) async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         (Some((e, rpc)), _) => Some(StoreAt::Node(e, rpc)),
         _ if !a.store_nodes.is_empty() => Some(StoreAt::Cluster(a.store_nodes.clone(), a.replicas)),
         (None, Some(e)) if !a.models.is_empty() => {
-            let (engine, rpc) = e.find_store().await?;
-            Some(StoreAt::Node(engine, rpc))
+            Some(StoreAt::Registered(e.discovery(), a.replicas))
         }
         (None, _) => None,
     };

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use tensorwire_core::{DType, Permissions, TensorMeta};
-use tensorwire_store::{EmbeddedStore, GetInto, PutFrom, RemoteStore, Retention, StoreConfig};
+use tensorwire_store::{
+    ClusterConfig, ClusterStore, EmbeddedStore, GetInto, PutFrom, RemoteStore, Retention, StoreConfig,
+};
 
 use crate::dlpack::Tensor;
 use crate::engine::{Engine, Region, addr};
@@ -47,6 +49,7 @@ impl Key {
 pub(crate) struct Store {
     inner: Arc<dyn tensorwire_store::Store>,
     embedded: Option<Arc<EmbeddedStore>>,
+    cluster: Option<Arc<ClusterStore>>,
     engine: tensorwire_core::Engine,
 }
 
@@ -80,7 +83,7 @@ impl Store {
         let s = wait(py, seconds(timeout).raise(py)?, "creating a store", async move {
             Ok(EmbeddedStore::new(&e, cfg).await?)
         })?;
-        Ok(Store { inner: s.clone(), embedded: Some(s), engine: engine.inner.clone() })
+        Ok(Store { inner: s.clone(), embedded: Some(s), cluster: None, engine: engine.inner.clone() })
     }
 
     /// A client of the store node whose RPC listens on `node_rpc` (the node tells where its
@@ -104,7 +107,47 @@ impl Store {
                     None => RemoteStore::connect_node(&e, nr).await?,
                 })
             })?;
-        Ok(Store { inner: Arc::new(s), embedded: None, engine: engine.inner.clone() })
+        Ok(Store { inner: Arc::new(s), embedded: None, cluster: None, engine: engine.inner.clone() })
+    }
+
+    /// A cluster store over the store nodes whose RPCs listen on `nodes`: each object on the
+    /// first `replicas` live nodes of its rendezvous order, read from any live replica.
+    /// Nothing is dialled until first used (a node down now is tried again later).
+    #[staticmethod]
+    #[pyo3(signature = (engine, nodes, *, replicas = 2))]
+    fn cluster(py: Python<'_>, engine: &Engine, nodes: Vec<String>, replicas: usize) -> PyResult<Store> {
+        let addrs = nodes.iter().map(|n| addr(n)).collect::<Result<Vec<_>, _>>().raise(py)?;
+        let cfg = ClusterConfig { replicas, ..ClusterConfig::default() };
+        let c = ClusterStore::remote(&engine.inner, &addrs, cfg).map_err(Failure::from).raise(py)?;
+        let c = Arc::new(c);
+        Ok(Store { inner: c.clone(), embedded: None, cluster: Some(c), engine: engine.inner.clone() })
+    }
+
+    /// The same store, its puts making `replicas` copies (a cluster store; any store for 1).
+    fn with_replicas(&self, py: Python<'_>, replicas: usize) -> PyResult<Store> {
+        match &self.cluster {
+            Some(c) => {
+                let c = Arc::new(c.with_replicas(replicas).map_err(Failure::from).raise(py)?);
+                let engine = self.engine.clone();
+                Ok(Store { inner: c.clone(), embedded: None, cluster: Some(c), engine })
+            }
+            None if replicas == 1 => Ok(Store {
+                inner: self.inner.clone(),
+                embedded: self.embedded.clone(),
+                cluster: None,
+                engine: self.engine.clone(),
+            }),
+            None => Err(Failure::invalid(format!(
+                "{replicas} replicas need a cluster store (Store.cluster); this store keeps one copy"
+            ))
+            .into_py(py)),
+        }
+    }
+
+    /// Whether this is a cluster store (several nodes, replicas).
+    #[getter]
+    fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
     }
 
     /// Stores a copy of `data` under `key`.

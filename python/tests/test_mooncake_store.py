@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+import tensorwire as tw
 from tensorwire import MooncakeDistributedStore, ReplicateConfig
 from tensorwire.mooncake import ErrorCode, SoftPinAction, TransferEngine
 
@@ -286,3 +287,44 @@ def test_ssd_offload_is_the_spill_tier(tmp_path):
     s.close()
     assert MooncakeDistributedStore().setup("127.0.0.1", "P2PHANDSHAKE", 1 << 20, 0, "tcp", "", None,
                                             enable_ssd_offload=True) == -1
+
+
+# -- several store nodes: the cluster store ---------------------------------------------------------
+
+@pytest.fixture
+def three_nodes():
+    """Three store nodes, each with its own engine: [(engine, store, node)]."""
+    nodes = []
+    for _ in range(3):
+        e = tw.Engine()
+        s = tw.Store.embedded(e, 32 << 20, shared=True)
+        nodes.append((e, s, tw.StoreNode(s)))
+    yield nodes
+    for e, _, _ in nodes:
+        e.shutdown()
+
+
+def test_several_master_addresses_make_a_cluster_store_with_replica_num_copies(three_nodes):
+    s = MooncakeDistributedStore()
+    addrs = ",".join(n.address for _, _, n in three_nodes)
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", addrs) == 0
+    try:
+        copies = lambda k: sum(st.exists(k.encode()) for _, st, _ in three_nodes)  # noqa: E731
+        assert s.put("one", b"a" * 100) == 0
+        assert copies("one") == 1, "Mooncake's default replica_num is 1"
+        assert s.put("two", b"b" * 100, ReplicateConfig(replica_num=2)) == 0
+        assert copies("two") == 2
+        t = np.arange(1000, dtype=np.float32)
+        assert s.put_from("tensor", t, config=ReplicateConfig(replica_num=3)) == 0
+        assert copies("tensor") == 3
+        # The engine of the node holding a copy of "two" stops: the other copy is read.
+        holder = next(i for i, (_, st, _) in enumerate(three_nodes) if st.exists(b"two"))
+        three_nodes[holder][0].shutdown()
+        assert s.get("two") == b"b" * 100
+        out = np.zeros(1000, dtype=np.float32)
+        assert s.get_into("tensor", out) == 4000
+        assert (out == t).all()
+        assert s.remove("two") == 0
+        assert s.is_exist("two") == 0
+    finally:
+        s.close()

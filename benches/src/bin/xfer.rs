@@ -4,6 +4,7 @@
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend tcp --sizes 64M,256M --runs 5
 //! cargo run --release -p tensorwire-benches --bin xfer -- --store remote --sizes 64M
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend shm --latency
+//! cargo run --release -p tensorwire-benches --bin xfer -- --cluster-store --sizes 1M
 //! ```
 //! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs and the
 //! median of the runs' ratios (`measure::interleaved` says how a run interleaves), then a summary
@@ -44,6 +45,16 @@ struct Args {
     /// Measure the store instead of raw transfers.
     #[arg(long, value_enum)]
     store: Option<StoreMode>,
+    /// Measure the cluster store: aggregate put/get of --clients clients (--objects each) on 1
+    /// node, 3 nodes and 3 nodes with 2 replicas, then the repair after a node loss.
+    #[arg(long)]
+    cluster_store: bool,
+    /// Clients for --cluster-store.
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Objects per client for --cluster-store (and, times 8, stored for the repair figure).
+    #[arg(long, default_value_t = 32)]
+    objects: usize,
     /// Measure the DiffusionConnector (p2p over tcp): publish + consume against a raw engine
     /// READ, then the chunked overlap figure.
     #[arg(long)]
@@ -205,6 +216,27 @@ async fn run(args: Args) -> Result<()> {
             );
             println!("{}", serde_json::to_string(&l).map_err(|e| Error::protocol(e.to_string()))?);
         }
+        return Ok(());
+    }
+    if args.cluster_store {
+        let lines =
+            tensorwire_benches::cluster::throughput(&sizes, args.clients, args.objects, args.runs)
+                .await?;
+        for l in &lines {
+            println!("{}", serde_json::to_string(l).map_err(|e| Error::protocol(e.to_string()))?);
+        }
+        let size = sizes.iter().copied().min().unwrap_or(1 << 20);
+        let r = tensorwire_benches::cluster::repair(args.objects * 8, size).await?;
+        eprintln!(
+            "cluster repair: {} objects of {} (2 replicas, 3 nodes), one node killed: {} copies in {} rounds, {:.2} s ({:.2} GB/s)",
+            r.objects,
+            fmt_size(r.size),
+            r.copied,
+            r.rounds,
+            r.seconds,
+            r.gbps
+        );
+        println!("{}", serde_json::to_string(&r).map_err(|e| Error::protocol(e.to_string()))?);
         return Ok(());
     }
     let budget = Budget { min_time: Duration::from_millis(args.min_time_ms), ..Budget::default() };

@@ -6,7 +6,7 @@
 //!   leader through etcd (`worker --etcd`); the leader is killed with SIGKILL mid-run; the standby
 //!   is elected, rebuilds the queues from the journal in etcd, the workers and the submitter
 //!   follow it, and every request completes;
-//! - payload workers given only `--etcd` find both the orchestrator and the store node there.
+//! - payload workers given only `--etcd` find the orchestrator and the store nodes there.
 //!
 //! Needs the cli's `etcd` feature (`.ci/run` runs it with it).
 #![cfg(feature = "etcd")]
@@ -147,14 +147,18 @@ async fn a_standby_orchestrator_takes_over_after_sigkill_and_every_request_compl
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn payload_workers_find_the_orchestrator_and_the_store_node_through_etcd() {
+async fn payload_workers_find_the_orchestrator_and_the_store_nodes_through_etcd() {
     let Some(etcd) = etcd() else { return };
     let (tx, rx) = mpsc::sync_channel(1024);
     let _serve = serve(&etcd.url, "pay", Some(free_port()), 0, &tx);
     wait_line(&rx, |l| l.contains("(leader of cluster pay)"));
+    // A second store node: the workers' cluster store places each object on both (2 replicas).
+    let _second = serve(&etcd.url, "pay", None, 1, &tx);
+    wait_line(&rx, |l| l.starts_with("registered in etcd"));
     let mut workers = Vec::new();
     for role in ["encode", "denoise", "decode"] {
-        // No --connect, no --store-engine/--store: both come from etcd.
+        // No --connect, no --store-engine/--store: the orchestrator and the store nodes come
+        // from etcd.
         let w = Command::new(EXE)
             .args(["worker", "--role", role, "--etcd", &etcd.url, "--cluster", "pay"])
             .args(["--models", "wan2.1-t2v-1.3b-480p", "--time-scale", "0.002"])

@@ -29,15 +29,18 @@ call                              returns
 
 Where the objects live: with ``master_server_addr`` (or ``setup_dummy``'s ``server_address``)
 they live on the tensorwire store node listening there (``tensorwire serve`` starts one; its
-RPC address, port 7100 by default): any client of that node sees them, across hosts. Without
+RPC address, port 7100 by default): any client of that node sees them, across hosts. With
+several comma-separated addresses there, on a cluster store over those nodes: each object on
+``ReplicateConfig.replica_num`` of them (placed by rendezvous hashing of the key), read from
+any live copy, so a put with ``replica_num`` >= 2 survives the loss of a node. Without
 (None or ""), in a ``global_segment_size``-byte store in this process, with
 ``enable_ssd_offload`` as its spill tier (in ``ssd_offload_path``). ``put_from``/``get_into``
 move bytes between a registered buffer (``register_buffer``) or a tensor (``__dlpack__``) and
 the store without a copy.
 
-Accepted and not honoured (logged once each): ``replica_num`` > 1, ``nof_replica_num``,
-``dfs_replica_num``, ``preferred_segment(s)``, ``prefer_alloc_in_same_node``, ``group_ids``,
-``data_type`` (one store node holds one copy; the cluster store is not built yet);
+Accepted and not honoured (logged once each): ``replica_num`` > 1 with one store node (or
+none: one copy is kept), ``nof_replica_num``, ``dfs_replica_num``, ``preferred_segment(s)``,
+``prefer_alloc_in_same_node``, ``group_ids``, ``data_type``;
 ``soft_pin_ttl_ms`` (a soft pin lasts for the object's life: tensorwire cannot demote it later);
 ``local_buffer_size``, ``rdma_devices``, ``enable_client_http_server``, ``client_http_port``,
 ``enable_standalone``, and ``global_segment_size`` with a store node (the node owns its pool).
@@ -142,8 +145,6 @@ class ReplicateConfig:
     @property
     def retention(self) -> str:
         """The tensorwire retention ("pinned", "soft" or "normal"); logs what is not honoured."""
-        if self.replica_num > 1:
-            _once(f"ReplicateConfig.replica_num={self.replica_num}: one copy is kept (one store node)")
         for name in ("nof_replica_num", "dfs_replica_num", "preferred_segment", "preferred_segments",
                      "prefer_alloc_in_same_node", "group_ids", "data_type"):
             if getattr(self, name):
@@ -174,6 +175,7 @@ class MooncakeDistributedStore:
         self._remote = False
         self._prefix = b""
         self._buffers: Dict[int, Tuple[int, Any]] = {}
+        self._views: Dict[int, Any] = {}
         self.timeout = 30.0
 
     # -- setup -------------------------------------------------------------------------------
@@ -220,7 +222,12 @@ class MooncakeDistributedStore:
             if master_server_addr:
                 if global_segment_size:
                     _once("setup(global_segment_size=...) with a store node: the node owns its pool")
-                self._store = _native.Store.connect(engine, master_server_addr, timeout=self.timeout)
+                nodes = [a.strip() for a in master_server_addr.split(",") if a.strip()]
+                if len(nodes) > 1:
+                    # Mooncake's default replica_num is 1: each put names its own count.
+                    self._store = _native.Store.cluster(engine, nodes, replicas=1)
+                else:
+                    self._store = _native.Store.connect(engine, master_server_addr, timeout=self.timeout)
                 self._remote = True
             else:
                 spill = (ssd_offload_path or None) if enable_ssd_offload else None
@@ -249,6 +256,7 @@ class MooncakeDistributedStore:
             self.unregister_buffer(ptr)
         engine, own = self._engine, self._own_engine
         self._store, self._engine, self._own_engine = None, None, False
+        self._views = {}
         if engine is not None and own:
             try:
                 engine.shutdown(timeout=self.timeout)
@@ -414,8 +422,22 @@ class MooncakeDistributedStore:
 
     def _put(self, key: str, value: bytes, config: Optional[ReplicateConfig], replace: bool) -> int:
         cfg, k = config or _DEFAULT, self._key(key)
+        s = self._copies(cfg)
         return self._stored(k, replace, cfg,
-                            lambda: self._s().put(k, value, retention=cfg.retention, timeout=self.timeout))
+                            lambda: s.put(k, value, retention=cfg.retention, timeout=self.timeout))
+
+    def _copies(self, cfg: ReplicateConfig) -> Any:
+        """The store whose puts keep ``cfg.replica_num`` copies (a cluster store), or the store
+        (one copy, said once when more were asked for)."""
+        s, n = self._s(), max(1, int(cfg.replica_num))
+        if n == 1:
+            return s
+        if not s.is_cluster:
+            _once(f"ReplicateConfig.replica_num={n}: one copy is kept (one store node)")
+            return s
+        if n not in self._views:
+            self._views[n] = s.with_replicas(n)
+        return self._views[n]
 
     def _region(self, ptr: int, size: int) -> Tuple[Any, int, int]:
         """The registered buffer holding ``ptr..ptr+size``: (region, offset, bytes from there)."""
@@ -426,7 +448,8 @@ class MooncakeDistributedStore:
 
     def _put_from(self, key: str, buffer: Any, size: Optional[int], config: Optional[ReplicateConfig],
                   replace: bool) -> int:
-        cfg, k, s = config or _DEFAULT, self._key(key), self._s()
+        cfg, k = config or _DEFAULT, self._key(key)
+        s = self._copies(cfg)
         if isinstance(buffer, int):
             if size is None or size <= 0:
                 raise InvalidArgumentError(f"put_from of an address needs a positive size, not {size}")

@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use futures::future::join_all;
 use parking_lot::RwLock;
 use tensorwire_core::{Engine, MemSlice, Permissions, Region, TensorMeta};
+use tensorwire_proto::discovery::Discovery;
 
 use super::member::{Dial, Member, Node, node_failed};
 use super::placement::{NodeId, rank};
@@ -54,7 +55,8 @@ pub struct ClusterStore {
     pub(crate) engine: Engine,
     pub(crate) dial: Arc<dyn Dial>,
     pub(crate) cfg: ClusterConfig,
-    nodes: RwLock<Vec<Arc<Node>>>,
+    /// Shared with the views [`ClusterStore::with_replicas`] makes.
+    nodes: Arc<RwLock<Vec<Arc<Node>>>>,
 }
 
 /// What became of one replica's call.
@@ -75,7 +77,7 @@ impl ClusterStore {
                 cfg.replicas, cfg.write_quorum
             )));
         }
-        let s = ClusterStore { engine: engine.clone(), dial, cfg, nodes: RwLock::new(Vec::new()) };
+        let s = ClusterStore { engine: engine.clone(), dial, cfg, nodes: Arc::default() };
         s.set_nodes(nodes);
         Ok(s)
     }
@@ -90,6 +92,23 @@ impl ClusterStore {
         ClusterStore::new(engine, dial, nodes.iter().map(|a| a.to_string()), cfg)
     }
 
+    /// The same store (the same nodes, connections and membership) whose puts make `replicas`
+    /// copies: Mooncake's per-put `ReplicateConfig.replica_num`, for callers that take the
+    /// [`Store`] trait.
+    pub fn with_replicas(&self, replicas: usize) -> Result<ClusterStore> {
+        let quorum = self.cfg.write_quorum.map(|q| q.min(replicas));
+        let cfg = ClusterConfig { replicas, write_quorum: quorum, ..self.cfg.clone() };
+        if replicas == 0 {
+            return Err(StoreError::InvalidArgument("a cluster store with 0 replicas".into()));
+        }
+        Ok(ClusterStore {
+            engine: self.engine.clone(),
+            dial: self.dial.clone(),
+            cfg,
+            nodes: self.nodes.clone(),
+        })
+    }
+
     /// Replaces the membership (nodes already known keep their connection).
     pub fn set_nodes(&self, ids: impl IntoIterator<Item = NodeId>) {
         let ids: BTreeSet<NodeId> = ids.into_iter().collect();
@@ -102,6 +121,33 @@ impl ClusterStore {
             }
         }
         *nodes = next;
+    }
+
+    /// Follows the store nodes registered in `discovery` (entries of kind "store", a node's id
+    /// being its RPC address): the membership is read now and then every `every`, until the
+    /// store is dropped. A registry that cannot be read keeps the last membership.
+    pub async fn follow(
+        self: &Arc<Self>,
+        discovery: Arc<dyn Discovery>,
+        every: Duration,
+    ) -> Result<tokio::task::JoinHandle<()>> {
+        let read = |d: Arc<dyn Discovery>| async move {
+            let entries = d.list("store").await?;
+            Ok::<_, StoreError>(entries.into_iter().map(|e| e.addr.to_string()).collect::<Vec<_>>())
+        };
+        self.set_nodes(read(discovery.clone()).await?);
+        let weak = Arc::downgrade(self);
+        Ok(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let listed = read(discovery.clone()).await;
+                let Some(s) = weak.upgrade() else { return };
+                match listed {
+                    Ok(ids) => s.set_nodes(ids),
+                    Err(e) => tracing::warn!(error = %e, "cluster store: reading the registry"),
+                }
+            }
+        }))
     }
 
     /// The members now.

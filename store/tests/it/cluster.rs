@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tensorwire_core::{DType, Engine, EngineConfig, Permissions, TensorMeta};
+use tensorwire_proto::discovery::{Discovery, Entry, Registration};
 use tensorwire_store::cluster::{ClusterConfig, ClusterStore, placement};
 use tensorwire_store::testing::{StoreFactory, StoreUnderTest};
 use tensorwire_store::{EmbeddedStore, Retention, Store, StoreConfig, StoreNode};
@@ -302,4 +303,67 @@ async fn repair_restores_replicas_after_a_loss_and_rebalances_after_a_restart() 
         assert!(c.store.consumed(format!("obj-{i}").as_bytes()).await.unwrap());
     }
     assert_eq!(c.store.stats().await.unwrap().objects, 0, "objects left after the last consumer");
+}
+
+/// A registry a test changes by hand.
+#[derive(Debug, Default)]
+struct Registry(parking_lot::Mutex<Vec<SocketAddr>>);
+
+#[async_trait]
+impl Discovery for Registry {
+    async fn register(&self, _: Entry) -> tensorwire_core::Result<Box<dyn Registration>> {
+        unreachable!("the test registers by hand")
+    }
+    async fn list(&self, kind: &str) -> tensorwire_core::Result<Vec<Entry>> {
+        assert_eq!(kind, "store");
+        let entry = |a: &SocketAddr| Entry {
+            kind: kind.into(),
+            id: a.to_string(),
+            addr: *a,
+            meta: Vec::new(),
+        };
+        Ok(self.0.lock().iter().map(entry).collect())
+    }
+    async fn watch(
+        &self,
+        _: &str,
+    ) -> tensorwire_core::Result<tokio::sync::mpsc::Receiver<tensorwire_proto::discovery::Change>>
+    {
+        unreachable!("the cluster store polls")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_follows_the_registry_and_a_joining_node_takes_its_share() {
+    let c = Cluster::start(3, pool(), ClusterConfig::default()).await;
+    let registry = Arc::new(Registry::default());
+    *registry.0.lock() = c.addrs[..2].to_vec();
+    let store = Arc::new(ClusterStore::remote(&c.client, &[], ClusterConfig::default()).unwrap());
+    let _follow = store.follow(registry.clone(), Duration::from_millis(20)).await.unwrap();
+    assert_eq!(store.nodes().len(), 2, "the registry is read before follow returns");
+    for i in 0..30 {
+        let key = format!("k{i}");
+        store.put(key.as_bytes(), &meta(100), &[i as u8; 100], Retention::Normal).await.unwrap();
+        assert!(!c.holders(key.as_bytes()).await.contains(&2), "placed on an unregistered node");
+    }
+    // The third node registers: the membership follows, and the repair moves its share there.
+    registry.0.lock().push(c.addrs[2]);
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while store.nodes().len() < 3 {
+        assert!(std::time::Instant::now() < until, "the new node never joined");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    while !store.repair().await.unwrap().idle() {
+        assert!(std::time::Instant::now() < until, "the rebalance does not end");
+    }
+    for i in 0..30 {
+        let key = format!("k{i}");
+        let mut held = c.holders(key.as_bytes()).await;
+        held.sort_unstable();
+        let mut want = c.placement(key.as_bytes())[..2].to_vec();
+        want.sort_unstable();
+        assert_eq!(held, want, "{key}");
+        let (_, body) = store.get(key.as_bytes()).await.unwrap();
+        assert!(body == vec![i as u8; 100]);
+    }
 }

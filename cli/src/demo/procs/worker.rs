@@ -241,6 +241,8 @@ pub(crate) enum StoreAt {
     Node(SocketAddr, SocketAddr),
     /// Store nodes (their RPC addresses) behind a cluster store with this many replicas.
     Cluster(Vec<SocketAddr>, usize),
+    /// The store nodes a registry lists (etcd), followed, behind a cluster store.
+    Registered(Arc<dyn tensorwire_proto::discovery::Discovery>, usize),
 }
 
 impl StoreAt {
@@ -250,6 +252,15 @@ impl StoreAt {
             StoreAt::Cluster(nodes, replicas) => {
                 let cfg = ClusterConfig { replicas: *replicas, ..ClusterConfig::default() };
                 Arc::new(ClusterStore::remote(engine, nodes, cfg)?)
+            }
+            StoreAt::Registered(registry, replicas) => {
+                let cfg = ClusterConfig { replicas: *replicas, ..ClusterConfig::default() };
+                let store = Arc::new(ClusterStore::remote(engine, &[], cfg)?);
+                store.follow(registry.clone(), Duration::from_secs(1)).await?;
+                if store.nodes().is_empty() {
+                    anyhow::bail!("no store node is registered");
+                }
+                store
             }
         })
     }
