@@ -313,8 +313,8 @@ pub(crate) struct WorkerArgs {
     #[arg(long, default_value_t = 2)]
     pub(crate) replicas: usize,
     /// With payloads: the request mix (request r uses model r mod len), as in `demo --models`.
-    /// With `--etcd` and without the two store options, `--models` alone moves payloads through
-    /// the store node found in etcd (the registered one with the lowest id).
+    /// With `--etcd` and without the store options, `--models` alone moves payloads through a
+    /// cluster store over the store nodes registered in etcd.
     #[arg(long, value_delimiter = ',')]
     pub(crate) models: Vec<String>,
     /// With payloads, for denoise: save a step checkpoint of a batch job to the store every N
