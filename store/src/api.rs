@@ -55,6 +55,20 @@ pub struct StoreStats {
     pub largest_free: u64,
 }
 
+/// `put` for a store whose puts read registered memory: stages `bytes` in a region of `engine`,
+/// then `put_from` from there (the remote and cluster stores).
+pub(crate) async fn put_staged<S: Store + ?Sized>(
+    store: &S,
+    engine: &tensorwire_core::Engine,
+    (key, meta, bytes): (&[u8], &TensorMeta, &[u8]),
+    r: Retention,
+) -> Result<()> {
+    let len = bytes.len() as u64;
+    let staging = engine.alloc(len.max(1), tensorwire_core::Permissions::NONE).await?;
+    staging.write_bytes(0, bytes)?;
+    store.put_from(key, meta, &staging.slice(0, len)?, r).await
+}
+
 /// One stored object as a listing shows it: what a copy of it must carry (its bytes aside) to
 /// be the same object elsewhere. [`crate::EmbeddedStore::list`] and [`crate::RemoteStore::list`]
 /// page through a store in key order; a cluster's repair reads them.

@@ -19,7 +19,7 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::oneshot;
 
-use crate::api::{ObjectInfo, Retention, Store, StoreStats, check_key, check_meta};
+use crate::api::{ObjectInfo, Retention, Store, StoreStats, check_key, check_meta, put_staged};
 use crate::embedded::PendingPut;
 use crate::error::{Result, StoreError};
 use crate::rpc::{self, FRAMING, Request, Response};
@@ -321,10 +321,7 @@ impl RemoteStore {
 #[async_trait]
 impl Store for RemoteStore {
     async fn put(&self, key: &[u8], meta: &TensorMeta, bytes: &[u8], r: Retention) -> Result<()> {
-        let len = bytes.len() as u64;
-        let staging = self.engine.alloc(len.max(1), Permissions::NONE).await?;
-        staging.write_bytes(0, bytes)?;
-        self.put_from(key, meta, &staging.slice(0, len)?, r).await
+        put_staged(self, &self.engine, (key, meta, bytes), r).await
     }
 
     async fn put_from(

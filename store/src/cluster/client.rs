@@ -11,12 +11,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::join_all;
 use parking_lot::RwLock;
-use tensorwire_core::{Engine, MemSlice, Permissions, Region, TensorMeta};
+use tensorwire_core::{Engine, MemSlice, Region, TensorMeta};
 use tensorwire_proto::discovery::Discovery;
 
 use super::member::{Dial, Member, Node, node_failed};
 use super::placement::{NodeId, rank};
-use crate::api::{Retention, Store, StoreStats, check_key, check_meta};
+use crate::api::{Retention, Store, StoreStats, check_key, check_meta, put_staged};
 use crate::error::{Result, StoreError};
 
 /// How a [`ClusterStore`] places and reaches objects.
@@ -366,10 +366,7 @@ fn merge<T>(key: &[u8], all: Vec<Answer<T>>) -> Result<Vec<T>> {
 #[async_trait]
 impl Store for ClusterStore {
     async fn put(&self, key: &[u8], meta: &TensorMeta, bytes: &[u8], r: Retention) -> Result<()> {
-        let len = bytes.len() as u64;
-        let staging = self.engine.alloc(len.max(1), Permissions::NONE).await?;
-        staging.write_bytes(0, bytes)?;
-        self.put_from(key, meta, &staging.slice(0, len)?, r).await
+        put_staged(self, &self.engine, (key, meta, bytes), r).await
     }
 
     async fn put_from(

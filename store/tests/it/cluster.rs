@@ -87,6 +87,15 @@ impl Cluster {
         v
     }
 
+    /// Asserts that `key` is held by exactly its first two nodes.
+    async fn assert_on_placement(&self, key: &[u8]) {
+        let mut held = self.holders(key).await;
+        held.sort_unstable();
+        let mut want = self.placement(key)[..2].to_vec();
+        want.sort_unstable();
+        assert_eq!(held, want, "{:?} is not on its placement", String::from_utf8_lossy(key));
+    }
+
     async fn kill(&mut self, i: usize) {
         self.nodes[i].take().unwrap().kill().await;
     }
@@ -153,11 +162,7 @@ async fn a_put_lands_on_its_placement_and_a_get_survives_its_first_replica_dying
     let key = b"embed/42";
     c.store.put(key, &meta(len), &data, Retention::Normal).await.unwrap();
     let order = c.placement(key);
-    let mut held = c.holders(key).await;
-    held.sort_unstable();
-    let mut want = order[..2].to_vec();
-    want.sort_unstable();
-    assert_eq!(held, want, "two replicas, on the first two nodes of the key's order");
+    c.assert_on_placement(key).await;
 
     // Between put and get, the node of the first replica dies (SIGKILL-like: no goodbye).
     c.kill(order[0]).await;
@@ -290,11 +295,7 @@ async fn repair_restores_replicas_after_a_loss_and_rebalances_after_a_restart() 
     }
     for i in 0..n {
         let key = format!("obj-{i}");
-        let mut held = c.holders(key.as_bytes()).await;
-        held.sort_unstable();
-        let mut want = c.placement(key.as_bytes())[..2].to_vec();
-        want.sort_unstable();
-        assert_eq!(held, want, "{key} is not back on its placement");
+        c.assert_on_placement(key.as_bytes()).await;
         let (_, body) = c.store.get(key.as_bytes()).await.unwrap();
         assert!(body == vec![i as u8; 1000 + i], "{key}'s bytes changed");
     }
@@ -358,11 +359,7 @@ async fn membership_follows_the_registry_and_a_joining_node_takes_its_share() {
     }
     for i in 0..30 {
         let key = format!("k{i}");
-        let mut held = c.holders(key.as_bytes()).await;
-        held.sort_unstable();
-        let mut want = c.placement(key.as_bytes())[..2].to_vec();
-        want.sort_unstable();
-        assert_eq!(held, want, "{key}");
+        c.assert_on_placement(key.as_bytes()).await;
         let (_, body) = store.get(key.as_bytes()).await.unwrap();
         assert!(body == vec![i as u8; 100]);
     }
