@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use tensorwire_core::{DType, Permissions, TensorMeta};
 use tensorwire_store::{
-    ClusterConfig, ClusterStore, EmbeddedStore, GetInto, PutFrom, RemoteStore, Retention, StoreConfig,
+    ClusterConfig, ClusterStore, EmbeddedStore, GetInto, PutFrom, RemoteStore, Retention,
+    StoreConfig,
 };
 
 use crate::dlpack::Tensor;
@@ -83,7 +84,12 @@ impl Store {
         let s = wait(py, seconds(timeout).raise(py)?, "creating a store", async move {
             Ok(EmbeddedStore::new(&e, cfg).await?)
         })?;
-        Ok(Store { inner: s.clone(), embedded: Some(s), cluster: None, engine: engine.inner.clone() })
+        Ok(Store {
+            inner: s.clone(),
+            embedded: Some(s),
+            cluster: None,
+            engine: engine.inner.clone(),
+        })
     }
 
     /// A client of the store node whose RPC listens on `node_rpc` (the node tells where its
@@ -107,7 +113,12 @@ impl Store {
                     None => RemoteStore::connect_node(&e, nr).await?,
                 })
             })?;
-        Ok(Store { inner: Arc::new(s), embedded: None, cluster: None, engine: engine.inner.clone() })
+        Ok(Store {
+            inner: Arc::new(s),
+            embedded: None,
+            cluster: None,
+            engine: engine.inner.clone(),
+        })
     }
 
     /// A cluster store over the store nodes whose RPCs listen on `nodes`: each object on the
@@ -115,12 +126,23 @@ impl Store {
     /// Nothing is dialled until first used (a node down now is tried again later).
     #[staticmethod]
     #[pyo3(signature = (engine, nodes, *, replicas = 2))]
-    fn cluster(py: Python<'_>, engine: &Engine, nodes: Vec<String>, replicas: usize) -> PyResult<Store> {
+    fn cluster(
+        py: Python<'_>,
+        engine: &Engine,
+        nodes: Vec<String>,
+        replicas: usize,
+    ) -> PyResult<Store> {
         let addrs = nodes.iter().map(|n| addr(n)).collect::<Result<Vec<_>, _>>().raise(py)?;
         let cfg = ClusterConfig { replicas, ..ClusterConfig::default() };
-        let c = ClusterStore::remote(&engine.inner, &addrs, cfg).map_err(Failure::from).raise(py)?;
+        let c =
+            ClusterStore::remote(&engine.inner, &addrs, cfg).map_err(Failure::from).raise(py)?;
         let c = Arc::new(c);
-        Ok(Store { inner: c.clone(), embedded: None, cluster: Some(c), engine: engine.inner.clone() })
+        Ok(Store {
+            inner: c.clone(),
+            embedded: None,
+            cluster: Some(c),
+            engine: engine.inner.clone(),
+        })
     }
 
     /// The same store, its puts making `replicas` copies (a cluster store; any store for 1).

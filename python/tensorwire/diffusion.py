@@ -154,7 +154,9 @@ class DiffusionConnector:
     when ``publish`` is told a consumer has credit, else the store).
     ``store_config``: ``{"capacity": bytes}`` for a store in this process, or
     ``{"address": "host:port"}`` for a store node (its RPC address; ``node_engine`` may name its
-    engine's address where the node's own answer would not reach it).
+    engine's address where the node's own answer would not reach it), or several addresses
+    (comma-separated, or a list) for a cluster store over those nodes, with ``"replicas"``
+    copies of each payload (2 by default).
     ``te_config``: the engine's settings: ``listen`` ("host:port"), ``secret_file``,
     ``insecure``, ``checksum``. ``checksum`` (here) verifies every chunk's crc32c.
     """
@@ -248,7 +250,11 @@ def _make_store(engine: "_native.Engine", cfg: Optional[dict]) -> Optional["_nat
     cfg = dict(cfg)
     address, rpc = cfg.pop("address", None), cfg.pop("node_rpc", None)
     rpc = address or rpc
+    nodes = rpc.split(",") if isinstance(rpc, str) else rpc
+    if nodes is not None and len(nodes) > 1:
+        return _native.Store.cluster(engine, [n.strip() for n in nodes], replicas=int(cfg.pop("replicas", 2)))
     if rpc is not None:
+        rpc = nodes[0].strip() if nodes else rpc
         return _native.Store.connect(engine, rpc, node_engine=cfg.pop("node_engine", None), **cfg)
     if "capacity" in cfg:
         return _native.Store.embedded(engine, cfg.pop("capacity"), **cfg)

@@ -71,6 +71,31 @@ def test_store_mode_frees_the_producer(pipeline):
         assert np.array_equal(dst, original)
 
 
+def test_store_mode_over_several_store_nodes_survives_one(store_node):
+    # Three store nodes behind a cluster store: each payload on two; one node's engine stops
+    # between publish and consume, and the consumer reads the other copy.
+    nodes = [store_node]
+    for _ in range(2):
+        e = tw.Engine()
+        s = tw.Store.embedded(e, 64 << 20, shared=True)
+        nodes.append((e, s, tw.StoreNode(s)))
+    cfg = {"address": ",".join(n.address for _, _, n in nodes)}
+    prod = DiffusionConnector(role="encode", transfer_mode="store", store_config=cfg)
+    cons = DiffusionConnector(role="denoise", transfer_mode="store", store_config=cfg)
+    assert prod.store.is_cluster
+    emb = latent((1, 226, 64))
+    h = prod.publish(StagePayload(3, "condition_embedding", emb, lease="delete_on_consume", consumers=1))
+    h.wait_stored()
+    held = [i for i, (_, s, _) in enumerate(nodes) if s.stats()["objects"] == 1]
+    assert len(held) == 2, "two copies"
+    nodes[held[0]][0].shutdown()
+    dst = np.zeros_like(emb)
+    list(cons.consume(h.to_str(), dst))
+    assert np.array_equal(dst, emb)
+    for e, _, _ in nodes[1:]:
+        e.shutdown()  # (again, for the one stopped above: shutting down twice is harmless)
+
+
 def test_a_handle_travels_as_bytes_or_text(pipeline):
     prod, _ = pipeline
     h = prod.publish(StagePayload(3, "step_latent", latent(), step=12), consumer_credit=1)

@@ -39,7 +39,8 @@ Where payloads are found (config):
   the bytes stay in the producer's memory (p2p) until read, so the producer's process must live
   until its consumers got them.
 - ``{"store_address": "host:port"}`` (a store node's RPC address, e.g. ``tensorwire serve``'s
-  store node) or ``store_config``: several hosts. Records go to the store, and payloads too
+  store node; several, comma-separated, for a cluster store over those nodes, each payload on
+  two of them) or ``store_config``: several hosts. Records go to the store, and payloads too
   (``transfer_mode`` "store", the default then): a producer may exit once ``put`` returned.
   ``transfer_mode: "p2p"`` keeps payloads with their producer (its ``te_config.listen`` must be
   an address the consumers reach).
