@@ -219,6 +219,26 @@ mod tests {
     }
 
     #[test]
+    fn the_budget_is_filled_exactly_and_what_is_left_counted() {
+        // Three objects of 10 bytes, each missing its copy on a new node: a budget of 20 takes
+        // two copies (exactly the budget) and leaves one for the next plan.
+        let live: BTreeSet<NodeId> = [node(0)].into();
+        let objects: BTreeMap<Vec<u8>, Holding> =
+            (0..3).map(|i| (vec![i], Holding { len: 10, on: BTreeSet::new() })).collect();
+        // No live holder: nothing to copy from, nothing planned.
+        assert_eq!(plan(&live, &objects, 1, 20), Plan::default());
+        let two: BTreeSet<NodeId> = [node(0), node(1)].into();
+        let held: BTreeMap<Vec<u8>, Holding> = objects
+            .keys()
+            .map(|k| (k.clone(), Holding { len: 10, on: [node(0)].into() }))
+            .collect();
+        let p = plan(&two, &held, 2, 20);
+        assert_eq!(p.actions.len(), 2, "{p:?}");
+        assert_eq!(p.deferred, 1);
+        assert_eq!(plan(&two, &held, 2, 19).deferred, 2, "one copy always goes");
+    }
+
+    #[test]
     fn a_dead_node_is_replaced_and_a_joined_one_takes_its_share() {
         let all: BTreeSet<NodeId> = (0..3).map(node).collect();
         let key = b"embed/7".to_vec();
