@@ -276,17 +276,21 @@ impl ClusterStore {
                 let r = self.on(&n, |m| async move { m.put_from(key, meta, src, r).await }).await;
                 (n, r)
             });
+            // Every answer of the batch first: a copy written beside a refusal (the key exists
+            // on another node, say) must be undone with the others.
+            let mut refused = None;
             for (n, res) in join_all(puts).await {
                 match res {
                     Ok(()) => written.push(n),
                     Err(e) if node_failed(&e) || matches!(e, StoreError::Capacity { .. }) => {
                         last = Some(e)
                     }
-                    Err(e) => {
-                        self.undo(key, &written).await;
-                        return Err(e);
-                    }
+                    Err(e) => refused = Some(e),
                 }
+            }
+            if let Some(e) = refused {
+                self.undo(key, &written).await;
+                return Err(e);
             }
             want = replicas - written.len();
             if want == 0 {

@@ -174,6 +174,14 @@ async fn a_put_lands_on_its_placement_and_a_get_survives_its_first_replica_dying
     assert!(got == data);
     assert!(c.store.exists(key).await.unwrap());
 
+    // A key one replica holds already: the put is refused and leaves no copy elsewhere.
+    let second = order[1];
+    let node = c.nodes[second].as_ref().unwrap();
+    node.store.put(b"taken", &meta(2), &[7, 7], Retention::Normal).await.unwrap();
+    let e = c.store.put(b"taken", &meta(3), &[1, 2, 3], Retention::Normal).await.unwrap_err();
+    assert!(matches!(e, tensorwire_store::StoreError::Exists { .. }), "{e}");
+    assert_eq!(c.holders(b"taken").await, vec![second], "a copy written beside the refusal stayed");
+
     // A put while that node is down goes to the live nodes; a get of a missing key says so.
     c.store.put(b"later", &meta(3), &[1, 2, 3], Retention::Normal).await.unwrap();
     let mut held = c.holders(b"later").await;
