@@ -17,7 +17,7 @@ use tensorwire_proto::discovery::Discovery;
 use super::member::{Dial, Member, Node, node_failed};
 use super::placement::{NodeId, rank};
 use crate::api::{Retention, Store, StoreStats, check_key, check_meta, put_staged};
-use crate::error::{Result, StoreError};
+use crate::error::{Result, StoreError, StoreKey};
 
 /// How a [`ClusterStore`] places and reaches objects.
 #[derive(Debug, Clone)]
@@ -32,6 +32,10 @@ pub struct ClusterConfig {
     pub dial_timeout: Duration,
     /// A node that could not be dialled is left out of placement this long.
     pub down_for: Duration,
+    /// A read tries no further replica once this long has passed since it began (each try is
+    /// bounded by the engine's transfer timeout; a try under way is never abandoned, since it
+    /// may still write into the caller's region).
+    pub read_deadline: Duration,
     /// Bytes one repair round may copy (the repair's bandwidth is this per
     /// [`super::RepairConfig::every`]).
     pub repair_budget: u64,
@@ -44,6 +48,7 @@ impl Default for ClusterConfig {
             write_quorum: None,
             dial_timeout: Duration::from_secs(5),
             down_for: Duration::from_secs(1),
+            read_deadline: Duration::from_secs(60),
             repair_budget: 256 << 20,
         }
     }
@@ -234,7 +239,15 @@ impl ClusterStore {
     {
         let mut failure = None;
         let mut missing = false;
+        let began = tokio::time::Instant::now();
         for n in self.read_order(key) {
+            if began.elapsed() >= self.cfg.read_deadline {
+                let what = format!("reading {} from its replicas", StoreKey(key.to_vec()));
+                failure =
+                    Some(tensorwire_core::Error::timeout(what, self.cfg.read_deadline).into());
+                missing = false;
+                break;
+            }
             match self.on(&n, f).await {
                 Ok(t) => return Ok(t),
                 Err(StoreError::NotFound { .. }) => missing = true,

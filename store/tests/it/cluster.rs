@@ -174,6 +174,15 @@ async fn a_put_lands_on_its_placement_and_a_get_survives_its_first_replica_dying
     assert!(got == data);
     assert!(c.store.exists(key).await.unwrap());
 
+    // A read past its deadline tries no further replica.
+    let cfg = ClusterConfig { read_deadline: Duration::ZERO, ..ClusterConfig::default() };
+    let hasty = ClusterStore::remote(&c.client, &c.addrs, cfg).unwrap();
+    let e = hasty.get(key).await.unwrap_err();
+    assert!(
+        matches!(e, tensorwire_store::StoreError::Engine(tensorwire_core::Error::Timeout { .. })),
+        "{e}"
+    );
+
     // A key one replica holds already: the put is refused and leaves no copy elsewhere.
     let second = order[1];
     let node = c.nodes[second].as_ref().unwrap();
