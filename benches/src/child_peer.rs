@@ -1,6 +1,7 @@
 //! A peer engine in a child process, for media whose baseline runs as two processes
-//! (`ucx_perftest`) or whose path exists only between processes (CUDA IPC): the harness re-runs
-//! its own binary with [`PEER_ENV`] set; the child starts an engine with the backend under test,
+//! (`ucx_perftest`), whose path exists only between processes (CUDA IPC), or that deployments
+//! run between processes (shm): the harness re-runs its own binary, with its arguments and
+//! [`PEER_ENV`] set; the child starts an engine with the backend under test,
 //! registers one readable and writable region (device memory for cuda), prints
 //! `READY <control addr> <region id>` and serves until its stdin closes.
 
@@ -107,7 +108,10 @@ impl Drop for ChildPair {
 impl ChildPair {
     /// Spawns the child peer and connects to it.
     pub async fn new(backend: &str, max: u64) -> Result<ChildPair> {
+        // This binary with this run's arguments (a binary that parses them before it asks
+        // `serve_if_asked`, as `tensorwire bench` does, parses them again).
         let mut child = Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
             .env(PEER_ENV, format!("{backend}:{max}"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

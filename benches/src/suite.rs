@@ -87,7 +87,35 @@ pub async fn transfers(
     .await?;
     pair.a.shutdown().await;
     pair.b.shutdown().await;
-    Ok(lines)
+    if backend != "shm" {
+        return Ok(lines);
+    }
+    // shm between two processes, as every deployment runs it: the same sizes against the same
+    // memcpy, the peer this binary re-run as a child (lines named "shm-2p").
+    eprintln!("  shm between two processes (the peer a child process), lines \"shm-2p\":");
+    let child = ChildPair::new("shm", max).await?;
+    let child = &child;
+    let two = sweep(sizes, ops, on_line, move |size, write| async move {
+        let (tw, base) = interleaved(
+            plan.runs,
+            plan.budget,
+            size,
+            || child.op(write, size, "shm"),
+            || async {
+                copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).copy(size);
+                Ok(())
+            },
+        )
+        .await?;
+        let op = if write { "write" } else { "read" };
+        let line = Line::from_samples("shm-2p", op, size, 1, "memcpy", tw, base);
+        let memcpy =
+            copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).gbps(size, plan.budget);
+        Ok(line.bounded(1, memcpy))
+    })
+    .await?;
+    child.a.shutdown().await;
+    Ok(lines.into_iter().chain(two).collect())
 }
 
 /// The backend moving GPU memory on both sides (staged through pinned bounces where it moves

@@ -74,24 +74,26 @@ fn ms_label(x: f64) -> String {
 
 fn gbps_chart(name: &str, lines: &[Line]) -> Chart {
     let mut series = Vec::new();
-    let ops: Vec<String> = {
-        let mut v: Vec<String> = lines.iter().map(|l| l.op.clone()).collect();
-        v.dedup();
+    // One pair of series per (what, op): shm's lines of two processes ("shm-2p") apart.
+    let ops: Vec<(String, String)> = {
+        let mut v: Vec<(String, String)> =
+            lines.iter().map(|l| (l.backend.clone(), l.op.clone())).collect();
         v.sort();
         v.dedup();
         v
     };
-    for (i, op) in ops.iter().enumerate() {
-        let pick: Vec<&Line> = lines.iter().filter(|l| &l.op == op).collect();
+    for (i, (what, op)) in ops.iter().enumerate() {
+        let pick: Vec<&Line> = lines.iter().filter(|l| &l.op == op && &l.backend == what).collect();
         let base = pick.first().map_or(String::new(), |l| l.baseline.clone());
+        let who = if what == name { String::new() } else { format!(" ({what})") };
         series.push(Series {
-            name: format!("tensorwire {op}"),
+            name: format!("tensorwire{who} {op}"),
             color: PALETTE[(2 * i) % PALETTE.len()],
             points: pick.iter().map(|l| (l.size as f64, l.gbps)).collect(),
             dashed: false,
         });
         series.push(Series {
-            name: format!("{base} {op}"),
+            name: format!("{base}{who} {op}"),
             color: PALETTE[(2 * i + 1) % PALETTE.len()],
             points: pick.iter().map(|l| (l.size as f64, l.baseline_gbps)).collect(),
             dashed: true,
@@ -268,6 +270,10 @@ fn rfc_benchmarks(
 
 /// Runs the benches and writes the report.
 pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
+    // Re-run as the peer of a two-process measurement (shm between processes): serve, then stop.
+    if tensorwire_benches::child_peer::serve_if_asked().await.map_err(anyhow::Error::msg)? {
+        return Ok(());
+    }
     let mut sizes = Vec::new();
     for s in &a.sizes {
         sizes.push(
