@@ -35,3 +35,28 @@ impl Memcpy {
         (size * n) as f64 / start.elapsed().as_secs_f64().max(1e-9) / 1e9
     }
 }
+
+/// A [`Memcpy`] that concurrent measurement closures share (one at a time copies).
+#[derive(Debug)]
+pub struct SharedMemcpy(std::sync::Mutex<Memcpy>);
+
+impl SharedMemcpy {
+    /// Allocates and touches both buffers of `max` bytes.
+    pub fn new(max: u64) -> SharedMemcpy {
+        SharedMemcpy(std::sync::Mutex::new(Memcpy::new(max)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Memcpy> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// [`Memcpy::copy`].
+    pub fn copy(&self, size: u64) {
+        self.lock().copy(size);
+    }
+
+    /// [`Memcpy::gbps`].
+    pub fn gbps(&self, size: u64, budget: crate::measure::Budget) -> f64 {
+        self.lock().gbps(size, budget)
+    }
+}

@@ -11,7 +11,7 @@ use tensorwire_core::{DType, Engine, Permissions, Region, TensorMeta, TransferOp
 use tensorwire_store::{EmbeddedStore, RemoteStore, Retention, Store, StoreConfig, StoreNode};
 use tensorwire_tcp::{TcpBackend, TcpConfig};
 
-use crate::memcpy::Memcpy;
+use crate::memcpy::SharedMemcpy;
 
 /// Which store to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -41,7 +41,7 @@ pub struct StoreBench {
     remote: Option<Arc<RemoteStore>>,
     src: Region,
     dst: Region,
-    copy: std::sync::Mutex<Memcpy>,
+    copy: SharedMemcpy,
     next: AtomicU64,
     scratch: u64,
     _keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
@@ -100,11 +100,7 @@ impl StoreBench {
             remote,
             src,
             dst,
-            copy: std::sync::Mutex::new(Memcpy::new(if mode == StoreMode::Embedded {
-                max
-            } else {
-                0
-            })),
+            copy: SharedMemcpy::new(if mode == StoreMode::Embedded { max } else { 0 }),
             next: AtomicU64::new(0),
             scratch,
             _keep: keep,
@@ -170,7 +166,7 @@ impl StoreBench {
                 r.session().transfer(op).await.map(drop).map_err(Into::into)
             }
             None => {
-                self.copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).copy(size);
+                self.copy.copy(size);
                 Ok(())
             }
         }

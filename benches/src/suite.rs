@@ -10,7 +10,7 @@ use tensorwire_core::Error;
 use crate::child_peer::ChildPair;
 use crate::connector::{ConnectorBench, Overlap};
 use crate::measure::{Budget, gbps, interleaved};
-use crate::memcpy::Memcpy;
+use crate::memcpy::SharedMemcpy;
 use crate::raw_tcp::RawTcp;
 use crate::report::Line;
 use crate::store::{StoreBench, StoreMode};
@@ -57,7 +57,7 @@ pub async fn transfers(
     let raw = tokio::sync::Mutex::new(raw);
     // The baseline of shm and mem, and the bound of every medium: tcp copies every byte twice
     // (into the socket, out of it), shm and mem once.
-    let copy = std::sync::Mutex::new(Memcpy::new(max));
+    let copy = SharedMemcpy::new(max);
     let copies = if backend == "tcp" { 2 } else { 1 };
     let baseline = if backend == "tcp" { "tokio-socket" } else { "memcpy" };
     let (pair_ref, raw, copy) = (&pair, &raw, &copy);
@@ -71,7 +71,7 @@ pub async fn transfers(
                 match raw.lock().await.as_mut() {
                     Some(r) => r.op(write, size).await,
                     None => {
-                        copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).copy(size);
+                        copy.copy(size);
                         Ok(())
                     }
                 }
@@ -80,8 +80,7 @@ pub async fn transfers(
         .await?;
         let op = if write { "write" } else { "read" };
         let line = Line::from_samples(backend, op, size, streams, baseline, tw, base);
-        let memcpy =
-            copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).gbps(size, plan.budget);
+        let memcpy = copy.gbps(size, plan.budget);
         Ok(line.bounded(copies, memcpy))
     })
     .await?;
@@ -102,15 +101,14 @@ pub async fn transfers(
             size,
             || child.op(write, size, "shm"),
             || async {
-                copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).copy(size);
+                copy.copy(size);
                 Ok(())
             },
         )
         .await?;
         let op = if write { "write" } else { "read" };
         let line = Line::from_samples("shm-2p", op, size, 1, "memcpy", tw, base);
-        let memcpy =
-            copy.lock().unwrap_or_else(std::sync::PoisonError::into_inner).gbps(size, plan.budget);
+        let memcpy = copy.gbps(size, plan.budget);
         Ok(line.bounded(1, memcpy))
     })
     .await?;
@@ -171,7 +169,7 @@ async fn ucx_transfers(
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let pair = ChildPair::new("ucx", max).await?;
     // The bound: UCX's shared memory moves each byte with one copy.
-    let copy = std::sync::Mutex::new(Memcpy::new(max));
+    let copy = SharedMemcpy::new(max);
     let (pair_ref, perf, copy) = (&pair, &perf, &copy);
     // Each size and direction twice: one op at a time (each waits for the one before), and
     // UCX_BATCH ops per submit, each completing on its own (ucx_perftest streams its puts).
@@ -199,10 +197,7 @@ async fn ucx_transfers(
                     (false, n) => format!("read x{n}"),
                 };
                 let line = Line::from_samples("ucx", &op, size, 1, &perf.name(), tw, base);
-                let memcpy = copy
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .gbps(size, plan.budget);
+                let memcpy = copy.gbps(size, plan.budget);
                 Ok(line.bounded(1, memcpy))
             })
             .await?,
