@@ -69,6 +69,12 @@ async fn list_all(store: &ClusterStore, node: &Arc<Node>) -> Result<Vec<ObjectIn
     }
 }
 
+/// The TTL to set again on a replica: what `o` has left (at least a millisecond: a zero TTL
+/// would mean none).
+fn ttl_left(o: &ObjectInfo) -> Option<Duration> {
+    o.ttl_left.map(|t| t.max(Duration::from_millis(1)))
+}
+
 impl ClusterStore {
     /// One round: lists the live nodes, then copies (within the byte budget) and deletes what
     /// brings each object back to its replicas on its placement.
@@ -132,7 +138,7 @@ impl ClusterStore {
             let Some(&low) = lowest.get(key.as_slice()) else { continue };
             let Some(node) = live.iter().find(|x| x.id == *id) else { continue };
             if o.consumers > low {
-                let ttl = o.ttl_left.map(|t| t.max(Duration::from_millis(1)));
+                let ttl = ttl_left(o);
                 let set = self.on(node, |m| async move { m.set_lease(key, low, ttl).await }).await;
                 n += usize::from(set.is_ok());
             }
@@ -191,8 +197,7 @@ impl ClusterStore {
         }
         let lease = async {
             if info.consumers > 0 || info.ttl_left.is_some() {
-                let (c, ttl) =
-                    (info.consumers, info.ttl_left.map(|t| t.max(Duration::from_millis(1))));
+                let (c, ttl) = (info.consumers, ttl_left(info));
                 self.on(to, |m| async move { m.set_lease(key, c, ttl).await }).await?;
             }
             for _ in 0..info.pins {
