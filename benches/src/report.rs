@@ -40,6 +40,15 @@ pub struct Line {
     /// tensorwire's median GB/s over the bound's.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bound_ratio: Option<f64>,
+    /// Ops per submit, for a batch measurement ([`Line::batched`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<usize>,
+    /// tensorwire's median ops per second (a batch measurement).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ops_per_s: Option<f64>,
+    /// The baseline's median ops per second (a batch measurement).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline_ops_per_s: Option<f64>,
 }
 
 /// The final line.
@@ -100,8 +109,20 @@ impl Line {
             bound: None,
             bound_gbps: None,
             bound_ratio: None,
+            batch: None,
+            ops_per_s: None,
+            baseline_ops_per_s: None,
         }
         .rounded()
+    }
+
+    /// The line of a batch of `n` ops per submit, with both sides' ops per second.
+    pub fn batched(mut self, n: usize) -> Line {
+        let per_s = |gbps: f64| (gbps * 1e9 / self.size.max(1) as f64).round();
+        self.batch = Some(n);
+        self.ops_per_s = Some(per_s(self.gbps));
+        self.baseline_ops_per_s = Some(per_s(self.baseline_gbps));
+        self
     }
 
     /// The line with the medium's bound: `copies` copies of every byte at `memcpy_gbps`.

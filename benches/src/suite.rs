@@ -116,6 +116,60 @@ pub async fn transfers(
     Ok(lines.into_iter().chain(two).collect())
 }
 
+/// Batches of `n` ops of each size per submit (consecutive offsets of one region pair) against
+/// the raw medium doing the same ops: for tcp the socket pair pipelining `n` requests and their
+/// answers over the same streams, for shm and mem `n` memcpys.
+pub async fn batches(
+    backend: &str,
+    sizes: &[u64],
+    n: usize,
+    ops: &[bool],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+) -> Result<Vec<Line>> {
+    if !["tcp", "shm", "mem"].contains(&backend) {
+        return Err(Error::InvalidArgument(format!(
+            "--batch measures tcp, shm and mem, not {backend:?}"
+        ))
+        .into());
+    }
+    let n = n.max(1);
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let tcp = backend == "tcp";
+    let streams = if tcp { plan.streams.max(1) } else { 1 };
+    let pair = EnginePair::new(backend, streams, max * n as u64).await?;
+    // Each raw stream needs room for one op's source and destination.
+    let raw = if tcp { Some(RawTcp::new(streams, 2 * max * streams as u64).await?) } else { None };
+    let raw = tokio::sync::Mutex::new(raw);
+    let copy = SharedMemcpy::new(max);
+    let baseline = if tcp { "tokio-socket" } else { "memcpy" };
+    let (pair_ref, raw, copy) = (&pair, &raw, &copy);
+    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+        let (tw, base) = interleaved(
+            plan.runs,
+            plan.budget,
+            size * n as u64,
+            || pair_ref.batch(write, size, n, backend),
+            || async {
+                match raw.lock().await.as_mut() {
+                    Some(r) => r.batch(write, size, n).await,
+                    None => {
+                        (0..n).for_each(|_| copy.copy(size));
+                        Ok(())
+                    }
+                }
+            },
+        )
+        .await?;
+        let op = if write { "write" } else { "read" };
+        Ok(Line::from_samples(backend, op, size, streams, baseline, tw, base).batched(n))
+    })
+    .await?;
+    pair.a.shutdown().await;
+    pair.b.shutdown().await;
+    Ok(lines)
+}
+
 /// The backend moving GPU memory on both sides (staged through pinned bounces where it moves
 /// host memory) against the same backend moving host memory, interleaved in one run.
 pub async fn device_vs_host(

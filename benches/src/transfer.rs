@@ -121,6 +121,32 @@ impl EnginePair {
     }
 }
 
+impl EnginePair {
+    /// `n` ops of `size` bytes each, at consecutive offsets, in one submit; completes when
+    /// every op has (the regions must hold `n * size` bytes).
+    pub async fn batch(&self, write: bool, size: u64, n: usize, backend: &str) -> Result<()> {
+        let remote = self.remote.remote();
+        let ops = (0..n as u64)
+            .map(|i| {
+                let at = i * size;
+                if write {
+                    TransferOp::write(&self.local, at, &remote, at, size)
+                } else {
+                    TransferOp::read(&self.local, at, &remote, at, size)
+                }
+            })
+            .collect();
+        for h in self.session.submit(ops).await {
+            let report = h.await?;
+            if report.backend != backend {
+                let e = Error::protocol(format!("engine moved it with {}", report.backend));
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Writes every page of `r` once.
 pub fn touch(r: &Region, v: u8) -> Result<()> {
     let page = vec![v; 1 << 20];

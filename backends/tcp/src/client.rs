@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -140,6 +140,10 @@ struct StreamState {
     /// Pieces taken by this stream, and their bytes (for the backend's stats).
     pieces: AtomicU64,
     bytes: AtomicU64,
+    /// Who holds it owns the socket's sending side (see [`StreamState::acquire`]).
+    sending: AtomicBool,
+    /// Signalled when `sending` is released.
+    free: Notify,
 }
 
 impl StreamState {
@@ -183,6 +187,32 @@ impl StreamState {
         self.bytes.fetch_add(len, Ordering::Relaxed);
         self.outstanding.fetch_add(1, Ordering::AcqRel);
         self.others(c).for_each(|o| o.room.notify_waiters());
+    }
+
+    /// Takes the sending side if nobody holds it. Holders: the stream's writer task, a
+    /// submitting task sending a request at once ([`ConnShared::send_now`], never across an
+    /// await), and the task that finishes a request the socket took only part of.
+    fn try_acquire(&self) -> bool {
+        self.sending.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+    }
+
+    /// Waits for the sending side (held, at most, for one request's send: a stalled one ends
+    /// with the stream, by the watchdog).
+    async fn acquire(&self) {
+        loop {
+            let free = self.free.notified();
+            tokio::pin!(free);
+            free.as_mut().enable();
+            if self.try_acquire() {
+                return;
+            }
+            free.await;
+        }
+    }
+
+    fn release(&self) {
+        self.sending.store(false, Ordering::Release);
+        self.free.notify_one();
     }
 
     fn answered(&self, len: u64, data: bool) {
@@ -260,6 +290,7 @@ impl ConnShared {
     }
 
     fn enqueue(&self, pieces: Vec<Piece>, small: bool) {
+        let n = pieces.len();
         let refused = {
             let mut q = self.queues.lock();
             match &q.dead {
@@ -276,7 +307,7 @@ impl ConnShared {
         };
         match refused {
             Some((e, pieces)) => pieces.into_iter().for_each(|p| p.op.finish(Err(e.clone()))),
-            None => self.work.notify_waiters(),
+            None => (0..n.min(self.streams.len())).for_each(|_| self.work.notify_one()),
         }
     }
 
@@ -355,6 +386,8 @@ impl TcpConnection {
                     pieces: AtomicU64::new(0),
                     bytes: AtomicU64::new(0),
                     room: Notify::new(),
+                    sending: AtomicBool::new(false),
+                    free: Notify::new(),
                 })
                 .collect(),
             next_id: AtomicU64::new(1),
@@ -369,6 +402,126 @@ impl TcpConnection {
     }
 }
 
+/// A piece's request as it goes on the wire: the header and the body it gathers (a WRITE's
+/// bytes, a notification, a READ's notice), kept alive until the frame is dropped.
+struct Frame {
+    header: [u8; HEADER_LEN],
+    body: (usize, usize),
+    /// A notification's or notice's bytes; the op, which holds a WRITE's source registered.
+    _keep: (Option<Bytes>, Arc<OpState>),
+}
+
+impl Frame {
+    fn new(p: &Piece, id: u64, checksum: bool) -> Frame {
+        let mut h = DataHeader::request(p.kind(), id, p.region, p.key, p.offset, p.len);
+        let mut body = (0usize, 0usize);
+        let mut bytes = None;
+        match &p.what {
+            What::Write => {
+                if checksum {
+                    // SAFETY: the piece's source is `len` readable bytes of registered memory,
+                    // held by the op's MemSlice.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
+                    h = h.with_crc(crc32c::crc32c(src));
+                }
+                body = (p.addr, p.len as usize);
+            }
+            What::Read(notice) => {
+                if checksum {
+                    h = h.with_crc(0); // asks the server for a checksum
+                }
+                if let Some(b) = notice {
+                    // Bounded by MAX_NOTIFY_WIRE in `submit_noticed`.
+                    h = h.with_notice(b.len() as u32);
+                    body = (b.as_ptr() as usize, b.len());
+                    bytes = Some(b.clone());
+                }
+            }
+            What::Notify(b) => {
+                body = (b.as_ptr() as usize, b.len());
+                bytes = Some(b.clone());
+            }
+        }
+        Frame { header: h.encode(), body, _keep: (bytes, p.op.clone()) }
+    }
+
+    /// The frame's parts past its first `sent` bytes.
+    fn parts(&self, sent: usize) -> [(usize, usize); 2] {
+        let h = sent.min(HEADER_LEN);
+        let b = (sent - h).min(self.body.1);
+        [(self.header.as_ptr() as usize + h, HEADER_LEN - h), (self.body.0 + b, self.body.1 - b)]
+    }
+}
+
+impl ConnShared {
+    /// Makes `p`'s request and puts `p` among stream `s`'s pending pieces, which the caller,
+    /// holding `s`'s sending side, then sends; `None` when the stream is dead (`p` then failed).
+    fn stage(&self, s: &StreamState, p: Piece) -> Option<Frame> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = Frame::new(&p, id, self.cfg.checksum);
+        let mut pend = s.pending.lock();
+        if let Some(e) = pend.dead.clone() {
+            drop(pend);
+            p.op.finish(Err(e));
+            return None;
+        }
+        s.took(p.len, p.what.is_data(), self);
+        pend.q.push_back((id, p));
+        Some(frame)
+    }
+
+    /// Sends a one-piece op's request from the submitting task, when nothing is queued and a
+    /// stream has nothing outstanding: no writer task to wake (a thread wake-up on an idle
+    /// runtime, which costs more than a small op's send). What the socket does not take at
+    /// once is finished by a task. Gives the piece back when it cannot (the caller queues it).
+    fn send_now(self: &Arc<Self>, p: Piece) -> Option<Piece> {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return Some(p) };
+        {
+            let q = self.queues.lock();
+            if q.dead.is_some() || !q.small.is_empty() || !q.bulk.is_empty() {
+                return Some(p);
+            }
+        }
+        let idle = |s: &StreamState| s.outstanding.load(Ordering::Acquire) == 0 && s.try_acquire();
+        let Some(i) = self.streams.iter().position(idle) else { return Some(p) };
+        let s = &self.streams[i];
+        let Some(frame) = self.stage(s, p) else {
+            s.release();
+            return None;
+        };
+        let mut parts = frame.parts(0);
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let mut dog = Watchdog::new(self.cfg.stall);
+        // SAFETY: `frame` holds its header and body alive for the call.
+        match unsafe { io::try_send_parts(&s.sock, &mut parts, &mut dog) } {
+            Ok(true) => s.release(),
+            Ok(false) => {
+                let sent = total - parts.iter().map(|p| p.1).sum::<usize>();
+                let c = self.clone();
+                rt.spawn(async move {
+                    let s = &c.streams[i];
+                    let mut dog = Watchdog::new(c.cfg.stall);
+                    // SAFETY: `frame` holds its header and body alive until the send is over.
+                    let r =
+                        unsafe { io::send_parts(&s.sock, frame.parts(sent), &mut dog, "request") }
+                            .await;
+                    s.release();
+                    drop(frame);
+                    if let Err(e) = r {
+                        c.kill(e);
+                    }
+                });
+            }
+            Err(e) => {
+                s.release();
+                self.kill(e);
+            }
+        }
+        None
+    }
+}
+
 async fn writer(c: Arc<ConnShared>, i: usize) {
     let s = &c.streams[i];
     let mut dog = Watchdog::new(c.cfg.stall);
@@ -380,54 +533,15 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
             p.op.finish(Ok(())); // nobody waits; do not spend the wire on it
             continue;
         }
-        let id = c.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut h = DataHeader::request(p.kind(), id, p.region, p.key, p.offset, p.len);
-        let mut body = (0usize, 0usize);
-        match &p.what {
-            What::Write => {
-                if c.cfg.checksum {
-                    // SAFETY: the piece's source is `len` readable bytes of registered memory,
-                    // held by the op's MemSlice.
-                    let src =
-                        unsafe { std::slice::from_raw_parts(p.addr as *const u8, p.len as usize) };
-                    h = h.with_crc(crc32c::crc32c(src));
-                }
-                body = (p.addr, p.len as usize);
-            }
-            What::Read(notice) => {
-                if c.cfg.checksum {
-                    h = h.with_crc(0); // asks the server for a checksum
-                }
-                if let Some(b) = notice {
-                    // Bounded by MAX_NOTIFY_WIRE in `submit_noticed`.
-                    h = h.with_notice(b.len() as u32);
-                    body = (b.as_ptr() as usize, b.len());
-                }
-            }
-            What::Notify(b) => body = (b.as_ptr() as usize, b.len()),
-        }
-        let hb = h.encode();
-        let parts = [(hb.as_ptr() as usize, hb.len()), body];
-        // Keep the payload alive past the send: the piece moves into `pending` below.
-        let notify_body = match &p.what {
-            What::Notify(b) | What::Read(Some(b)) => Some(b.clone()),
-            _ => None,
+        s.acquire().await;
+        let Some(frame) = c.stage(s, p) else {
+            s.release();
+            continue;
         };
-        let keep = p.op.clone();
-        {
-            let mut pend = s.pending.lock();
-            if let Some(e) = pend.dead.clone() {
-                drop(pend);
-                p.op.finish(Err(e));
-                continue;
-            }
-            s.took(p.len, p.what.is_data(), &c);
-            pend.q.push_back((id, p));
-        }
-        // SAFETY: `hb` and `notify_body` are locals; a WRITE's source is registered memory held
-        // by its op's MemSlice, which `keep` holds until the send is over.
-        let sent = unsafe { io::send_parts(&s.sock, parts, &mut dog, "request") }.await;
-        drop((notify_body, keep));
+        // SAFETY: `frame` holds its header and body alive until the send is over.
+        let sent = unsafe { io::send_parts(&s.sock, frame.parts(0), &mut dog, "request") }.await;
+        s.release();
+        drop(frame);
         if let Err(e) = sent {
             c.kill(e);
             return;
@@ -610,7 +724,15 @@ impl TcpConnection {
                         len,
                     })
                     .collect();
-                c.enqueue(pieces, n == 1);
+                let mut pieces: Vec<Piece> = pieces;
+                // An op of one piece sends it at once when it can; the pieces of a larger
+                // one go to the writers, which copy them into their sockets side by side.
+                if n == 1 {
+                    pieces = pieces.into_iter().filter_map(|p| c.send_now(p)).collect();
+                }
+                if !pieces.is_empty() {
+                    c.enqueue(pieces, n == 1);
+                }
                 completion
             })
             .collect()
@@ -680,6 +802,35 @@ mod tests {
         assert_eq!(cut(100, 4 * mib, 8), vec![(0, 100)]);
         assert_eq!(cut(0, 4 * mib, 8), vec![(0, 0)], "an empty op is one empty piece");
         assert_eq!(cut(64 * mib, 4 * mib, 2).len(), 16, "no piece over the piece size");
+    }
+
+    #[test]
+    fn a_frame_resumes_where_its_send_stopped() {
+        let (gate, tx, _completion) = tensorwire_core::backend::kit::gated();
+        let op = Arc::new(OpState {
+            gate,
+            remaining: AtomicUsize::new(1),
+            done: Mutex::new(Some(tx)),
+            _op: None,
+        });
+        let body = [7u8; 100];
+        let p = Piece {
+            what: What::Write,
+            op,
+            region: RegionId(3),
+            key: AccessKey::from_bits(9),
+            offset: 0,
+            addr: body.as_ptr() as usize,
+            len: 100,
+        };
+        let f = Frame::new(&p, 1, false);
+        let (h, b) = (f.header.as_ptr() as usize, body.as_ptr() as usize);
+        assert_eq!(f.parts(0), [(h, HEADER_LEN), (b, 100)]);
+        assert_eq!(f.parts(5), [(h + 5, HEADER_LEN - 5), (b, 100)]);
+        assert_eq!(f.parts(HEADER_LEN), [(h + HEADER_LEN, 0), (b, 100)]);
+        assert_eq!(f.parts(HEADER_LEN + 40), [(h + HEADER_LEN, 0), (b + 40, 60)]);
+        assert_eq!(f.parts(HEADER_LEN + 100), [(h + HEADER_LEN, 0), (b + 100, 0)]);
+        assert_eq!(f.parts(HEADER_LEN + 500), [(h + HEADER_LEN, 0), (b + 100, 0)], "past the end");
     }
 
     proptest! {

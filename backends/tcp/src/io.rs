@@ -78,26 +78,20 @@ fn closed(what: &str) -> Error {
     Error::PeerClosed(format!("tcp: peer closed the stream during {what}"))
 }
 
-/// Sends every byte of `parts` (address, length pairs; empty ones are skipped), gathering them into
-/// as few `sendmsg` calls as the socket allows.
+/// Sends what the socket takes now of `parts` (address, length pairs; empty ones are
+/// skipped), gathered into as few `sendmsg` calls as it allows, without waiting; `parts` is left
+/// holding what is still to send. `Ok(true)` once everything is sent, `Ok(false)` when the socket
+/// would block first.
 ///
 /// # Safety
-/// Each part must be readable for its length until this future completes or is dropped.
-pub(crate) async unsafe fn send_parts<const N: usize>(
+/// Each part must be readable for its length for the call.
+pub(crate) unsafe fn try_send_parts<const N: usize>(
     sock: &TcpStream,
-    mut parts: [(usize, usize); N],
+    parts: &mut [(usize, usize); N],
     dog: &mut Watchdog,
-    what: &str,
-) -> Result<()> {
-    let mut first = 0;
-    dog.progress();
+) -> Result<bool> {
     loop {
-        while first < N && parts[first].1 == 0 {
-            first += 1;
-        }
-        if first == N {
-            return Ok(());
-        }
+        let Some(first) = parts.iter().position(|p| p.1 > 0) else { return Ok(true) };
         let res = sock.try_io(Interest::WRITABLE, || {
             let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; N];
             for (v, &(a, l)) in iov.iter_mut().zip(&parts[first..]) {
@@ -114,27 +108,35 @@ pub(crate) async unsafe fn send_parts<const N: usize>(
         });
         let mut n = match res {
             Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                ready(sock, Interest::WRITABLE, dog, &|| true, what).await?;
-                continue;
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e.into()),
         };
         dog.progress();
-        while n > 0 && first < N {
-            let p = &mut parts[first];
-            if n >= p.1 {
-                n -= p.1;
-                p.1 = 0;
-                first += 1;
-            } else {
-                p.0 += n;
-                p.1 -= n;
-                n = 0;
-            }
+        for p in parts[first..].iter_mut() {
+            let k = n.min(p.1);
+            (p.0, p.1, n) = (p.0 + k, p.1 - k, n - k);
         }
     }
+}
+
+/// Sends every byte of `parts` (address, length pairs; empty ones are skipped), gathering them into
+/// as few `sendmsg` calls as the socket allows.
+///
+/// # Safety
+/// Each part must be readable for its length until this future completes or is dropped.
+pub(crate) async unsafe fn send_parts<const N: usize>(
+    sock: &TcpStream,
+    mut parts: [(usize, usize); N],
+    dog: &mut Watchdog,
+    what: &str,
+) -> Result<()> {
+    dog.progress();
+    // SAFETY: this function's contract, for each call.
+    while !unsafe { try_send_parts(sock, &mut parts, dog) }? {
+        ready(sock, Interest::WRITABLE, dog, &|| true, what).await?;
+    }
+    Ok(())
 }
 
 /// One `recv` into `[addr, addr+len)`; `Ok(0)` means end of stream.

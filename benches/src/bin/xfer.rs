@@ -5,6 +5,7 @@
 //! cargo run --release -p tensorwire-benches --bin xfer -- --store remote --sizes 64M
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend shm --latency
 //! cargo run --release -p tensorwire-benches --bin xfer -- --cluster-store --sizes 1M
+//! cargo run --release -p tensorwire-benches --bin xfer -- --backend tcp --batch 1024 --sizes 4K
 //! ```
 //! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs and the
 //! median of the runs' ratios (`measure::interleaved` says how a run interleaves), then a summary
@@ -77,6 +78,10 @@ struct Args {
     /// Ops of each side per (size, direction) for --latency.
     #[arg(long, default_value_t = 1000)]
     samples: usize,
+    /// Measure batches of this many ops of each --sizes per submit (tcp, shm, mem) against the
+    /// raw medium doing the same ops; lines add ops per second.
+    #[arg(long, default_value_t = 0)]
+    batch: usize,
     /// Workers for --orchestrator.
     #[arg(long, default_value_t = 1000)]
     workers: u32,
@@ -248,6 +253,19 @@ async fn run(args: Args) -> Result<()> {
                 tensorwire_benches::suite::device_vs_host(&args.backend, &sizes, &ops, plan, &emit)
                     .await?;
             (format!("{}-device", args.backend), lines)
+        }
+        _ if args.batch > 0 => {
+            let plan = plan(&args, budget);
+            let lines = tensorwire_benches::suite::batches(
+                &args.backend,
+                &sizes,
+                args.batch,
+                &ops,
+                plan,
+                &emit,
+            )
+            .await?;
+            (format!("{}-batch", args.backend), lines)
         }
         _ if args.connector => {
             ("connector-p2p".to_string(), connector(&args, &sizes, budget).await?)

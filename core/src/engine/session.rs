@@ -30,7 +30,8 @@ pub struct Session {
 #[derive(Debug)]
 struct SessionInner {
     engine: Weak<EngineShared>,
-    peer: RwLock<EngineDescriptor>,
+    /// Shared, so an op reads it without copying every remote region the peer showed.
+    peer: RwLock<Arc<EngineDescriptor>>,
     addr: RwLock<Option<SocketAddr>>,
     conns: tokio::sync::Mutex<HashMap<&'static str, Conn>>,
 }
@@ -81,7 +82,7 @@ impl Reroute for Fallback {
             let Some(inner) = f.session.upgrade() else { return Err(why) };
             let session = Session { inner };
             let engine = session.engine()?;
-            let peer = session.descriptor();
+            let peer = session.shared_descriptor();
             let kinds = Some((local.kind(), f.region.kind, dir));
             let Ok(b) = f.next(&engine, &peer, kinds) else { return Err(why) };
             let backend = engine.backends[b].clone();
@@ -131,7 +132,7 @@ impl Session {
     ) -> Session {
         let mut sessions = lock(&engine.sessions);
         if let Some(s) = sessions.get(&desc.engine) {
-            *write(&s.inner.peer) = desc;
+            *write(&s.inner.peer) = Arc::new(desc);
             if addr.is_some() {
                 *write(&s.inner.addr) = addr;
             }
@@ -140,7 +141,7 @@ impl Session {
         let s = Session {
             inner: Arc::new(SessionInner {
                 engine: Arc::downgrade(engine),
-                peer: RwLock::new(desc),
+                peer: RwLock::new(Arc::new(desc)),
                 addr: RwLock::new(addr),
                 conns: tokio::sync::Mutex::new(HashMap::new()),
             }),
@@ -177,25 +178,31 @@ impl Session {
 
     /// The peer's engine id.
     pub fn peer(&self) -> EngineId {
-        self.descriptor().engine
+        self.shared_descriptor().engine
     }
 
     /// The peer's descriptor as of the last handshake.
     pub fn descriptor(&self) -> EngineDescriptor {
+        (*self.shared_descriptor()).clone()
+    }
+
+    /// The peer's descriptor without a copy of it (what every op reads).
+    fn shared_descriptor(&self) -> Arc<EngineDescriptor> {
         read(&self.inner.peer).clone()
     }
 
     /// Regions the peer showed us in its last descriptor.
     pub fn remote_regions(&self) -> Vec<RemoteRegion> {
-        self.descriptor().regions
+        self.shared_descriptor().regions.clone()
     }
 
     /// One region from the peer's last descriptor.
     pub fn remote_region(&self, id: crate::ids::RegionId) -> Result<RemoteRegion> {
-        self.descriptor()
+        self.shared_descriptor()
             .regions
-            .into_iter()
+            .iter()
             .find(|r| r.id == id)
+            .cloned()
             .ok_or(Error::NotFound(Missing::Region(id)))
     }
 
@@ -207,7 +214,7 @@ impl Session {
             Error::NotFound(Missing::Peer(format!("control address of {}", self.peer())))
         })?;
         let desc = control::handshake(addr, &engine).await?;
-        *write(&self.inner.peer) = desc;
+        *write(&self.inner.peer) = Arc::new(desc);
         Ok(())
     }
 
@@ -317,13 +324,13 @@ impl Session {
                 None => return Ok(c.clone()),
                 Some(e) => tracing::debug!(
                     backend = backend.name(),
-                    peer = %self.descriptor().engine,
+                    peer = %self.peer(),
                     error = %e,
                     "engine: connection broken; opening a new one"
                 ),
             }
         }
-        let peer = self.descriptor();
+        let peer = self.shared_descriptor();
         let endpoint = peer
             .backends
             .iter()
@@ -429,7 +436,7 @@ impl Session {
             Ok(e) => e,
             Err(e) => return ops.iter().map(|_| TransferHandle::failed(e.clone())).collect(),
         };
-        let peer = self.descriptor();
+        let peer = self.shared_descriptor();
         let mut notice = match notice.map(|n| Envelope { from: engine.id, msg: Message::User(n) }) {
             Some(env) => match env.encode() {
                 Ok(b) => Some(b),
@@ -540,7 +547,7 @@ impl Session {
     /// Sends `msg`; with `ordered`, only once every op submitted before the call has ended.
     async fn send_as(&self, msg: Message, ordered: bool) -> Result<()> {
         let engine = self.engine()?;
-        let peer = self.descriptor();
+        let peer = self.shared_descriptor();
         let bytes = Envelope { from: engine.id, msg }.encode()?;
         let b = engine.backends[Self::select(&engine, &peer, None, None)?].clone();
         let c = self.connection(&engine, &b).await?;

@@ -2,6 +2,7 @@
 
 mod cleanup;
 mod conformance;
+mod groups;
 mod leases;
 mod selection;
 mod two_process;

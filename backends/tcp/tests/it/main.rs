@@ -7,6 +7,7 @@ mod device_conformance;
 mod faults;
 mod notify_order;
 mod read_notice;
+mod send_now;
 mod striping;
 mod two_process;
 
