@@ -100,6 +100,16 @@ impl RawTcp {
                 (s, buf, r)
             }));
         }
+        self.rejoin(tasks).await
+    }
+}
+
+/// A stream's task hands back its stream, its buffer and how its share went.
+type StreamTask = tokio::task::JoinHandle<(TcpStream, Vec<u8>, std::io::Result<()>)>;
+
+impl RawTcp {
+    /// Waits for every stream's task and puts each stream back; the first error, if any.
+    async fn rejoin(&mut self, tasks: Vec<StreamTask>) -> Result<()> {
         let mut result = Ok(());
         for (slot, t) in self.streams.iter_mut().zip(tasks) {
             let (s, buf, r) = t.await.map_err(|e| Error::protocol(e.to_string()))?;
@@ -110,9 +120,7 @@ impl RawTcp {
         }
         Ok(result?)
     }
-}
 
-impl RawTcp {
     /// `n` ops of `size` bytes each in direction `op`, pipelined: each stream takes its share of
     /// the ops, sends every request of it (with its bytes, for a WRITE) while it receives the
     /// answers, and the batch completes when every answer is in (what an engine does with a
@@ -158,15 +166,7 @@ impl RawTcp {
                 (s, buf, r)
             }));
         }
-        let mut result = Ok(());
-        for (slot, t) in self.streams.iter_mut().zip(tasks) {
-            let (s, buf, r) = t.await.map_err(|e| Error::protocol(e.to_string()))?;
-            *slot = Some((s, buf));
-            if let Err(e) = r {
-                result = Err(io(e));
-            }
-        }
-        Ok(result?)
+        self.rejoin(tasks).await
     }
 }
 
