@@ -17,6 +17,7 @@ pub mod memcpy;
 pub mod orchestrator;
 pub mod raw_tcp;
 pub mod report;
+pub mod scale;
 pub mod store;
 pub mod suite;
 pub mod thread_cpu;

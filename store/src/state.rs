@@ -13,7 +13,7 @@
 //! flight is never evicted; a block is freed exactly once, after its last holder; `Soft` objects
 //! go only when no `Normal` object is left to evict; used bytes equal live blocks.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use tensorwire_core::TensorMeta;
@@ -94,6 +94,8 @@ enum Hold {
 struct Reading {
     hold: Hold,
     deadline: Instant,
+    /// The object read (relisted when the read expires: it may be evictable again).
+    key: Vec<u8>,
 }
 
 /// Work on bytes and files, carried out outside the pool lock.
@@ -186,6 +188,9 @@ pub(crate) struct PoolState {
     files: HashMap<u64, Held>,
     pending: HashMap<u64, Pending>,
     reading: HashMap<u64, Reading>,
+    /// Objects with a lease time, by that time: what `expire` removes, found without a scan of
+    /// every object (every lock of the store runs it).
+    expiring: BTreeSet<(Instant, Vec<u8>)>,
     io: Vec<Io>,
     /// Bytes of blocks whose spill is in flight (room that is coming).
     spilling: u64,
@@ -211,6 +216,7 @@ impl PoolState {
             files: HashMap::new(),
             pending: HashMap::new(),
             reading: HashMap::new(),
+            expiring: BTreeSet::new(),
             io: Vec::new(),
             spilling: 0,
             spill,
@@ -312,7 +318,9 @@ impl PoolState {
         self.evictions += 1;
         metrics::counter!("tensorwire_store_evictions_total").increment(1);
         if !self.spill {
+            let gone = o.expires;
             self.objs.remove(&key);
+            self.unlist_expiry(&key, gone);
             self.release(Hold::Block(off), false);
             return true;
         }
@@ -369,7 +377,9 @@ impl PoolState {
             let (older, newer) = if o.id < f.id { (o.id, f.id) } else { (f.id, o.id) };
             if newer == f.id {
                 self.files.remove(&older);
+                let gone = o.expires;
                 self.objs.remove(&key);
+                self.unlist_expiry(&key, gone);
             }
             self.io.push(Io::Delete(older));
             if newer != f.id {
@@ -380,6 +390,9 @@ impl PoolState {
         self.tick += 1;
         let lease = f.header.lease;
         self.files.insert(f.id, Held { owned: true, holders: 0 });
+        if let Some(t) = lease.deadline() {
+            self.expiring.insert((t, key.clone()));
+        }
         self.objs.insert(
             key,
             Obj {
@@ -530,7 +543,7 @@ impl PoolState {
         self.hold(hold);
         self.relist(key, true);
         let ticket = self.next_id();
-        self.reading.insert(ticket, Reading { hold, deadline });
+        self.reading.insert(ticket, Reading { hold, deadline, key: key.to_vec() });
         Ok(Step::Done(Opened { ticket, id, meta, len, source, load }))
     }
 
@@ -584,9 +597,10 @@ impl PoolState {
     /// Removes `key`; false if it was not there. Its block and file go once no read holds them.
     pub(crate) fn remove(&mut self, key: &[u8]) -> bool {
         let Some(o) = self.objs.get(key) else { return false };
-        let (slot, id, loc) = ((o.class(), o.tick), o.id, o.loc);
+        let (slot, id, loc, expires) = ((o.class(), o.tick), o.id, o.loc, o.expires);
         self.lru.remove(&slot);
         self.objs.remove(key);
+        self.unlist_expiry(key, expires);
         match loc {
             Loc::Pool(off) | Loc::Spilling(off) => self.release(Hold::Block(off), false),
             Loc::Spilled => self.release(Hold::File(id), false),
@@ -628,10 +642,14 @@ impl PoolState {
         expires: Option<Instant>,
     ) -> Result<()> {
         let o = self.objs.get_mut(key).ok_or_else(|| StoreError::not_found(key))?;
-        o.expires = expires;
+        let before = std::mem::replace(&mut o.expires, expires);
         o.consumers = consumers.saturating_sub(o.early);
         let done = consumers > 0 && o.consumers == 0;
         o.early = 0;
+        self.unlist_expiry(key, before);
+        if let Some(t) = expires {
+            self.expiring.insert((t, key.to_vec()));
+        }
         if done {
             self.remove(key);
         }
@@ -672,22 +690,24 @@ impl PoolState {
         for t in dead {
             if let Some(r) = self.reading.remove(&t) {
                 self.release(r.hold, true);
+                // The object may be evictable again.
+                self.relist(&r.key, false);
             }
         }
-        let dead: Vec<Vec<u8>> = self
-            .objs
-            .iter()
-            .filter(|(_, o)| o.expires.is_some_and(|t| t <= now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        metrics::counter!("tensorwire_store_lease_expiries_total").increment(dead.len() as u64);
-        for k in dead {
-            self.remove(&k);
+        let mut expired = 0u64;
+        while self.expiring.first().is_some_and(|(t, _)| *t <= now) {
+            let Some((_, key)) = self.expiring.pop_first() else { break };
+            if self.remove(&key) {
+                expired += 1;
+            }
         }
-        // Reads that expired may have made objects evictable again.
-        let keys: Vec<Vec<u8>> = self.objs.keys().cloned().collect();
-        for k in keys {
-            self.relist(&k, false);
+        metrics::counter!("tensorwire_store_lease_expiries_total").increment(expired);
+    }
+
+    /// Takes `key`'s entry (with lease time `at`) out of the expiry index.
+    fn unlist_expiry(&mut self, key: &[u8], at: Option<Instant>) {
+        if let Some(t) = at {
+            self.expiring.remove(&(t, key.to_vec()));
         }
     }
 
@@ -837,6 +857,38 @@ mod tests {
         assert!(s.exists(b"t"), "expired before its time");
         s.expire(t0 + Duration::from_secs(10));
         assert!(!s.exists(b"t"), "still there at its time");
+    }
+
+    /// Leases expire by their own times through the expiry index: a lease moved earlier or
+    /// later counts at its new time only, a removed object's old time removes nothing put
+    /// under its key since, and objects without a lease stay.
+    #[test]
+    fn leases_expire_at_their_latest_times_only() {
+        let mut s = PoolState::new(40 * P, Marks { high: 40 * P, low: 30 * P }, false);
+        let t0 = Instant::now();
+        let at = |secs: u64| Some(t0 + Duration::from_secs(secs));
+        for k in ["a", "b", "c", "d"] {
+            put(&mut s, k, P, Retention::Normal).unwrap();
+        }
+        s.set_lease(b"a", 0, at(10)).unwrap();
+        s.set_lease(b"b", 0, at(5)).unwrap();
+        s.set_lease(b"c", 0, at(3)).unwrap();
+        s.set_lease(b"c", 0, at(20)).unwrap(); // moved later
+        s.set_lease(b"a", 0, at(2)).unwrap(); // moved earlier
+        s.set_lease(b"d", 0, at(4)).unwrap();
+        assert!(s.remove(b"d"));
+        put(&mut s, "d", P, Retention::Normal).unwrap(); // no lease this time
+        s.expire(t0 + Duration::from_secs(3));
+        assert!(!s.exists(b"a"), "a's lease moved to 2 s");
+        assert!(s.exists(b"b") && s.exists(b"c"), "removed before their time");
+        s.expire(t0 + Duration::from_secs(6));
+        assert!(!s.exists(b"b"));
+        assert!(s.exists(b"c"), "c's lease was moved to 20 s");
+        assert!(s.exists(b"d"), "the old d's time removed the new d");
+        s.expire(t0 + Duration::from_secs(60));
+        assert!(!s.exists(b"c"));
+        assert!(s.exists(b"d"), "an object without a lease expired");
+        assert!(s.expiring.is_empty(), "the index keeps {} entries", s.expiring.len());
     }
 
     #[test]

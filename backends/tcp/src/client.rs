@@ -100,6 +100,8 @@ struct Piece {
     /// Local address of the piece's bytes (WRITE source, READ destination).
     addr: usize,
     len: u64,
+    /// The whole op (or a notification): queued before the pieces of larger ops.
+    small: bool,
 }
 
 impl Piece {
@@ -158,16 +160,19 @@ impl StreamState {
             let notified = self.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let mine = self.outstanding.load(Ordering::Acquire);
-            if c.is_dead().is_some() || mine == 0 {
-                return;
-            }
-            let least = self.others(c).all(|o| o.outstanding.load(Ordering::Acquire) >= mine);
-            if least && self.inflight.load(Ordering::Acquire) < window {
+            if c.is_dead().is_some() || self.may_take(window, c) {
                 return;
             }
             notified.await;
         }
+    }
+
+    /// Whether this stream should take another piece now (see [`StreamState::wait_room`]).
+    fn may_take(&self, window: u64, c: &ConnShared) -> bool {
+        let mine = self.outstanding.load(Ordering::Acquire);
+        mine == 0
+            || self.others(c).all(|o| o.outstanding.load(Ordering::Acquire) >= mine)
+                && self.inflight.load(Ordering::Acquire) < window
     }
 
     /// The connection's other streams.
@@ -289,17 +294,15 @@ impl ConnShared {
         self.queues.lock().dead.clone()
     }
 
-    fn enqueue(&self, pieces: Vec<Piece>, small: bool) {
+    fn enqueue(&self, pieces: Vec<Piece>) {
         let n = pieces.len();
         let refused = {
             let mut q = self.queues.lock();
             match &q.dead {
                 Some(e) => Some((e.clone(), pieces)),
                 None => {
-                    if small {
-                        q.small.extend(pieces)
-                    } else {
-                        q.bulk.extend(pieces)
+                    for p in pieces {
+                        if p.small { q.small.push_back(p) } else { q.bulk.push_back(p) }
                     }
                     None
                 }
@@ -309,6 +312,23 @@ impl ConnShared {
             Some((e, pieces)) => pieces.into_iter().for_each(|p| p.op.finish(Err(e.clone()))),
             None => (0..n.min(self.streams.len())).for_each(|_| self.work.notify_one()),
         }
+    }
+
+    /// Gives back a piece a writer took but should not send (its stream became busier than
+    /// another meanwhile): first in its queue again, for another writer.
+    fn requeue(&self, p: Piece) {
+        let mut q = self.queues.lock();
+        if let Some(e) = q.dead.clone() {
+            drop(q);
+            return p.op.finish(Err(e));
+        }
+        if p.small {
+            q.small.push_front(p)
+        } else {
+            q.bulk.push_front(p)
+        }
+        drop(q);
+        self.work.notify_one();
     }
 
     async fn next_piece(&self) -> Option<Piece> {
@@ -533,6 +553,13 @@ async fn writer(c: Arc<ConnShared>, i: usize) {
             p.op.finish(Ok(())); // nobody waits; do not spend the wire on it
             continue;
         }
+        if !s.may_take(window, &c) {
+            // A submitter sent a piece on this stream while this writer waited for work: the
+            // piece goes to a less busy stream (a notification behind a slow READ would wait
+            // for its data: the peer serves a stream's requests in order).
+            c.requeue(p);
+            continue;
+        }
         s.acquire().await;
         let Some(frame) = c.stage(s, p) else {
             s.release();
@@ -722,6 +749,7 @@ impl TcpConnection {
                         offset: remote.offset + at,
                         addr: base + at as usize,
                         len,
+                        small: n == 1,
                     })
                     .collect();
                 let mut pieces: Vec<Piece> = pieces;
@@ -731,7 +759,7 @@ impl TcpConnection {
                     pieces = pieces.into_iter().filter_map(|p| c.send_now(p)).collect();
                 }
                 if !pieces.is_empty() {
-                    c.enqueue(pieces, n == 1);
+                    c.enqueue(pieces);
                 }
                 completion
             })
@@ -781,8 +809,9 @@ impl Connection for TcpConnection {
                 offset: 0,
                 addr: 0,
                 len,
+                small: true,
             };
-            c.enqueue(vec![piece], true);
+            c.enqueue(vec![piece]);
             completion.await
         })
     }
@@ -822,6 +851,7 @@ mod tests {
             offset: 0,
             addr: body.as_ptr() as usize,
             len: 100,
+            small: true,
         };
         let f = Frame::new(&p, 1, false);
         let (h, b) = (f.header.as_ptr() as usize, body.as_ptr() as usize);

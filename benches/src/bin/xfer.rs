@@ -6,6 +6,7 @@
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend shm --latency
 //! cargo run --release -p tensorwire-benches --bin xfer -- --cluster-store --sizes 1M
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend tcp --batch 1024 --sizes 4K
+//! cargo run --release -p tensorwire-benches --bin xfer -- --scale
 //! ```
 //! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs and the
 //! median of the runs' ratios (`measure::interleaved` says how a run interleaves), then a summary
@@ -78,6 +79,14 @@ struct Args {
     /// Ops of each side per (size, direction) for --latency.
     #[arg(long, default_value_t = 1000)]
     samples: usize,
+    /// Measure how the per-op cost grows with regions, peers, ops per batch, store objects,
+    /// scheduler workers and requests in flight (`tensorwire_benches::scale`); one JSON line
+    /// per point, then one per curve.
+    #[arg(long)]
+    scale: bool,
+    /// With --scale: the issue's counts (`full`) or small ones (`smoke`).
+    #[arg(long, default_value = "full", value_parser = ["full", "smoke"])]
+    scale_limits: String,
     /// Measure batches of this many ops of each --sizes per submit (tcp, shm, mem) against the
     /// raw medium doing the same ops; lines add ops per second.
     #[arg(long, default_value_t = 0)]
@@ -110,6 +119,14 @@ struct Args {
 
 fn plan(args: &Args, budget: Budget) -> Plan {
     Plan { runs: args.runs, budget, streams: args.streams, chunks: args.chunks }
+}
+
+/// Prints one JSON line.
+fn print_json(v: &impl serde::Serialize) {
+    match serde_json::to_string(v) {
+        Ok(s) => println!("{s}"),
+        Err(e) => eprintln!("xfer: cannot write a line: {e}"),
+    }
 }
 
 fn emit(l: &Line) {
@@ -155,6 +172,25 @@ async fn connector(args: &Args, sizes: &[u64], budget: Budget) -> Result<Vec<Lin
 }
 
 async fn run(args: Args) -> Result<()> {
+    if args.scale {
+        use tensorwire_benches::scale::{self, Limits};
+        let limits = if args.scale_limits == "smoke" { Limits::smoke() } else { Limits::full() };
+        let curves = scale::all(&limits, &|p| print_json(p)).await?;
+        for c in &curves {
+            eprintln!(
+                "scale {}: {} -> {}: per op {:.2} -> {:.2} us, growth {:.2}x{}",
+                c.curve,
+                c.points.first().map_or(0, |p| p.x),
+                c.points.last().map_or(0, |p| p.x),
+                c.points.first().map_or(0.0, |p| p.per_op_us),
+                c.points.last().map_or(0.0, |p| p.per_op_us),
+                c.growth,
+                if c.within_target { "" } else { " (over the 1.5x target)" }
+            );
+            print_json(c);
+        }
+        return Ok(());
+    }
     if args.orchestrator {
         let in_flight = u64::from(args.workers) * 2;
         use tensorwire_benches::orchestrator::{run as core, run_reuse};
