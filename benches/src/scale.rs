@@ -335,7 +335,7 @@ pub async fn objects(l: &Limits) -> Result<Curve> {
             had += 1;
         }
         let now = rss();
-        let per = (mem > 0 && points.len() > 0).then(|| {
+        let per = (mem > 0 && !points.is_empty()).then(|| {
             let grew = now.saturating_sub(mem) as f64;
             let added = (x - points.last().map_or(0, |p: &Point| p.x)) as f64;
             grew / added - OBJECT as f64
