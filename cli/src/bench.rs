@@ -33,6 +33,10 @@ pub(crate) struct BenchArgs {
     /// Minimum time per sample, ms.
     #[arg(long, default_value_t = 100)]
     pub(crate) min_time_ms: u64,
+    /// The scale curves' counts: `smoke` (small, a few seconds), `full` (the counts issue 39
+    /// names, minutes and about 7 GB of memory), or `none`.
+    #[arg(long, default_value = "smoke", value_parser = ["none", "smoke", "full"])]
+    pub(crate) scale: String,
 }
 
 fn progress(l: &Line) {
@@ -425,6 +429,11 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         "\n![TTFF](ttff.svg)\n\nCumulative share of requests whose first frame was decoded by a given time."
     );
     rfc_benchmarks(&mut md, &a.out, &mut plots, &conn, &overlaps)?;
+    if a.scale != "none" {
+        use tensorwire_benches::scale::Limits;
+        let limits = if a.scale == "full" { Limits::full() } else { Limits::smoke() };
+        crate::scale_report::section(&mut md, &a.out, &mut plots, &limits, &a.scale).await?;
+    }
     let path = a.out.join("report.md");
     std::fs::write(&path, md).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     println!("wrote {} and {} plots ({})", path.display(), plots.len(), plots.join(", "));

@@ -27,6 +27,7 @@ mod elastic;
 mod observe;
 mod plot;
 mod report;
+mod scale_report;
 mod scenario;
 mod secret;
 mod serve;
