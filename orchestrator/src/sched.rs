@@ -97,6 +97,14 @@ pub struct Candidate<'a> {
 pub trait RoutingPolicy: Send {
     /// Index into `candidates` (never empty).
     fn pick(&mut self, item: &Item, candidates: &[Candidate<'_>]) -> usize;
+
+    /// Whether `pick` would choose, for `item`, the candidate with the most free slots (the
+    /// lowest id on ties). The scheduler then takes that worker from its index of workers by
+    /// free slots instead of listing every candidate: a decision costs O(log workers), not
+    /// O(workers).
+    fn picks_most_free(&self, _item: &Item) -> bool {
+        false
+    }
 }
 
 /// Round robin over the workers with credit.
@@ -126,6 +134,10 @@ impl RoutingPolicy for MaxFreeCredit {
         }
         best
     }
+
+    fn picks_most_free(&self, _: &Item) -> bool {
+        true
+    }
 }
 
 /// Prefer the producer's host, then a worker sharing a rail/NUMA label, then the most free slots.
@@ -146,6 +158,11 @@ impl RoutingPolicy for AffinityFirst {
             }
         }
         best
+    }
+
+    /// Without hints, every candidate scores only by its free slots.
+    fn picks_most_free(&self, item: &Item) -> bool {
+        item.affinity_host.is_none() && item.affinity_labels.is_empty()
     }
 }
 
@@ -263,6 +280,8 @@ struct Worker {
     labels: Vec<String>,
     last_seen: Duration,
     items: Vec<ItemKey>,
+    /// Free slots it is listed under in `by_free` (0: not listed).
+    listed: u32,
 }
 
 /// Counters for metrics and tests.
@@ -312,6 +331,9 @@ pub struct Scheduler {
     stats: SchedStats,
     /// Per stage: workers with a free slot (the only dispatch candidates).
     free: [std::collections::BTreeSet<WorkerId>; 3],
+    /// The same workers by free slots, most first, then by id: what a policy that picks the
+    /// most free slots would pick is the first.
+    by_free: [std::collections::BTreeSet<(std::cmp::Reverse<u32>, WorkerId)>; 3],
     /// Per stage: total slots and running items.
     slots_by: [u32; 3],
     running_by: [usize; 3],
@@ -373,6 +395,7 @@ impl Scheduler {
             seq: 0,
             stats: SchedStats::default(),
             free: Default::default(),
+            by_free: Default::default(),
             slots_by: [0; 3],
             running_by: [0; 3],
             last_scan: None,
@@ -390,13 +413,19 @@ impl Scheduler {
 
     /// Keeps the free-worker index right for `id` after its busy count or slots changed.
     fn reindex(&mut self, id: WorkerId) {
-        if let Some(w) = self.workers.get(&id) {
-            let set = &mut self.free[w.stage.index()];
-            if w.busy < w.slots {
-                set.insert(id);
-            } else {
-                set.remove(&id);
+        if let Some(w) = self.workers.get_mut(&id) {
+            let st = w.stage.index();
+            let free = w.slots.saturating_sub(w.busy);
+            if w.listed > 0 {
+                self.by_free[st].remove(&(std::cmp::Reverse(w.listed), id));
             }
+            if free > 0 {
+                self.free[st].insert(id);
+                self.by_free[st].insert((std::cmp::Reverse(free), id));
+            } else {
+                self.free[st].remove(&id);
+            }
+            w.listed = free;
         }
     }
 
@@ -608,6 +637,7 @@ impl Scheduler {
                 labels,
                 last_seen: now,
                 items: Vec::new(),
+                listed: 0,
             },
         );
         self.slots_by[stage.index()] += slots;
@@ -835,6 +865,7 @@ impl Scheduler {
         self.draining.remove(&id);
         self.drained.retain(|d| *d != id);
         self.free[w.stage.index()].remove(&id);
+        self.by_free[w.stage.index()].remove(&(std::cmp::Reverse(w.listed), id));
         self.slots_by[w.stage.index()] -= w.slots;
         for key in w.items {
             if let Some((_, item)) = self.running.remove(&key) {
@@ -904,9 +935,11 @@ impl Scheduler {
         let mut out = Vec::new();
         let mut picked: Vec<(WorkerId, ItemKey)> = Vec::new();
         for stage in [Stage::Decode, Stage::Denoise, Stage::Encode] {
-            // The stage's candidates are listed once per call and kept current as items go
-            // (a worker leaves the list when its last free slot is taken); the workers
-            // themselves are updated after the stage's loop.
+            // For a policy that picks the most free slots, the worker is the first of the
+            // stage's `by_free` index, taken and updated at once. Otherwise the stage's
+            // candidates are listed (once, until a pick from the index changes the workers)
+            // and kept current as items go (a worker leaves the list when its last free slot
+            // is taken); the workers themselves are updated when the list is dropped.
             let mut candidates: Vec<Candidate<'_>> = Vec::new();
             let mut listed = false;
             loop {
@@ -916,34 +949,49 @@ impl Scheduler {
                 let Some((&qk, item)) = self.queues[stage.index()].order.iter().next() else {
                     break;
                 };
-                if !listed {
-                    candidates = self.free[stage.index()]
-                        .iter()
-                        .filter_map(|id| self.workers.get(id).map(|w| (id, w)))
-                        .filter(|(_, w)| w.busy < w.slots)
-                        .map(|(&id, w)| Candidate {
-                            id,
-                            free: w.slots - w.busy,
-                            host: &w.host,
-                            labels: &w.labels,
-                        })
-                        .collect();
-                    listed = true;
-                }
-                if candidates.is_empty() {
-                    break;
-                }
-                let pick = self.policy.pick(item, &candidates).min(candidates.len() - 1);
-                let wid = candidates[pick].id;
-                candidates[pick].free -= 1;
-                if candidates[pick].free == 0 {
-                    candidates.remove(pick);
-                }
+                let wid = if self.policy.picks_most_free(item) {
+                    let key = item.key;
+                    candidates = Vec::new();
+                    if listed {
+                        listed = false;
+                        self.settle(&mut picked);
+                    }
+                    let Some(&(_, wid)) = self.by_free[stage.index()].first() else { break };
+                    self.give(wid, key);
+                    wid
+                } else {
+                    if !listed {
+                        candidates = self.free[stage.index()]
+                            .iter()
+                            .filter_map(|id| self.workers.get(id).map(|w| (id, w)))
+                            .filter(|(_, w)| w.busy < w.slots)
+                            .map(|(&id, w)| Candidate {
+                                id,
+                                free: w.slots - w.busy,
+                                host: &w.host,
+                                labels: &w.labels,
+                            })
+                            .collect();
+                        listed = true;
+                    }
+                    if candidates.is_empty() {
+                        break;
+                    }
+                    let pick = self.policy.pick(item, &candidates).min(candidates.len() - 1);
+                    let wid = candidates[pick].id;
+                    candidates[pick].free -= 1;
+                    if candidates[pick].free == 0 {
+                        candidates.remove(pick);
+                    }
+                    wid
+                };
                 let item = self.queues[stage.index()].order.remove(&qk).expect("item exists");
                 if item.priority == Priority::Interactive {
                     self.interactive[stage.index()] -= 1;
                 }
-                picked.push((wid, item.key));
+                if listed {
+                    picked.push((wid, item.key));
+                }
                 self.running_by[stage.index()] += 1;
                 if victim(&self.cfg, &item, qk.0 != class(item.priority)) {
                     self.preemptible.insert(item.seq, item.key);
@@ -953,16 +1001,26 @@ impl Scheduler {
                 out.push(Dispatch { item, worker: wid });
             }
             drop(candidates);
-            for (wid, key) in picked.drain(..) {
-                if let Some(w) = self.workers.get_mut(&wid) {
-                    w.busy += 1;
-                    w.items.push(key);
-                }
-                self.reindex(wid);
-            }
+            self.settle(&mut picked);
         }
         self.preempt();
         out
+    }
+
+    /// Gives each picked worker its item (a slot taken) and indexes it again.
+    fn settle(&mut self, picked: &mut Vec<(WorkerId, ItemKey)>) {
+        for (wid, key) in picked.drain(..) {
+            self.give(wid, key);
+        }
+    }
+
+    /// Worker `wid` takes a slot for item `key`.
+    fn give(&mut self, wid: WorkerId, key: ItemKey) {
+        if let Some(w) = self.workers.get_mut(&wid) {
+            w.busy += 1;
+            w.items.push(key);
+        }
+        self.reindex(wid);
     }
 
     /// Asks holders of batch denoise jobs to yield, one per interactive item that waits for
@@ -1387,7 +1445,94 @@ mod tests {
         assert_eq!(p.pick(&item, &c[..2]), 1);
     }
 
+    /// [`MaxFreeCredit`]'s choice made by listing every candidate (what the index replaces).
+    struct ListedMaxFree;
+
+    impl RoutingPolicy for ListedMaxFree {
+        fn pick(&mut self, item: &Item, c: &[Candidate<'_>]) -> usize {
+            MaxFreeCredit.pick(item, c)
+        }
+    }
+
+    /// A policy that takes the index for some items and lists candidates for the others.
+    struct Mixed;
+
+    impl RoutingPolicy for Mixed {
+        fn pick(&mut self, item: &Item, c: &[Candidate<'_>]) -> usize {
+            MaxFreeCredit.pick(item, c)
+        }
+        fn picks_most_free(&self, item: &Item) -> bool {
+            item.key.request % 3 != 0
+        }
+    }
+
     proptest! {
+        /// The index of workers by free slots picks what listing every candidate picks: the same
+        /// dispatches, in the same order, under random joins, credit changes, leaves, results
+        /// and submits, whether every item takes the index, none does, or some do.
+        #[test]
+        fn the_free_slot_index_picks_what_the_listing_picks(ops in proptest::collection::vec((0u8..6, 0u64..8, 0u64..40), 1..300)) {
+            let cfg = SchedConfig { heartbeat_timeout: Duration::MAX, preempt: false, ..SchedConfig::default() };
+            let mut runs: Vec<Scheduler> = vec![
+                Scheduler::new(cfg.clone(), Box::new(MaxFreeCredit)),
+                Scheduler::new(cfg.clone(), Box::new(ListedMaxFree)),
+                Scheduler::new(cfg, Box::new(Mixed)),
+            ];
+            let stages = [Stage::Encode, Stage::Denoise, Stage::Decode];
+            let mut running: Vec<Dispatch> = Vec::new();
+            let mut next_req = 0u64;
+            let now = ms(0);
+            for (op, a, b) in ops {
+                let mut outs = Vec::new();
+                for s in &mut runs {
+                    match op {
+                        0 | 1 => submit(s, next_req, if a % 2 == 0 { Priority::Batch } else { Priority::Interactive }, now),
+                        2 => s.join(WorkerId(a), stages[(a % 3) as usize], 1 + (b % 4) as u32, "h", vec![], now),
+                        3 => s.credit(WorkerId(a), (b % 5) as u32, now),
+                        4 => s.leave(WorkerId(a), now),
+                        _ => {
+                            if !running.is_empty() {
+                                let d = &running[(b as usize) % running.len()];
+                                s.finished(d.item.key, d.worker, now);
+                            }
+                        }
+                    }
+                    let d: Vec<(ItemKey, WorkerId)> = s.dispatch(now).into_iter().map(|d| (d.item.key, d.worker)).collect();
+                    outs.push(d);
+                }
+                if op < 2 {
+                    next_req += 1;
+                }
+                if op == 5 && !running.is_empty() {
+                    running.swap_remove((b as usize) % running.len());
+                }
+                if op == 4 {
+                    running.retain(|d| d.worker != WorkerId(a));
+                }
+                prop_assert_eq!(&outs[0], &outs[1], "the index and the listing differ");
+                prop_assert_eq!(&outs[0], &outs[2], "a mix of both differs");
+                for (key, worker) in &outs[0] {
+                    let item = runs[0].running.get(key).map(|(_, i)| i.clone());
+                    if let Some(item) = item {
+                        running.push(Dispatch { item, worker: *worker });
+                    }
+                }
+                for s in &runs {
+                    for st in stages {
+                        let by: Vec<WorkerId> = s.by_free[st.index()].iter().map(|&(_, id)| id).collect();
+                        let mut by_sorted = by.clone();
+                        by_sorted.sort();
+                        let free: Vec<WorkerId> = s.free[st.index()].iter().copied().collect();
+                        prop_assert_eq!(&by_sorted, &free, "the two indexes disagree");
+                        for &(std::cmp::Reverse(n), id) in &s.by_free[st.index()] {
+                            let w = &s.workers[&id];
+                            prop_assert_eq!(n, w.slots.saturating_sub(w.busy), "{:?} listed under a stale count", id);
+                        }
+                    }
+                }
+            }
+        }
+
         /// Random joins, deaths, heartbeats, credit changes, results, failures, lost inputs
         /// (which re-run the stage before), drains and yields (asked for or not, racing with
         /// results and deaths): a dispatch
