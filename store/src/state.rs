@@ -694,14 +694,15 @@ impl PoolState {
                 self.relist(&r.key, false);
             }
         }
-        let mut expired = 0u64;
+        let mut due = Vec::new();
         while self.expiring.first().is_some_and(|(t, _)| *t <= now) {
             let Some((_, key)) = self.expiring.pop_first() else { break };
-            if self.remove(&key) {
-                expired += 1;
-            }
+            due.push(key);
         }
-        metrics::counter!("tensorwire_store_lease_expiries_total").increment(expired);
+        metrics::counter!("tensorwire_store_lease_expiries_total").increment(due.len() as u64);
+        for key in due {
+            self.remove(&key);
+        }
     }
 
     /// Takes `key`'s entry (with lease time `at`) out of the expiry index.
