@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::future::join_all;
@@ -39,6 +39,11 @@ pub struct ClusterConfig {
     /// Bytes one repair round may copy (the repair's bandwidth is this per
     /// [`super::RepairConfig::every`]).
     pub repair_budget: u64,
+    /// A put that finds no node to write (every one thought down, or each failed as it was
+    /// tried) tries again, as nodes come back, for this long before it fails: nodes that
+    /// restart (a chaos test, a rolling restart) are back in a second or two, and a put that
+    /// waits for them beats one that fails.
+    pub wait_for_node: Duration,
 }
 
 impl Default for ClusterConfig {
@@ -50,6 +55,7 @@ impl Default for ClusterConfig {
             down_for: Duration::from_secs(1),
             read_deadline: Duration::from_secs(60),
             repair_budget: 256 << 20,
+            wait_for_node: Duration::from_secs(5),
         }
     }
 }
@@ -275,6 +281,32 @@ impl ClusterStore {
         if replicas == 0 {
             return Err(StoreError::InvalidArgument("a put with 0 replicas".into()));
         }
+        let until = Instant::now() + self.cfg.wait_for_node;
+        loop {
+            let res = self.put_once(key, meta, src, r, replicas).await;
+            match res {
+                // No node took a copy because none answered: wait for one to be back (its
+                // down mark ends after `down_for`) and try again, while time is left.
+                Err(e) if (node_failed(&e) || self.live().is_empty()) && Instant::now() < until => {
+                    let wait = self.cfg.down_for.min(Duration::from_millis(100));
+                    tracing::debug!(error = %e, "cluster store: no node took the put; trying again");
+                    tokio::time::sleep(wait).await;
+                }
+                res => return res,
+            }
+        }
+    }
+
+    /// One try of [`ClusterStore::put_replicated`]: the placement's nodes, falling over to the
+    /// next ones, until `replicas` copies or none left.
+    async fn put_once(
+        &self,
+        key: &[u8],
+        meta: &TensorMeta,
+        src: &MemSlice,
+        r: Retention,
+        replicas: usize,
+    ) -> Result<()> {
         let order = self.ranked(key);
         let mut next = order.into_iter();
         let mut written: Vec<Arc<Node>> = Vec::new();

@@ -381,3 +381,41 @@ async fn membership_follows_the_registry_and_a_joining_node_takes_its_share() {
         assert!(body == vec![i as u8; 100]);
     }
 }
+
+/// Every node down when a put comes (a rolling restart, a chaos run): the put waits for one to be
+/// back and succeeds, instead of failing at once; with no node back within `wait_for_node` it
+/// fails, bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_waits_for_a_node_to_come_back_and_gives_up_in_time() {
+    let cfg = ClusterConfig { wait_for_node: Duration::from_secs(20), ..ClusterConfig::default() };
+    let mut c = Cluster::start(2, pool(), cfg).await;
+    c.store.put(b"before", &meta(10), &[1; 10], Retention::Normal).await.unwrap();
+    c.kill(0).await;
+    c.kill(1).await;
+    // The first put after the deaths marks both nodes down; node 1 comes back 1.5 s later.
+    let store = c.store.clone();
+    let put = tokio::spawn(async move {
+        let t = std::time::Instant::now();
+        store.put(b"during", &meta(10), &[2; 10], Retention::Normal).await.map(|()| t.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!put.is_finished(), "the put ended while no node was up");
+    c.restart(1).await;
+    let took = tokio::time::timeout(Duration::from_secs(30), put).await.unwrap().unwrap().unwrap();
+    assert!(took >= Duration::from_millis(1500), "the put returned before any node was back");
+    assert_eq!(c.holders(b"during").await, vec![1]);
+
+    // No node back at all: the put fails once its wait is over.
+    let cfg =
+        ClusterConfig { wait_for_node: Duration::from_millis(600), ..ClusterConfig::default() };
+    let mut d = Cluster::start(1, pool(), cfg).await;
+    d.kill(0).await;
+    let t = std::time::Instant::now();
+    let r = d.store.put(b"never", &meta(10), &[3; 10], Retention::Normal).await;
+    assert!(r.is_err(), "a put with every node dead succeeded: {r:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "the put waited past its bound: {:?}",
+        t.elapsed()
+    );
+}
