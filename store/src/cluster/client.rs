@@ -188,11 +188,14 @@ impl ClusterStore {
     }
 
     /// `key`'s replicas as reads try them: its first `replicas` nodes, this host's first, then
-    /// every other live node (an object put while a node was down sits further along).
+    /// every other live node (an object put while a node was down sits further along), then the
+    /// nodes thought down (one may be back, or was marked down for a slow answer, and hold it).
     fn read_order(&self, key: &[u8]) -> Vec<Arc<Node>> {
         let mut order = self.ranked(key);
         let n = order.len().min(self.cfg.replicas);
         order[..n].sort_by_key(|node| !self.dial.local(&node.id));
+        let down: Vec<Arc<Node>> = self.nodes.read().iter().filter(|n| !n.up()).cloned().collect();
+        order.extend(down);
         order
     }
 
