@@ -21,10 +21,15 @@ const HEALTHY: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(20);
 
 /// Random kills: on average one per `every`, uniformly spread over [0.5, 1.5] of it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Chaos {
     pub(crate) every: Duration,
     pub(crate) seed: u64,
+    /// With a gate, a kill that is due waits until every slot's process is up and the gate is
+    /// open, and each kill closes it (its owner opens it again when the loss is made good: the
+    /// store's repair, once its copies are back). Processes that hold state which `R` copies
+    /// protect then lose one at a time, as those copies can take.
+    pub(crate) gate: Option<Arc<AtomicBool>>,
 }
 
 /// What the supervisor did.
@@ -168,13 +173,13 @@ fn supervise(
     pids: &Mutex<Vec<u32>>,
 ) -> (Vec<Slot>, SupervisorReport) {
     let mut report = SupervisorReport::default();
-    let mut rng = Rng::new(chaos.map_or(1, |c| c.seed));
-    let next_gap = |rng: &mut Rng, c: Chaos| c.every.mul_f64(0.5 + rng.next_f64());
+    let mut rng = Rng::new(chaos.as_ref().map_or(1, |c| c.seed));
+    let next_gap = |rng: &mut Rng, every: Duration| every.mul_f64(0.5 + rng.next_f64());
     let mut next_kill = None;
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         if next_kill.is_none() && armed.load(Ordering::Relaxed) {
-            next_kill = chaos.map(|c| now + next_gap(&mut rng, c));
+            next_kill = chaos.as_ref().map(|c| now + next_gap(&mut rng, c.every));
         }
         for s in &mut slots {
             if s.reap(now) {
@@ -189,10 +194,16 @@ fn supervise(
                 }
             }
         }
-        if let (Some(c), Some(at)) = (chaos, next_kill) {
-            if now >= at {
-                let live: Vec<usize> =
-                    (0..slots.len()).filter(|&i| slots[i].child.is_some()).collect();
+        if let (Some(c), Some(at)) = (&chaos, next_kill) {
+            let live: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].child.is_some()).collect();
+            let held = c
+                .gate
+                .as_ref()
+                .is_some_and(|g| live.len() < slots.len() || !g.load(Ordering::Acquire));
+            if now >= at && !held {
+                if let Some(g) = &c.gate {
+                    g.store(false, Ordering::Release);
+                }
                 if !live.is_empty() {
                     let i = live[(rng.next_u64() % live.len() as u64) as usize];
                     if let Some((child, _)) = &mut slots[i].child {
@@ -200,7 +211,7 @@ fn supervise(
                         slots[i].kills += 1;
                     }
                 }
-                next_kill = Some(now + next_gap(&mut rng, c));
+                next_kill = Some(now + next_gap(&mut rng, c.every));
             }
         }
         let live = slots.iter().filter_map(|s| s.child.as_ref().map(|(c, _)| c.id())).collect();

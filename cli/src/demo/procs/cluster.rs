@@ -172,7 +172,8 @@ impl Cluster {
             }
         }
         let workers = slots.len();
-        let chaos = a.chaos.map(|s| Chaos { every: Duration::from_secs_f64(s), seed: a.seed });
+        let chaos =
+            a.chaos.map(|s| Chaos { every: Duration::from_secs_f64(s), seed: a.seed, gate: None });
         let sup = Supervisor::start(slots, tx, chaos);
         let mut joined = 0;
         while joined < workers {

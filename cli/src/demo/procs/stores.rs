@@ -3,12 +3,12 @@
 //! a fixed port so that a restarted one comes back at its address) behind a cluster store with
 //! `--replicas` copies, repaired in the background by the parent. With `--chaos-store SECS` a
 //! supervisor kills a random store node (SIGKILL) about every SECS seconds and starts it again,
-//! empty.
+//! empty; a kill waits until every node is up and the last repair round found nothing to do.
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tensorwire_store::cluster::{ClusterConfig, ClusterStore, RepairConfig, spawn_repair};
@@ -92,7 +92,13 @@ impl Stores {
             })
             .collect();
         let (tx, _lines) = tokio::sync::mpsc::channel::<String>(64);
-        let chaos = l.chaos.map(|s| Chaos { every: Duration::from_secs_f64(s), seed: l.seed });
+        // A node is killed only while every node is up and the last repair round found nothing
+        // to do (each object has its copies on live nodes): one loss at a time, as replicas
+        // can take; a kill before the copies of the last one are back could take both.
+        let healthy = Arc::new(AtomicBool::new(false));
+        let gate = Some(healthy.clone());
+        let chaos =
+            l.chaos.map(|s| Chaos { every: Duration::from_secs_f64(s), seed: l.seed, gate });
         let sup = Supervisor::start(slots, tx, chaos);
         let engine = tcp_engine(None).await?;
         let cfg = ClusterConfig { replicas: l.replicas, ..ClusterConfig::default() };
@@ -112,6 +118,7 @@ impl Stores {
         let seen = repaired.clone();
         let every = RepairConfig { every: Duration::from_millis(200) };
         let repair = spawn_repair(&store, every, move |r| {
+            healthy.store(r.idle(), Ordering::Release);
             seen.copies.fetch_add(r.copied as u64, Ordering::Relaxed);
             seen.bytes.fetch_add(r.bytes, Ordering::Relaxed);
             seen.deleted.fetch_add(r.deleted as u64, Ordering::Relaxed);
