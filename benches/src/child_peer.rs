@@ -14,7 +14,7 @@ use tensorwire_core::{
     Engine, Error, Permissions, Region, RegionId, RemoteRegion, Session, TransferOp,
 };
 
-use crate::transfer::{make_backend, touch};
+use crate::transfer::{make_backend, submit_checked, touch};
 
 /// Environment variable that turns the harness binary into the peer: `<backend>:<bytes>`.
 pub const PEER_ENV: &str = "TENSORWIRE_BENCH_PEER";
@@ -176,13 +176,6 @@ impl ChildPair {
             true => TransferOp::write(local, 0, &self.remote, 0, size),
             false => TransferOp::read(local, 0, &self.remote, 0, size),
         };
-        for h in self.session.submit((0..n).map(|_| op()).collect()).await {
-            let report = h.await?;
-            if report.backend != backend {
-                let e = format!("engine moved it with {}", report.backend);
-                return Err(Error::protocol(e).into());
-            }
-        }
-        Ok(())
+        submit_checked(&self.session, (0..n).map(|_| op()).collect(), backend).await
     }
 }

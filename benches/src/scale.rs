@@ -25,7 +25,7 @@ use tensorwire_store::{EmbeddedStore, Retention, Store, StoreConfig};
 
 use crate::Result;
 use crate::orchestrator;
-use crate::transfer::make_backend;
+use crate::transfer::{make_backend, submit_checked};
 
 /// Bytes of each transfer op.
 const OP: u64 = 4096;
@@ -299,13 +299,7 @@ pub async fn batch(l: &Limits) -> Result<Curve> {
         let us = per_op(batches, |_| {
             let ops =
                 (0..x).map(|i| TransferOp::write(&src, i * OP, &remote, i * OP, OP)).collect();
-            let s = &s;
-            async move {
-                for h in s.submit(ops).await {
-                    h.await?;
-                }
-                Ok(())
-            }
+            submit_checked(&s, ops, "tcp")
         })
         .await?;
         points.push(point("batch", x, us / x as f64, None));

@@ -107,21 +107,9 @@ impl EnginePair {
 
     /// One op of `size` bytes; checks that the engine used the backend under test.
     pub async fn op(&self, write: bool, size: u64, backend: &str) -> Result<()> {
-        let remote = self.remote.remote();
-        let op = if write {
-            TransferOp::write(&self.local, 0, &remote, 0, size)
-        } else {
-            TransferOp::read(&self.local, 0, &remote, 0, size)
-        };
-        let report = self.session.transfer(op).await?;
-        if report.backend != backend {
-            return Err(Error::protocol(format!("engine moved it with {}", report.backend)).into());
-        }
-        Ok(())
+        self.batch(write, size, 1, backend).await
     }
-}
 
-impl EnginePair {
     /// `n` ops of `size` bytes each, at consecutive offsets, in one submit; completes when
     /// every op has (the regions must hold `n * size` bytes).
     pub async fn batch(&self, write: bool, size: u64, n: usize, backend: &str) -> Result<()> {
@@ -136,15 +124,24 @@ impl EnginePair {
                 }
             })
             .collect();
-        for h in self.session.submit(ops).await {
-            let report = h.await?;
-            if report.backend != backend {
-                let e = Error::protocol(format!("engine moved it with {}", report.backend));
-                return Err(e.into());
-            }
-        }
-        Ok(())
+        submit_checked(&self.session, ops, backend).await
     }
+}
+
+/// Submits `ops` at once and waits for all; checks that the engine moved each with `backend`.
+pub(crate) async fn submit_checked(
+    session: &Session,
+    ops: Vec<TransferOp>,
+    backend: &str,
+) -> Result<()> {
+    for h in session.submit(ops).await {
+        let report = h.await?;
+        if report.backend != backend {
+            let e = Error::protocol(format!("engine moved it with {}", report.backend));
+            return Err(e.into());
+        }
+    }
+    Ok(())
 }
 
 /// Writes every page of `r` once.

@@ -54,21 +54,34 @@ where
     Fut: Future<Output = Result<()>> + Send + 'static,
 {
     let (gate, tx, completion) = gated();
-    let fut = op(gate);
+    spawn_in_order(vec![(op(gate), tx)]);
+    completion
+}
+
+/// Spawns one task that runs `jobs` one after another, each resolving its [`gated`]
+/// completion's sender with its result: for small ops whose own task each would cost more than
+/// their work. Outside a tokio runtime every job's completion resolves to `Unsupported`.
+pub fn spawn_in_order<Fut>(jobs: Vec<(Fut, CompletionSender)>)
+where
+    Fut: Future<Output = Result<()>> + Send + 'static,
+{
     match tokio::runtime::Handle::try_current() {
         Ok(rt) => {
             rt.spawn(async move {
-                let _ = tx.send(fut.await);
+                for (fut, tx) in jobs {
+                    let _ = tx.send(fut.await);
+                }
             });
         }
         Err(_) => {
-            let _ = tx.send(Err(Error::Unsupported {
-                backend: "engine",
-                what: "submitting ops outside a tokio runtime".into(),
-            }));
+            for (_, tx) in jobs {
+                let _ = tx.send(Err(Error::Unsupported {
+                    backend: "engine",
+                    what: "submitting ops outside a tokio runtime".into(),
+                }));
+            }
         }
     }
-    completion
 }
 
 /// An op's completion that also waits for a notice sent beside it: the notice's failure (the

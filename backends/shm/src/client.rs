@@ -18,7 +18,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tensorwire_core::backend::kit::{
     CancelGate, CompletionSender, Copied, by_segments, decode_error, gated, gated_copy_with,
-    spawn_cancellable,
+    spawn_cancellable, spawn_in_order,
 };
 use tensorwire_core::backend::{Completion, Connection, Direction, Op};
 use tensorwire_core::{Error, RegionId, Result};
@@ -465,21 +465,8 @@ impl Group {
         if self.ops.is_empty() {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            for (_, _, tx) in self.ops {
-                let _ = tx.send(Err(Error::Unsupported {
-                    backend: "shm",
-                    what: "submitting ops outside a tokio runtime".into(),
-                }));
-            }
-            return;
-        };
-        let c = c.clone();
-        rt.spawn(async move {
-            for (op, gate, tx) in self.ops {
-                let _ = tx.send(run_one(c.clone(), op, gate).await);
-            }
-        });
+        let jobs = self.ops.into_iter().map(|(op, gate, tx)| (run_one(c.clone(), op, gate), tx));
+        spawn_in_order(jobs.collect());
     }
 }
 

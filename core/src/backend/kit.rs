@@ -20,7 +20,9 @@
 pub use super::serving::{Serving, WeakList};
 pub use crate::bounce::{BOUNCE_BYTES, Bounce, copy_blocking};
 pub use crate::cancel::CancelGate;
-pub use crate::completion::{CompletionSender, gated, notice_beside, ready, spawn_cancellable};
+pub use crate::completion::{
+    CompletionSender, gated, notice_beside, ready, spawn_cancellable, spawn_in_order,
+};
 pub use crate::copy::{Copied, SEGMENT, by_segments, copy_bytes, gated_copy, gated_copy_with};
 pub use crate::memory::ShareableMemory;
 pub use crate::region::{DetachedMemory, MAX_BLOB_BYTES};

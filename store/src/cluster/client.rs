@@ -288,8 +288,9 @@ impl ClusterStore {
         loop {
             let res = self.put_once(key, meta, src, r, replicas).await;
             match res {
-                // No node took a copy because none answered: wait for one to be back (its
-                // down mark ends after `down_for`) and try again, while time is left.
+                // Too few copies because nodes failed or none was thought alive (the copies
+                // written were undone): wait for nodes to be back (a down mark ends after
+                // `down_for`) and try again, while time is left.
                 Err(e) if (node_failed(&e) || self.live().is_empty()) && Instant::now() < until => {
                     let wait = self.cfg.down_for.min(Duration::from_millis(100));
                     tracing::debug!(error = %e, "cluster store: no node took the put; trying again");
