@@ -106,3 +106,49 @@ pub fn notice_beside(sent: Completion, mut done: Vec<Completion>) -> Vec<Complet
 pub fn ready(result: Result<()>) -> Completion {
     Box::pin(std::future::ready(result))
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Mutex as StdMutex;
+
+    /// Jobs run one after another, in their order, each resolving its own completion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn jobs_run_in_order_and_each_resolves_its_own_completion() {
+        let seen = Arc::new(StdMutex::new(Vec::new()));
+        let mut jobs = Vec::new();
+        let mut done = Vec::new();
+        for i in 0..5u32 {
+            let (_gate, tx, completion) = gated();
+            let seen = seen.clone();
+            jobs.push((
+                async move {
+                    seen.lock().unwrap().push(i);
+                    if i == 3 { Err(Error::protocol("job 3")) } else { Ok(()) }
+                },
+                tx,
+            ));
+            done.push(completion);
+        }
+        spawn_in_order(jobs);
+        for (i, c) in done.into_iter().enumerate() {
+            let r = c.await;
+            assert_eq!(r.is_err(), i == 3, "job {i}: {r:?}");
+        }
+        assert_eq!(*seen.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+    }
+
+    /// Outside a runtime nothing runs, and every completion says why.
+    #[test]
+    fn outside_a_runtime_every_completion_is_unsupported() {
+        let (_g1, tx1, c1) = gated();
+        let (_g2, tx2, c2) = gated();
+        spawn_in_order(vec![(std::future::ready(Ok(())), tx1), (std::future::ready(Ok(())), tx2)]);
+        for c in [c1, c2] {
+            let r = futures::executor::block_on(c);
+            assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
+        }
+        let r = futures::executor::block_on(spawn_cancellable(|_| async { Ok(()) }));
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
+    }
+}
