@@ -18,6 +18,7 @@ pub mod orchestrator;
 pub mod raw_tcp;
 pub mod report;
 pub mod scale;
+pub mod service;
 pub mod store;
 pub mod suite;
 pub mod thread_cpu;

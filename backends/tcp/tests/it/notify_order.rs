@@ -3,7 +3,7 @@
 //! (`Session::notify_unordered`) leaves at once, on a stream no data is queued on. The READ's
 //! data comes back through a proxy throttled to 16 KiB/s per stream, so the 64 KiB READ cannot end
 //! while the test looks (4 s); then the proxy heals and everything completes with the right
-//! bytes. The READ is one piece (under two of tcp's 64 KiB minimum shares), so of the two streams
+//! bytes. The READ is one piece (under two of tcp's 512 KiB minimum shares), so of the two streams
 //! one stays free for the unordered notification: a READ cut over both streams would leave none,
 //! and the notification would wait behind throttled data on whichever it took (the peer serves a
 //! stream's requests in order).

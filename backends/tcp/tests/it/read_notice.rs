@@ -2,7 +2,7 @@
 //! it serves that piece. The peer's handler rewrites the region the READ names when the notice
 //! arrives, so the READ returns the rewritten bytes only if the notice came first (a notice sent
 //! beside the READ, as the default `Connection::submit_noticed` does, could arrive after the bytes
-//! left). The READ is one piece (under two of tcp's 64 KiB minimum shares): a READ cut over both
+//! left). The READ is one piece (under two of tcp's 512 KiB minimum shares): a READ cut over both
 //! streams has its other piece served on its own. A refusal is the READ's answer, and the stream
 //! serves the next READ.
 

@@ -86,3 +86,31 @@ async fn pieces_beyond_one_per_stream_are_shared_evenly() {
     let (p0, p1) = (counter(&a, "stream0.pieces"), counter(&a, "stream1.pieces"));
     assert_eq!((p0, p1), (2 * OPS, 2 * OPS), "READ pieces: stream0 {p0}, stream1 {p1}");
 }
+
+/// Small ops of one submit pack onto the first stream while it has little in flight (each
+/// stream that answers wakes its reader: spreading a few small ops costs more than it saves),
+/// and spill to the next once the first holds 256 KiB: 4 KiB ops, 64 per stream, the rest to the
+/// writers. Behind the delaying proxy nothing is answered meanwhile, so the split is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_ops_of_a_batch_pack_onto_one_stream() {
+    let (_proxy, a, _b, local, remote, data, session) =
+        delayed_pair(TcpConfig::default().piece_bytes, LEN).await;
+    let ops = |n: u64| -> Vec<TransferOp> {
+        (0..n)
+            .map(|i| TransferOp::read(&local, i * 4096, &remote.remote(), i * 4096, 4096))
+            .collect()
+    };
+    for r in session.submit(ops(8)).await {
+        r.await.unwrap();
+    }
+    assert_eq!(local.to_vec(0, 8 * 4096).unwrap(), data[..8 * 4096], "READ bytes differ");
+    let (p0, p1) = (counter(&a, "stream0.pieces"), counter(&a, "stream1.pieces"));
+    assert_eq!((p0, p1), (8, 0), "8 small READs: stream0 {p0}, stream1 {p1}");
+
+    for r in session.submit(ops(256)).await {
+        r.await.unwrap();
+    }
+    let (q0, q1) = (counter(&a, "stream0.pieces") - p0, counter(&a, "stream1.pieces") - p1);
+    assert_eq!(q0 + q1, 256);
+    assert!(q0 >= 64 && q1 >= 64, "256 small READs: stream0 {q0}, stream1 {q1}");
+}
