@@ -3,7 +3,9 @@
 //! run between processes (shm): the harness re-runs its own binary, with its arguments and
 //! [`PEER_ENV`] set; the child starts an engine with the backend under test,
 //! registers one readable and writable region (device memory for cuda), prints
-//! `READY <control addr> <region id>` and serves until its stdin closes.
+//! `READY <control addr> <region id> <raw addr>` and serves until its stdin closes. For tcp the
+//! child also serves the raw socket baseline ([`RawTcp::serve_at`]) at `<raw addr>` (`-`
+//! otherwise), so the baseline crosses processes as the engine does.
 
 use crate::Result;
 use std::io::{BufRead, BufReader, Read};
@@ -14,6 +16,7 @@ use tensorwire_core::{
     Engine, Error, Permissions, Region, RegionId, RemoteRegion, Session, TransferOp,
 };
 
+use crate::raw_tcp::RawTcp;
 use crate::transfer::{make_backend, submit_checked, touch};
 
 /// Environment variable that turns the harness binary into the peer: `<backend>:<bytes>`.
@@ -31,6 +34,7 @@ async fn engine_with_region(
     backend: &str,
     len: u64,
     perms: Permissions,
+    streams: usize,
 ) -> Result<(Engine, Region, Option<Memory>)> {
     #[cfg(feature = "ucx")]
     if backend == "ucx" {
@@ -54,7 +58,7 @@ async fn engine_with_region(
         let region = e.alloc_device(0, len, perms).await?;
         return Ok((e, region, None));
     }
-    let e = Engine::builder().backend(make_backend(backend, 1)?).start().await?;
+    let e = Engine::builder().backend(make_backend(backend, streams)?).start().await?;
     let region = e.alloc(len, perms).await?;
     Ok((e, region, None))
 }
@@ -66,9 +70,18 @@ pub async fn serve_if_asked() -> Result<bool> {
         .split_once(':')
         .and_then(|(b, n)| Some((b.to_string(), n.parse::<u64>().ok()?)))
         .ok_or_else(|| Error::InvalidArgument(format!("{PEER_ENV}={spec}")))?;
-    let (e, region, _memory) = engine_with_region(&backend, len, Permissions::READ_WRITE).await?;
+    let (e, region, _memory) =
+        engine_with_region(&backend, len, Permissions::READ_WRITE, 1).await?;
     touch(&region, 6)?;
-    println!("READY {} {}", e.local_addr(), region.id().0);
+    let mut raw = None;
+    let mut raw_addr = "-".to_string();
+    if backend == "tcp" {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        raw_addr = l.local_addr()?.to_string();
+        // Each stream's buffer holds a whole op, whatever the client's streams.
+        raw = Some(tokio::spawn(RawTcp::serve_at(l, 1, len)));
+    }
+    println!("READY {} {} {raw_addr}", e.local_addr(), region.id().0);
     // Serve until the parent closes our stdin (or dies).
     tokio::task::spawn_blocking(|| {
         let mut sink = Vec::new();
@@ -76,6 +89,7 @@ pub async fn serve_if_asked() -> Result<bool> {
     })
     .await
     .map_err(|e| Error::protocol(e.to_string()))?;
+    raw.iter().for_each(tokio::task::JoinHandle::abort);
     e.shutdown().await;
     Ok(true)
 }
@@ -91,6 +105,8 @@ pub struct ChildPair {
     pub remote: RemoteRegion,
     /// Session to the child.
     pub session: Session,
+    /// Where the child serves the raw socket baseline (tcp).
+    pub raw: Option<SocketAddr>,
     child: Child,
     /// Memory behind `local` when the backend allocated it; dropped after `local`.
     _memory: Option<Memory>,
@@ -106,8 +122,8 @@ impl Drop for ChildPair {
 }
 
 impl ChildPair {
-    /// Spawns the child peer and connects to it.
-    pub async fn new(backend: &str, max: u64) -> Result<ChildPair> {
+    /// Spawns the child peer and connects to it (`streams`: the local backend's, tcp).
+    pub async fn new(backend: &str, max: u64, streams: usize) -> Result<ChildPair> {
         // This binary with this run's arguments (a binary that parses them before it asks
         // `serve_if_asked`, as `tensorwire bench` does, parses them again).
         let mut child = Command::new(std::env::current_exe()?)
@@ -138,11 +154,13 @@ impl ChildPair {
             .next()
             .and_then(|a| a.parse().ok())
             .ok_or_else(|| Error::protocol(format!("peer said {ready:?}")))?;
-        let (a, local, memory) = engine_with_region(backend, max, Permissions::NONE).await?;
+        let raw = f.next().and_then(|a| a.parse().ok());
+        let (a, local, memory) =
+            engine_with_region(backend, max, Permissions::NONE, streams).await?;
         touch(&local, 5)?;
         let session = a.connect(addr).await?;
         let remote = session.remote_region(RegionId(id))?;
-        Ok(ChildPair { a, local: Some(local), remote, session, child, _memory: memory })
+        Ok(ChildPair { a, local: Some(local), remote, session, raw, child, _memory: memory })
     }
 
     /// Checks the bytes of one round trip of `size` bytes: a pattern written to the peer and read

@@ -150,7 +150,7 @@ impl LatencyLine {
 async fn ucx(sizes: &[u64], ops: &[bool], samples: usize) -> Result<Vec<LatencyLine>> {
     let perf = Perftest::new()?;
     let max = sizes.iter().copied().max().unwrap_or(4096);
-    let pair = ChildPair::new("ucx", max).await?;
+    let pair = ChildPair::new("ucx", max, 1).await?;
     let mut out = Vec::new();
     for &size in sizes {
         for &write in ops {

@@ -50,6 +50,22 @@ async fn serve(mut s: TcpStream, mut buf: Vec<u8>) {
     }
 }
 
+/// Bytes each stream's buffer holds.
+fn per_stream(streams: usize, max: u64) -> usize {
+    max.div_ceil(streams.max(1) as u64) as usize
+}
+
+/// One client stream with its buffer.
+async fn dial(
+    addr: std::net::SocketAddr,
+    streams: usize,
+    max: u64,
+) -> Result<(TcpStream, Vec<u8>)> {
+    let c = TcpStream::connect(addr).await.map_err(io)?;
+    c.set_nodelay(true).map_err(io)?;
+    Ok((c, vec![4u8; per_stream(streams, max)]))
+}
+
 /// Splits `size` into `n` contiguous shares.
 fn shares(size: u64, n: usize) -> Vec<u64> {
     let n64 = n as u64;
@@ -61,17 +77,34 @@ impl RawTcp {
     pub async fn new(streams: usize, max: u64) -> Result<RawTcp> {
         let l = TcpListener::bind("127.0.0.1:0").await.map_err(io)?;
         let addr = l.local_addr().map_err(io)?;
-        let per = max.div_ceil(streams as u64) as usize;
         let mut out = RawTcp { streams: Vec::new(), servers: Vec::new() };
         for _ in 0..streams {
-            let c = TcpStream::connect(addr).await.map_err(io)?;
+            let c = dial(addr, streams, max).await?;
             let (s, _) = l.accept().await.map_err(io)?;
-            c.set_nodelay(true).map_err(io)?;
             s.set_nodelay(true).map_err(io)?;
-            out.servers.push(tokio::spawn(serve(s, vec![3u8; per])));
-            out.streams.push(Some((c, vec![4u8; per])));
+            out.servers.push(tokio::spawn(serve(s, vec![3u8; per_stream(streams, max)])));
+            out.streams.push(Some(c));
         }
         Ok(out)
+    }
+
+    /// Opens `streams` streams to a server of [`RawTcp::serve_at`] in another process.
+    pub async fn connect(addr: std::net::SocketAddr, streams: usize, max: u64) -> Result<RawTcp> {
+        let mut out = RawTcp { streams: Vec::new(), servers: Vec::new() };
+        for _ in 0..streams {
+            out.streams.push(Some(dial(addr, streams, max).await?));
+        }
+        Ok(out)
+    }
+
+    /// Serves every stream accepted on `l` (clients of up to `streams` streams moving up to
+    /// `max` bytes per op), until the task is dropped.
+    pub async fn serve_at(l: TcpListener, streams: usize, max: u64) {
+        while let Ok((s, _)) = l.accept().await {
+            if s.set_nodelay(true).is_ok() {
+                tokio::spawn(serve(s, vec![3u8; per_stream(streams, max)]));
+            }
+        }
     }
 
     /// One op of `size` bytes in direction `op`, striped over every stream.

@@ -86,34 +86,59 @@ pub async fn transfers(
     .await?;
     pair.a.shutdown().await;
     pair.b.shutdown().await;
-    if backend != "shm" {
+    if !["shm", "tcp"].contains(&backend) {
         return Ok(lines);
     }
-    // shm between two processes, as every deployment runs it: the same sizes against the same
-    // memcpy, the peer this binary re-run as a child (lines named "shm-2p").
-    eprintln!("  shm between two processes (the peer a child process), lines \"shm-2p\":");
-    let child = ChildPair::new("shm", max).await?;
-    let child = &child;
-    let two = sweep(sizes, ops, on_line, move |size, write| async move {
+    let two = two_process(backend, sizes, ops, plan, on_line, copy).await?;
+    Ok(lines.into_iter().chain(two).collect())
+}
+
+/// shm and tcp between two processes, as every deployment runs them: the same sizes, the peer
+/// this binary re-run as a child (lines named "shm-2p", "tcp-2p"); shm against the same memcpy,
+/// tcp against the socket pair with its server in the child too.
+async fn two_process(
+    backend: &str,
+    sizes: &[u64],
+    ops: &[bool],
+    plan: Plan,
+    on_line: &(dyn Fn(&Line) + Sync),
+    copy: &SharedMemcpy,
+) -> Result<Vec<Line>> {
+    let max = sizes.iter().copied().max().unwrap_or(4096);
+    let name = format!("{backend}-2p");
+    eprintln!("  {backend} between two processes (the peer a child process), lines {name:?}:");
+    let streams = if backend == "tcp" { plan.streams.max(1) } else { 1 };
+    let child = ChildPair::new(backend, max, streams).await?;
+    let raw = match child.raw {
+        Some(at) => Some(RawTcp::connect(at, streams, max).await?),
+        None => None,
+    };
+    let (copies, baseline) = if raw.is_some() { (2, "tokio-socket-2p") } else { (1, "memcpy") };
+    let (raw, child, name) = (&tokio::sync::Mutex::new(raw), &child, name.as_str());
+    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
         let (tw, base) = interleaved(
             plan.runs,
             plan.budget,
             size,
-            || child.op(write, size, "shm"),
+            || child.op(write, size, backend),
             || async {
-                copy.copy(size);
-                Ok(())
+                match raw.lock().await.as_mut() {
+                    Some(r) => r.op(write, size).await,
+                    None => {
+                        copy.copy(size);
+                        Ok(())
+                    }
+                }
             },
         )
         .await?;
         let op = if write { "write" } else { "read" };
-        let line = Line::from_samples("shm-2p", op, size, 1, "memcpy", tw, base);
-        let memcpy = copy.gbps(size, plan.budget);
-        Ok(line.bounded(1, memcpy))
+        let line = Line::from_samples(name, op, size, streams, baseline, tw, base);
+        Ok(line.bounded(copies, copy.gbps(size, plan.budget)))
     })
     .await?;
     child.a.shutdown().await;
-    Ok(lines.into_iter().chain(two).collect())
+    Ok(lines)
 }
 
 /// Batches of `n` ops of each size per submit (consecutive offsets of one region pair) against
@@ -221,7 +246,7 @@ async fn ucx_transfers(
 ) -> Result<Vec<Line>> {
     let perf = Perftest::new()?;
     let max = sizes.iter().copied().max().unwrap_or(4096);
-    let pair = ChildPair::new("ucx", max).await?;
+    let pair = ChildPair::new("ucx", max, 1).await?;
     // The bound: UCX's shared memory moves each byte with one copy.
     let copy = SharedMemcpy::new(max);
     let (pair_ref, perf, copy) = (&pair, &perf, &copy);
@@ -283,7 +308,7 @@ async fn cuda_transfers(
 ) -> Result<Vec<Line>> {
     let gpu = tensorwire_cuda::CudaGpu::new()?; // before the child: say once why there is none
     let max = sizes.iter().copied().max().unwrap_or(4096);
-    let pair = ChildPair::new("cuda", max).await?;
+    let pair = ChildPair::new("cuda", max, 1).await?;
     pair.verify(max, "cuda").await?;
     eprintln!("    verified cuda: a {max}-byte round trip between two processes is exact");
     let (src, dst) = (

@@ -78,7 +78,7 @@ fn ms_label(x: f64) -> String {
 
 fn gbps_chart(name: &str, lines: &[Line]) -> Chart {
     let mut series = Vec::new();
-    // One pair of series per (what, op): shm's lines of two processes ("shm-2p") apart.
+    // One pair of series per (what, op): lines of two processes ("shm-2p", "tcp-2p") apart.
     let ops: Vec<(String, String)> = {
         let mut v: Vec<(String, String)> =
             lines.iter().map(|l| (l.backend.clone(), l.op.clone())).collect();
