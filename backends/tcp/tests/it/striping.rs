@@ -90,7 +90,8 @@ async fn pieces_beyond_one_per_stream_are_shared_evenly() {
 /// Small ops of one submit pack onto the first stream while it has little in flight (each
 /// stream that answers wakes its reader: spreading a few small ops costs more than it saves),
 /// and spill to the next once the first holds 256 KiB: 4 KiB ops, 64 per stream, the rest to the
-/// writers. Behind the delaying proxy nothing is answered meanwhile, so the split is exact.
+/// writers; an op that would take the first past 256 KiB goes to the next. Behind the delaying
+/// proxy nothing is answered meanwhile, so the split is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_ops_of_a_batch_pack_onto_one_stream() {
     let (_proxy, a, _b, local, remote, data, session) =
@@ -113,4 +114,14 @@ async fn small_ops_of_a_batch_pack_onto_one_stream() {
     let (q0, q1) = (counter(&a, "stream0.pieces") - p0, counter(&a, "stream1.pieces") - p1);
     assert_eq!(q0 + q1, 256);
     assert!(q0 >= 64 && q1 >= 64, "256 small READs: stream0 {q0}, stream1 {q1}");
+
+    // At the bound: 63 ops of 4 KiB leave room for 4 KiB more on the first stream, not 8.
+    let (r0, r1) = (counter(&a, "stream0.pieces"), counter(&a, "stream1.pieces"));
+    let mut edge = ops(63);
+    edge.push(TransferOp::read(&local, 63 * 4096, &remote.remote(), 63 * 4096, 8192));
+    for r in session.submit(edge).await {
+        r.await.unwrap();
+    }
+    let (e0, e1) = (counter(&a, "stream0.pieces") - r0, counter(&a, "stream1.pieces") - r1);
+    assert_eq!((e0, e1), (63, 1), "63 x 4 KiB + 8 KiB: stream0 {e0}, stream1 {e1}");
 }
