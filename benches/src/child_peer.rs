@@ -78,8 +78,7 @@ pub async fn serve_if_asked() -> Result<bool> {
     if backend == "tcp" {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         raw_addr = l.local_addr()?.to_string();
-        // Each stream's buffer holds a whole op, whatever the client's streams.
-        raw = Some(tokio::spawn(RawTcp::serve_at(l, 1, len)));
+        raw = Some(tokio::spawn(RawTcp::serve_at(l, len)));
     }
     println!("READY {} {} {raw_addr}", e.local_addr(), region.id().0);
     // Serve until the parent closes our stdin (or dies).

@@ -97,12 +97,13 @@ impl RawTcp {
         Ok(out)
     }
 
-    /// Serves every stream accepted on `l` (clients of up to `streams` streams moving up to
-    /// `max` bytes per op), until the task is dropped.
-    pub async fn serve_at(l: TcpListener, streams: usize, max: u64) {
+    /// Serves every stream accepted on `l` for clients moving up to `max` bytes per op (each
+    /// stream's buffer holds a whole op, whatever the client's streams), until the task is
+    /// dropped.
+    pub async fn serve_at(l: TcpListener, max: u64) {
         while let Ok((s, _)) = l.accept().await {
             if s.set_nodelay(true).is_ok() {
-                tokio::spawn(serve(s, vec![3u8; per_stream(streams, max)]));
+                tokio::spawn(serve(s, vec![3u8; per_stream(1, max)]));
             }
         }
     }

@@ -404,24 +404,22 @@ pub fn scheduler(l: &Limits) -> (Curve, Curve) {
 /// Per-request time through the service against requests in flight, without the journal and
 /// with it.
 pub async fn service(l: &Limits) -> Result<(Curve, Curve)> {
-    let mut curves = Vec::new();
-    for journal in [false, true] {
-        let name = if journal { "service with journal" } else { "service" };
-        let mut points = Vec::new();
-        for x in counts(1, l.service_in_flight) {
-            let n = (20 * x).clamp(l.service_requests / 10, l.service_requests.max(1));
-            let mut times = Vec::new();
-            for _ in 0..3 {
-                times.push(1e6 / service::run(n, x, journal).await?.per_s());
-            }
-            points.push(point(name, x, crate::measure::median(&times), None));
+    Ok((service_curve(l, false).await?, service_curve(l, true).await?))
+}
+
+async fn service_curve(l: &Limits, journal: bool) -> Result<Curve> {
+    let name = if journal { "service with journal" } else { "service" };
+    let mut points = Vec::new();
+    for x in counts(1, l.service_in_flight) {
+        let n = (20 * x).clamp(l.service_requests / 10, l.service_requests.max(1));
+        let mut times = Vec::new();
+        for _ in 0..3 {
+            times.push(1e6 / service::run(n, x, journal).await?.per_s());
         }
-        curves.push(points);
+        points.push(point(name, x, crate::measure::median(&times), None));
     }
-    let journal = curves.pop().unwrap_or_default();
-    let plain = curves.pop().unwrap_or_default();
     let unit = "requests in flight through the service over TCP (16 worker clients)";
-    Ok((Curve::new("service", unit, plain), Curve::new("service with journal", unit, journal)))
+    Ok(Curve::new(name, unit, points))
 }
 
 /// Every curve, each reported through `on_point` as its points are measured.

@@ -67,15 +67,7 @@ pub async fn transfers(
             plan.budget,
             size,
             || pair_ref.op(write, size, backend),
-            || async {
-                match raw.lock().await.as_mut() {
-                    Some(r) => r.op(write, size).await,
-                    None => {
-                        copy.copy(size);
-                        Ok(())
-                    }
-                }
-            },
+            || raw_op(raw, copy, write, size),
         )
         .await?;
         let op = if write { "write" } else { "read" };
@@ -91,6 +83,22 @@ pub async fn transfers(
     }
     let two = two_process(backend, sizes, ops, plan, on_line, copy).await?;
     Ok(lines.into_iter().chain(two).collect())
+}
+
+/// One op of the raw medium: the socket pair's when there is one (tcp), else a memcpy.
+async fn raw_op(
+    raw: &tokio::sync::Mutex<Option<RawTcp>>,
+    copy: &SharedMemcpy,
+    write: bool,
+    size: u64,
+) -> Result<()> {
+    match raw.lock().await.as_mut() {
+        Some(r) => r.op(write, size).await,
+        None => {
+            copy.copy(size);
+            Ok(())
+        }
+    }
 }
 
 /// shm and tcp between two processes, as every deployment runs them: the same sizes, the peer
@@ -121,15 +129,7 @@ async fn two_process(
             plan.budget,
             size,
             || child.op(write, size, backend),
-            || async {
-                match raw.lock().await.as_mut() {
-                    Some(r) => r.op(write, size).await,
-                    None => {
-                        copy.copy(size);
-                        Ok(())
-                    }
-                }
-            },
+            || raw_op(raw, copy, write, size),
         )
         .await?;
         let op = if write { "write" } else { "read" };
