@@ -1,7 +1,10 @@
 //! `xfer --orchestrator`: the scheduler core's decision rate and latency with many workers, on one
 //! core (library mode, no I/O). A steady state: a fixed number of requests in flight; each step
-//! finishes the oldest running item, submits a new request when one completed, and calls
-//! `dispatch`, whose time is recorded per call.
+//! finishes the oldest running item, submits a new request for each one that completed, and
+//! calls `dispatch`, whose time is recorded per call. The clock starts once the requests in
+//! flight are submitted and the first dispatch has filled the idle workers, and stops when
+//! `requests` more have completed: the filling (a one-time cost that grows with the count) and
+//! a drain at the end (fewer and fewer in flight) are not in the figure.
 //!
 //! [`run_reuse`] runs the same through the [`Driver`] (the bookkeeping the service and the
 //! simulator use) with reuse on: embedding-cache hits start at denoise with the cached
@@ -13,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tensorwire_orchestrator::sched::{
-    Dispatch, ItemKey, MaxFreeCredit, SchedConfig, Scheduler, Submit, WorkerId,
+    Dispatch, ItemKey, MaxFreeCredit, SchedConfig, SchedStats, Scheduler, Submit, WorkerId,
 };
 use tensorwire_orchestrator::{Driver, StageResult};
 use tensorwire_orchestrator::{Priority, Stage};
@@ -47,7 +50,8 @@ pub struct OrchestratorFigure {
     pub p99_dispatch_us: f64,
 }
 
-/// Runs `requests` requests through `workers` workers with `in_flight` requests outstanding.
+/// Completes `requests` requests through `workers` workers with `in_flight` requests outstanding
+/// all along.
 pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
     // Nobody here yields a job: without asks to take, preemption stays off.
     let cfg =
@@ -62,12 +66,13 @@ pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
         let p = if r % 4 == 0 { Priority::Interactive } else { Priority::Batch };
         s.submit(Submit::new(r, p), now);
     };
-    let start = Instant::now();
-    for _ in 0..in_flight.min(requests) {
+    for _ in 0..in_flight.max(1) {
         submit(&mut s, next, Duration::ZERO);
         next += 1;
     }
-    let mut running: VecDeque<Dispatch> = VecDeque::new();
+    let mut running: VecDeque<Dispatch> = s.dispatch(Duration::ZERO).into();
+    let before = s.stats().dispatched;
+    let start = Instant::now();
     let mut lat: Vec<f64> = Vec::new();
     let mut done = 0u64;
     let mut step = 0u64;
@@ -79,10 +84,8 @@ pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
         }
         for _ in s.take_outcomes() {
             done += 1;
-            if next < requests {
-                submit(&mut s, next, now);
-                next += 1;
-            }
+            submit(&mut s, next, now);
+            next += 1;
         }
         let t = Instant::now();
         let ds = s.dispatch(now);
@@ -90,12 +93,12 @@ pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
             lat.push(t.elapsed().as_secs_f64() * 1e6);
         }
         running.extend(ds);
-        if running.is_empty() && s.in_flight() == 0 {
-            break;
+        if running.is_empty() {
+            break; // nothing runs and nothing can: no worker of a stage with work
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    let st = s.stats();
+    let st = SchedStats { dispatched: s.stats().dispatched - before, ..s.stats() };
     figure("scheduler", workers, done, seconds, lat, st, 0)
 }
 
@@ -105,7 +108,7 @@ fn figure(
     requests: u64,
     seconds: f64,
     mut lat: Vec<f64>,
-    st: tensorwire_orchestrator::sched::SchedStats,
+    st: SchedStats,
     cache_hits: u64,
 ) -> OrchestratorFigure {
     lat.sort_by(f64::total_cmp);
@@ -130,7 +133,7 @@ fn figure(
     }
 }
 
-/// The steady state of [`run`] through the [`Driver`] with reuse on: every other request hits
+/// The steady state of [`run`] (timed as it is) through the [`Driver`] with reuse on: every other request hits
 /// the embedding cache (it starts at denoise with the cached reference), every fourth is
 /// interactive; the oldest running item ends each step, a denoise job saving a checkpoint
 /// first, or yielding with one when it was asked to; ended requests' outputs are released at
@@ -153,13 +156,18 @@ pub fn run_reuse(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFig
             let _ = d.submit(Submit::new(r, p), (), now);
         }
     };
-    let start = Instant::now();
     let mut next = 0u64;
-    for _ in 0..in_flight.min(requests) {
+    for _ in 0..in_flight.max(1) {
         submit(&mut d, next, Duration::ZERO);
         next += 1;
     }
-    let mut running: VecDeque<(WorkerId, ItemKey)> = VecDeque::new();
+    let mut running: VecDeque<(WorkerId, ItemKey)> = d
+        .dispatch(Duration::ZERO)
+        .iter()
+        .map(|a| (a.dispatch.worker, a.dispatch.item.key))
+        .collect();
+    let before = d.sched().stats();
+    let start = Instant::now();
     let mut asked: std::collections::HashSet<ItemKey> = Default::default();
     let mut lat: Vec<f64> = Vec::new();
     let (mut done, mut step) = (0u64, 0u64);
@@ -178,10 +186,8 @@ pub fn run_reuse(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFig
         }
         for _ in d.take_outcomes() {
             done += 1;
-            if next < requests {
-                submit(&mut d, next, now);
-                next += 1;
-            }
+            submit(&mut d, next, now);
+            next += 1;
         }
         let rel: Vec<(WorkerId, u64)> = d.releases().iter().map(|r| (r.id, r.request)).collect();
         for (w, r) in rel {
@@ -195,11 +201,34 @@ pub fn run_reuse(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFig
         }
         running.extend(ds);
         asked.extend(d.take_asks().into_iter().map(|(key, _, _)| key));
-        if running.is_empty() && d.sched().in_flight() == 0 {
+        if running.is_empty() {
             break;
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    let st = d.sched().stats();
+    let now = d.sched().stats();
+    let st = SchedStats {
+        dispatched: now.dispatched - before.dispatched,
+        preempt_asks: now.preempt_asks - before.preempt_asks,
+        yielded: now.yielded - before.yielded,
+        ..now
+    };
     figure("driver, caches and preemption", workers, done, seconds, lat, st, hits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timed_window_completes_the_requests_asked_for() {
+        for f in [run(30, 200, 60), run_reuse(30, 200, 60), run(30, 50, 1), run(3, 10, 1000)] {
+            assert!(f.decisions >= f.requests, "each completion needs its last stage decided: {f:?}");
+            assert!(f.decisions_per_s > 0.0, "{f:?}");
+        }
+        // The requests asked for, no fewer: in flight stays full to the end (no drain).
+        assert_eq!(run(30, 200, 60).requests, 200);
+        assert_eq!(run_reuse(30, 200, 60).requests, 200);
+        assert_eq!(run(3, 10, 1000).requests, 10);
+    }
 }

@@ -55,6 +55,9 @@ pub struct Limits {
     pub workers: u64,
     /// Requests in flight at the scheduler.
     pub in_flight: u64,
+    /// Requests the scheduler completes, timed, at each point (after the requests in flight
+    /// are submitted, untimed).
+    pub sched_requests: u64,
     /// Requests in flight through the service.
     pub service_in_flight: u64,
     /// Most requests one service run completes (each run: 20 per request in flight, at least
@@ -77,6 +80,7 @@ impl Limits {
             small_objects: 1_000_000,
             workers: 100_000,
             in_flight: 1_000_000,
+            sched_requests: 50_000,
             service_in_flight: 1024,
             service_requests: 20_000,
             ops: 2000,
@@ -93,6 +97,7 @@ impl Limits {
             small_objects: 3000,
             workers: 1000,
             in_flight: 10_000,
+            sched_requests: 5_000,
             service_in_flight: 64,
             service_requests: 2000,
             ops: 200,
@@ -379,8 +384,7 @@ async fn objects_of(l: &Limits, size: u64, max: u64, curve: &'static str) -> Res
 /// workers) and against requests in flight (1,000 workers).
 pub fn scheduler(l: &Limits) -> (Curve, Curve) {
     let decide = |workers: u64, in_flight: u64| {
-        let requests = (in_flight + 20_000).max(2 * workers);
-        let f = orchestrator::run(workers as u32, requests, in_flight);
+        let f = orchestrator::run(workers as u32, l.sched_requests, in_flight);
         if f.decisions_per_s > 0.0 { 1e6 / f.decisions_per_s } else { 0.0 }
     };
     let by_workers = counts(100, l.workers)
@@ -475,6 +479,7 @@ mod tests {
             small_objects: 1002,
             workers: 100,
             in_flight: 1000,
+            sched_requests: 100,
             service_in_flight: 4,
             service_requests: 40,
             ops: 10,

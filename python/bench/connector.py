@@ -4,23 +4,33 @@
 
 For each size: a Python sample (two DiffusionConnectors in this process, p2p over tcp on
 loopback, a numpy tensor published and consumed into a numpy destination, repeated for about
-`--budget` seconds) alternates with a Rust sample (the `xfer --connector` harness of the same
-checkout, one run). Prints the medians and their ratio, then the per-call cost of a 4 KiB
-Session.write from Python next to the Rust engine's 4 KiB tcp write. The Rust harness must be
-built: `cargo build --release -p tensorwire-benches --bin xfer` (from the repository root).
+`--budget` seconds) alternates with two Rust samples (the `xfer --connector` harness of the same
+checkout, one run each): one calling from a runtime task (`--caller task`, what an async Rust
+server does) and one calling from a thread outside the runtime (`--caller blocking`, what every
+Python call is: the calling thread parks and a runtime worker wakes it). Prints the medians and
+the ratio to each, then the p50 of a 4 KiB Session.write from Python next to the Rust engine's
+4 KiB tcp write (`xfer --latency`) from either kind of caller. The Rust harness must be built:
+`cargo build --release -p tensorwire-benches --bin xfer` (from the repository root).
+
+numpy's OpenBLAS thread pool is held to one thread (unless OPENBLAS_NUM_THREADS is set): this
+bench makes no BLAS call, but the pool's idle threads spin after numpy starts and took 8-10% of
+the Python figures on a 2-core machine, a cost of numpy, not of tensorwire.
 """
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
 import time
 
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import tensorwire as tw
-from tensorwire.diffusion import DiffusionConnector, StagePayload
+import numpy as np  # noqa: E402  (after the thread-pool setting)
+
+import tensorwire as tw  # noqa: E402
+from tensorwire.diffusion import DiffusionConnector, StagePayload  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 XFER = ROOT / "target" / "release" / "xfer"
@@ -41,8 +51,8 @@ def python_sample(prod, cons, src, dst, budget: float) -> float:
     return moved / (time.perf_counter() - start) / 1e9
 
 
-def rust_sample(size: int, budget: float) -> float:
-    out = subprocess.run([str(XFER), "--connector", "--sizes", str(size), "--runs", "1",
+def rust_sample(size: int, budget: float, caller: str) -> float:
+    out = subprocess.run([str(XFER), "--connector", "--sizes", str(size), "--runs", "1", "--caller", caller,
                           "--min-time-ms", str(int(budget * 1000))], capture_output=True, text=True, check=True)
     for line in out.stdout.splitlines():
         m = json.loads(line)
@@ -51,11 +61,19 @@ def rust_sample(size: int, budget: float) -> float:
     raise RuntimeError(f"no publish+consume line from xfer: {out.stdout}")
 
 
-def rust_tcp_4k_us() -> float:
-    out = subprocess.run([str(XFER), "--backend", "tcp", "--sizes", "4K", "--runs", "3", "--op", "write"],
-                         capture_output=True, text=True, check=True)
-    m = json.loads(out.stdout.splitlines()[0])
-    return 4096 / (m["gbps"] * 1e9) * 1e6
+def rust_tcp_4k_p50_us(caller: str) -> float:
+    out = subprocess.run([str(XFER), "--backend", "tcp", "--latency", "--latency-sizes", "4K", "--op", "write",
+                          "--samples", "2000", "--caller", caller], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[0])["p50_us"]
+
+
+def python_4k_p50_us(sess, ra, desc) -> float:
+    times = []
+    for _ in range(2000):
+        t = time.perf_counter()
+        sess.write(ra, 0, desc, 0, 4096)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -72,29 +90,35 @@ def main() -> None:
         n = size_of(s)
         src = (np.arange(n, dtype=np.uint64) % 251).astype(np.uint8)
         dst = np.empty_like(src)
-        py, rs = [], []
-        for run in range(args.runs):  # alternate which goes first
+        py, rs, rb = [], [], []
+        for run in range(args.runs):  # rotate which goes first
             order = [lambda: py.append(python_sample(prod, cons, src, dst, args.budget)),
-                     lambda: rs.append(rust_sample(n, args.budget))]
-            for f in (order if run % 2 == 0 else order[::-1]):
+                     lambda: rs.append(rust_sample(n, args.budget, "task")),
+                     lambda: rb.append(rust_sample(n, args.budget, "blocking"))]
+            for f in order[run % 3:] + order[:run % 3]:
                 f()
         assert np.array_equal(src, dst)
-        pm, rm = statistics.median(py), statistics.median(rs)
+        pm, rm, bm = statistics.median(py), statistics.median(rs), statistics.median(rb)
         print(json.dumps({"size": n, "python_gbps": round(pm, 3), "rust_gbps": round(rm, 3),
-                          "ratio": round(pm / rm, 3), "python_samples": [round(x, 3) for x in py],
-                          "rust_samples": [round(x, 3) for x in rs]}))
+                          "rust_blocking_gbps": round(bm, 3), "ratio": round(pm / rm, 3),
+                          "ratio_to_blocking": round(pm / bm, 3), "python_samples": [round(x, 3) for x in py],
+                          "rust_samples": [round(x, 3) for x in rs], "rust_blocking_samples": [round(x, 3) for x in rb]}))
     a, b = tw.Engine(), tw.Engine()
     ra, rb = a.register(np.zeros(4096, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
     sess, desc = a.connect(b.address), rb.descriptor()
-    times = []
-    for _ in range(2000):
-        t = time.perf_counter()
-        sess.write(ra, 0, desc, 0, 4096)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    print(json.dumps({"op": "Session.write 4KiB", "python_p50_us": round(times[len(times) // 2] * 1e6, 1),
-                      "python_p99_us": round(times[int(len(times) * 0.99)] * 1e6, 1),
-                      "rust_tcp_write_4KiB_us": round(rust_tcp_4k_us(), 1)}))
+    py, rs, rbl = [], [], []
+    for run in range(args.runs):
+        order = [lambda: py.append(python_4k_p50_us(sess, ra, desc)),
+                 lambda: rs.append(rust_tcp_4k_p50_us("task")),
+                 lambda: rbl.append(rust_tcp_4k_p50_us("blocking"))]
+        for f in order[run % 3:] + order[:run % 3]:
+            f()
+    pm, rm, bm = statistics.median(py), statistics.median(rs), statistics.median(rbl)
+    print(json.dumps({"op": "Session.write 4KiB p50", "python_us": round(pm, 1), "rust_task_us": round(rm, 1),
+                      "rust_blocking_us": round(bm, 1), "ratio": round(pm / rm, 3),
+                      "ratio_to_blocking": round(pm / bm, 3), "python_samples": [round(x, 1) for x in py],
+                      "rust_task_samples": [round(x, 1) for x in rs],
+                      "rust_blocking_samples": [round(x, 1) for x in rbl]}))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,18 @@ enum OpArg {
     Both,
 }
 
+/// Which thread runs the measurement (both sides of it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Caller {
+    /// A task on a runtime worker, as in a server: completions wake a worker that may be
+    /// running already.
+    Task,
+    /// The process's main thread, outside the runtime's workers, as a synchronous caller (the
+    /// Python binding, a blocking Rust program) runs: every wait parks that thread and a
+    /// worker wakes it.
+    Blocking,
+}
+
 /// Measure tensorwire against the raw medium, interleaved, one JSON line per measurement.
 /// Transfers: tcp against a plain tokio socket pair with the same stream count; shm and mem
 /// against memcpy in one process. `--store`: put_from / get_into against memcpy (embedded) or a
@@ -112,6 +124,10 @@ struct Args {
     /// Interleaved runs per measurement; lines report medians.
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Which thread makes the calls: a runtime task (the default) or a thread outside the
+    /// runtime (what a Python call is); the raw side runs on the same thread.
+    #[arg(long, value_enum, default_value = "task")]
+    caller: Caller,
     /// Minimum time per timed sample, in milliseconds.
     #[arg(long, default_value_t = 200)]
     min_time_ms: u64,
@@ -348,15 +364,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // Measure from a runtime task, not from `block_on`'s thread: completions then wake a worker
-    // that is already running, as in a server, instead of a parked foreign thread.
+    // By default, measure from a runtime task, not from `block_on`'s thread: completions then
+    // wake a worker that is already running, as in a server, instead of a parked foreign thread.
     let r = rt.block_on(async {
         match tensorwire_benches::child_peer::serve_if_asked().await {
             Ok(true) => return Ok(()),
             Ok(false) => {}
             Err(e) => return Err(e),
         }
-        tokio::spawn(run(args)).await.unwrap_or_else(|e| Err(e.to_string().into()))
+        match args.caller {
+            Caller::Task => {
+                tokio::spawn(run(args)).await.unwrap_or_else(|e| Err(e.to_string().into()))
+            }
+            Caller::Blocking => run(args).await,
+        }
     });
     match r {
         Ok(()) => ExitCode::SUCCESS,
