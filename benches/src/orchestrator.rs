@@ -223,7 +223,10 @@ mod tests {
     #[test]
     fn the_timed_window_completes_the_requests_asked_for() {
         for f in [run(30, 200, 60), run_reuse(30, 200, 60), run(30, 50, 1), run(3, 10, 1000)] {
-            assert!(f.decisions >= f.requests, "each completion needs its last stage decided: {f:?}");
+            assert!(
+                f.decisions >= f.requests,
+                "each completion needs its last stage decided: {f:?}"
+            );
             assert!(f.decisions_per_s > 0.0, "{f:?}");
         }
         // The requests asked for, no fewer: in flight stays full to the end (no drain).

@@ -33,7 +33,7 @@
 //!   when the orchestrator went down can claim it when it reconnects ([`Scheduler::claim`])
 //!   instead of another worker running it a second time; what nobody claims is queued then.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::fasthash::FastMap;
@@ -312,8 +312,11 @@ type QKey = (u8, Duration, u64);
 #[derive(Debug, Default)]
 struct StageQueue {
     order: BTreeMap<QKey, Item>,
-    /// Batch items in arrival order (for aging): (enqueued, queue key).
-    batch: VecDeque<(Duration, QKey)>,
+    /// The batch items queued (not yet aged), oldest first (for aging): (enqueued, sequence
+    /// number) -> queue key. An item leaves it when it is dispatched or ages, so it holds at
+    /// most the queue (it was a list of every batch item enqueued within the aging bound,
+    /// dispatched or not: millions of entries on a busy service).
+    batch: BTreeMap<(Duration, u64), QKey>,
 }
 
 /// The scheduler.
@@ -537,7 +540,9 @@ impl Scheduler {
         let key = (class(item.priority), item.deadline, item.seq);
         let q = &mut self.queues[item.key.stage.index()];
         match item.priority {
-            Priority::Batch => q.batch.push_back((now, key)),
+            Priority::Batch => {
+                q.batch.insert((now, item.seq), key);
+            }
             Priority::Interactive => self.interactive[item.key.stage.index()] += 1,
         }
         q.order.insert(key, item);
@@ -911,11 +916,11 @@ impl Scheduler {
         }
         let aging = self.cfg.aging;
         for q in &mut self.queues {
-            while let Some(&(t, key)) = q.batch.front() {
+            while let Some((&(t, _), &key)) = q.batch.first_key_value() {
                 if now.saturating_sub(t) < aging {
                     break;
                 }
-                q.batch.pop_front();
+                q.batch.pop_first();
                 if let Some(item) = q.order.remove(&key) {
                     q.order.insert((0, key.1, key.2), item); // ordered as interactive from now on
                 }
@@ -985,7 +990,11 @@ impl Scheduler {
                     }
                     wid
                 };
-                let item = self.queues[stage.index()].order.remove(&qk).expect("item exists");
+                let q = &mut self.queues[stage.index()];
+                let item = q.order.remove(&qk).expect("item exists");
+                if item.priority == Priority::Batch {
+                    q.batch.remove(&(item.enqueued, item.seq)); // absent once it aged
+                }
                 if item.priority == Priority::Interactive {
                     self.interactive[stage.index()] -= 1;
                 }
@@ -1080,6 +1089,52 @@ mod tests {
             d[0].item.key.request, 0,
             "a batch item past the aging bound goes before a new interactive one"
         );
+    }
+
+    /// The aging index holds the batch items queued and no others: an item dispatched before
+    /// it aged leaves it (it used to stay until the aging bound passed, so the index grew with
+    /// the batch items enqueued within `aging`, not with the queue), and one that aged leaves
+    /// it then and is still dispatched.
+    #[test]
+    fn the_aging_index_holds_only_queued_batch_items() {
+        let mut s = Scheduler::new(
+            SchedConfig { aging: ms(100), ..SchedConfig::default() },
+            Box::new(MaxFreeCredit),
+        );
+        for (id, st) in [(1, Stage::Encode), (2, Stage::Denoise), (3, Stage::Decode)] {
+            s.join(WorkerId(id), st, 1, "h", vec![], ms(0));
+        }
+        let queued_batch = |s: &Scheduler| -> usize {
+            s.queues.iter().map(|q| q.order.keys().filter(|k| k.0 == 1).count()).sum()
+        };
+        for r in 0..200 {
+            let p = if r % 5 == 0 { Priority::Interactive } else { Priority::Batch };
+            submit(&mut s, r, p, ms(0));
+        }
+        let (mut done, mut running) = (0, Vec::new());
+        for step in 1..2000u64 {
+            let now = Duration::from_micros(step); // far inside the aging bound
+            running.extend(s.dispatch(now));
+            let indexed: usize = s.queues.iter().map(|q| q.batch.len()).sum();
+            assert_eq!(indexed, queued_batch(&s), "step {step}");
+            if let Some(d) = running.pop() {
+                s.finished(d.item.key, d.worker, now);
+            }
+            done += s.take_outcomes().len();
+        }
+        assert_eq!(done, 200);
+        assert!(s.queues.iter().all(|q| q.batch.is_empty() && q.order.is_empty()));
+
+        // Aged: the entry goes when the item is re-keyed, and the item is still served.
+        submit(&mut s, 1000, Priority::Batch, ms(10));
+        submit(&mut s, 1001, Priority::Batch, ms(10));
+        s.tick(ms(200));
+        assert!(s.queues.iter().all(|q| q.batch.is_empty()), "both aged");
+        let d = s.dispatch(ms(200));
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].item.key.request, 1000);
+        assert!(s.queues.iter().all(|q| q.batch.is_empty()));
+        assert_eq!(s.queued(Stage::Encode), 1);
     }
 
     /// Runs `r` from encode to the denoise queue on encode worker 1.
