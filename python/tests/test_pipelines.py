@@ -354,11 +354,24 @@ def test_an_embedding_cache_hit_gives_the_same_image(sd3):
 
 @pytest.mark.parametrize("model", [image, video], ids=["image", "video"])
 def test_weights_saved_to_a_directory_load_to_the_same_output(model, tmp_path):
-    """``load(DIR)`` is the path real weights take (``from_pretrained`` of a local directory)."""
+    """``load(DIR)`` is the path real weights take (``from_pretrained`` of a local directory).
+
+    Every weight and buffer loads bit for bit. The outputs agree to float32 rounding, not bit
+    for bit: a loaded weight lies where the safetensors file put it (e.g. 24 bytes past a
+    64-byte boundary), and the CPU matmul kernel's result depends on that alignment (the same
+    values copied to an aligned buffer give the built model's result exactly)."""
     pytest.importorskip("accelerate", reason="from_pretrained of these models needs accelerate")
     built = model.tiny(seed=0)
     built.save_pretrained(str(tmp_path))
     loaded = model.load(str(tmp_path))
     assert not loaded.transformer.training
+    for name, part in built.components.items():
+        if not isinstance(part, torch.nn.Module):
+            continue
+        mine, theirs = part.state_dict(), getattr(loaded, name).state_dict()
+        assert mine.keys() == theirs.keys(), name
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), f"{name}: a weight changed on the way"
     knobs = {"steps": 2, "height": 64, "width": 64}
-    assert torch.equal(model.generate(built, "fox", seed=1, **knobs), model.generate(loaded, "fox", seed=1, **knobs))
+    a, b = model.generate(built, "fox", seed=1, **knobs), model.generate(loaded, "fox", seed=1, **knobs)
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max().item()
