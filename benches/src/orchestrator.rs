@@ -71,7 +71,7 @@ pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
         next += 1;
     }
     let mut running: VecDeque<Dispatch> = s.dispatch(Duration::ZERO).into();
-    let before = s.stats().dispatched;
+    let before = s.stats();
     let start = Instant::now();
     let mut lat: Vec<f64> = Vec::new();
     let mut done = 0u64;
@@ -98,7 +98,7 @@ pub fn run(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFigure {
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    let st = SchedStats { dispatched: s.stats().dispatched - before, ..s.stats() };
+    let st = since(before, s.stats());
     figure("scheduler", workers, done, seconds, lat, st, 0)
 }
 
@@ -206,14 +206,19 @@ pub fn run_reuse(workers: u32, requests: u64, in_flight: u64) -> OrchestratorFig
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    let now = d.sched().stats();
-    let st = SchedStats {
+    let st = since(before, d.sched().stats());
+    figure("driver, caches and preemption", workers, done, seconds, lat, st, hits)
+}
+
+/// The counts of the timed window: the decisions, asks and yields made since `before` (the
+/// other counters as they stand at the end).
+fn since(before: SchedStats, now: SchedStats) -> SchedStats {
+    SchedStats {
         dispatched: now.dispatched - before.dispatched,
         preempt_asks: now.preempt_asks - before.preempt_asks,
         yielded: now.yielded - before.yielded,
         ..now
-    };
-    figure("driver, caches and preemption", workers, done, seconds, lat, st, hits)
+    }
 }
 
 #[cfg(test)]

@@ -992,11 +992,12 @@ impl Scheduler {
                 };
                 let q = &mut self.queues[stage.index()];
                 let item = q.order.remove(&qk).expect("item exists");
-                if item.priority == Priority::Batch {
-                    q.batch.remove(&(item.enqueued, item.seq)); // absent once it aged
-                }
-                if item.priority == Priority::Interactive {
-                    self.interactive[stage.index()] -= 1;
+                // What `queue` counted or indexed for the item leaves with it.
+                match item.priority {
+                    Priority::Batch => {
+                        q.batch.remove(&(item.enqueued, item.seq)); // absent once it aged
+                    }
+                    Priority::Interactive => self.interactive[stage.index()] -= 1,
                 }
                 if listed {
                     picked.push((wid, item.key));

@@ -76,6 +76,17 @@ def python_4k_p50_us(sess, ra, desc) -> float:
     return statistics.median(times) * 1e6
 
 
+def interleaved(runs: int, *samplers):
+    """``runs`` samples of each sampler, taking turns; which goes first rotates from run to run.
+    Returns one list of samples per sampler."""
+    out = [[] for _ in samplers]
+    for run in range(runs):
+        for i in range(len(samplers)):
+            k = (run + i) % len(samplers)
+            out[k].append(samplers[k]())
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="4M,64M")
@@ -90,13 +101,9 @@ def main() -> None:
         n = size_of(s)
         src = (np.arange(n, dtype=np.uint64) % 251).astype(np.uint8)
         dst = np.empty_like(src)
-        py, rs, rb = [], [], []
-        for run in range(args.runs):  # rotate which goes first
-            order = [lambda: py.append(python_sample(prod, cons, src, dst, args.budget)),
-                     lambda: rs.append(rust_sample(n, args.budget, "task")),
-                     lambda: rb.append(rust_sample(n, args.budget, "blocking"))]
-            for f in order[run % 3:] + order[:run % 3]:
-                f()
+        py, rs, rb = interleaved(args.runs, lambda: python_sample(prod, cons, src, dst, args.budget),
+                                 lambda: rust_sample(n, args.budget, "task"),
+                                 lambda: rust_sample(n, args.budget, "blocking"))
         assert np.array_equal(src, dst)
         pm, rm, bm = statistics.median(py), statistics.median(rs), statistics.median(rb)
         print(json.dumps({"size": n, "python_gbps": round(pm, 3), "rust_gbps": round(rm, 3),
@@ -106,13 +113,8 @@ def main() -> None:
     a, b = tw.Engine(), tw.Engine()
     ra, rb = a.register(np.zeros(4096, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
     sess, desc = a.connect(b.address), rb.descriptor()
-    py, rs, rbl = [], [], []
-    for run in range(args.runs):
-        order = [lambda: py.append(python_4k_p50_us(sess, ra, desc)),
-                 lambda: rs.append(rust_tcp_4k_p50_us("task")),
-                 lambda: rbl.append(rust_tcp_4k_p50_us("blocking"))]
-        for f in order[run % 3:] + order[:run % 3]:
-            f()
+    py, rs, rbl = interleaved(args.runs, lambda: python_4k_p50_us(sess, ra, desc),
+                              lambda: rust_tcp_4k_p50_us("task"), lambda: rust_tcp_4k_p50_us("blocking"))
     pm, rm, bm = statistics.median(py), statistics.median(rs), statistics.median(rbl)
     print(json.dumps({"op": "Session.write 4KiB p50", "python_us": round(pm, 1), "rust_task_us": round(rm, 1),
                       "rust_blocking_us": round(bm, 1), "ratio": round(pm / rm, 3),
