@@ -139,7 +139,8 @@ pub(crate) enum Left {
 }
 
 /// Hands every assignment `rx` brings to `run` until SIGTERM or a switch order, then drains
-/// the worker (nothing new; its denoise jobs are asked back) within `drain`.
+/// the worker within `drain`: the service gives it nothing new and asks its denoise jobs back,
+/// and what it assigned before (even in the same turn as the order) still runs.
 pub(crate) async fn serve_pool(
     w: &Arc<WorkerClient>,
     rx: &mut mpsc::Receiver<Assignment>,
@@ -158,9 +159,23 @@ pub(crate) async fn serve_pool(
             None => return Err(anyhow::Error::msg("the orchestrator closed the connection")),
         }
     };
-    // Items run on while the drain waits for them (their tasks hold the client).
-    w.drain(drain).await.map_err(|e| anyhow::anyhow!("draining: {e}"))?;
-    Ok(left)
+    // Items run on while the drain waits for them (their tasks hold the client), and so does an
+    // assignment that crossed the order: the service dispatches and moves a worker in one turn,
+    // and until the worker runs it (it yields or finishes), the service never sees it empty.
+    let drained = w.drain(drain);
+    tokio::pin!(drained);
+    loop {
+        tokio::select! {
+            r = &mut drained => {
+                r.map_err(|e| anyhow::anyhow!("draining: {e}"))?;
+                return Ok(left);
+            }
+            a = rx.recv() => match a {
+                Some(a) => run(a),
+                None => return Err(anyhow::Error::msg("the orchestrator closed the connection")),
+            },
+        }
+    }
 }
 
 /// Pays a switch from `from` to `to` (sleeps `cost`: the simulated weight load) and says so
