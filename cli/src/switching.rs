@@ -148,16 +148,14 @@ pub(crate) async fn serve_pool(
     drain: Duration,
     mut run: impl FnMut(Assignment),
 ) -> anyhow::Result<Left> {
+    let closed = || anyhow::Error::msg("the orchestrator closed the connection");
     let left = loop {
         let a = tokio::select! {
             a = rx.recv() => a,
             _ = term.recv() => break Left::Terminated,
             to = w.switch_order() => break Left::Switch(to),
         };
-        match a {
-            Some(a) => run(a),
-            None => return Err(anyhow::Error::msg("the orchestrator closed the connection")),
-        }
+        run(a.ok_or_else(closed)?);
     };
     // Items run on while the drain waits for them (their tasks hold the client), and so does an
     // assignment that crossed the order: the service dispatches and moves a worker in one turn,
@@ -170,10 +168,7 @@ pub(crate) async fn serve_pool(
                 r.map_err(|e| anyhow::anyhow!("draining: {e}"))?;
                 return Ok(left);
             }
-            a = rx.recv() => match a {
-                Some(a) => run(a),
-                None => return Err(anyhow::Error::msg("the orchestrator closed the connection")),
-            },
+            a = rx.recv() => run(a.ok_or_else(closed)?),
         }
     }
 }
