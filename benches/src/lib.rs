@@ -11,6 +11,7 @@ pub type Result<T, E = BenchError> = std::result::Result<T, E>;
 pub mod child_peer;
 pub mod cluster;
 pub mod connector;
+pub mod copy;
 pub mod latency;
 pub mod measure;
 pub mod memcpy;

@@ -28,6 +28,9 @@ pub struct Plan {
     pub streams: usize,
     /// Chunks for the overlap figure.
     pub chunks: u32,
+    /// Where the initiator's side of every op starts in its page (one-process transfers; 0:
+    /// page-aligned, as the remote side always is).
+    pub page_offset: u64,
 }
 
 /// Backend transfers against the raw medium.
@@ -52,7 +55,7 @@ pub async fn transfers(
     }
     let max = sizes.iter().copied().max().unwrap_or(4096);
     let streams = if backend == "tcp" { plan.streams.max(1) } else { 1 };
-    let pair = EnginePair::new(backend, streams, max).await?;
+    let pair = EnginePair::at_page_offset(backend, streams, max, plan.page_offset).await?;
     let raw = if backend == "tcp" { Some(RawTcp::new(streams, max).await?) } else { None };
     let raw = tokio::sync::Mutex::new(raw);
     // The baseline of shm and mem, and the bound of every medium: tcp copies every byte twice

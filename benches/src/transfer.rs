@@ -63,6 +63,9 @@ pub struct EnginePair {
     pub remote: Region,
     /// Session a -> b.
     pub session: Session,
+    /// Where every op starts in `local`: bytes past the start of its page (0 unless set with
+    /// [`EnginePair::at_page_offset`]).
+    pub offset: u64,
 }
 
 impl EnginePair {
@@ -90,19 +93,31 @@ impl EnginePair {
         touch(&local, 5)?;
         touch(&remote, 6)?;
         let session = a.connect(b.local_addr()).await?;
-        Ok(EnginePair { a, b, local, remote, session })
+        Ok(EnginePair { a, b, local, remote, session, offset: 0 })
     }
 
     /// Starts both engines and touches every page of both regions.
     pub async fn new(backend: &str, streams: usize, max: u64) -> Result<EnginePair> {
+        EnginePair::at_page_offset(backend, streams, max, 0).await
+    }
+
+    /// [`EnginePair::new`] with every op's initiator side `offset` bytes into a page (the remote
+    /// side stays page-aligned): a READ into a buffer from `malloc`, which starts 16 bytes into
+    /// its page, has the initiator at offset 16.
+    pub async fn at_page_offset(
+        backend: &str,
+        streams: usize,
+        max: u64,
+        offset: u64,
+    ) -> Result<EnginePair> {
         let a = Engine::builder().backend(make_backend(backend, streams)?).start().await?;
         let b = Engine::builder().backend(make_backend(backend, streams)?).start().await?;
-        let local = a.alloc(max, Permissions::NONE).await?;
+        let local = a.alloc(max + offset, Permissions::NONE).await?;
         let remote = b.alloc(max, Permissions::READ_WRITE).await?;
         touch(&local, 5)?;
         touch(&remote, 6)?;
         let session = a.connect(b.local_addr()).await?;
-        Ok(EnginePair { a, b, local, remote, session })
+        Ok(EnginePair { a, b, local, remote, session, offset })
     }
 
     /// One op of `size` bytes; checks that the engine used the backend under test.
@@ -118,9 +133,9 @@ impl EnginePair {
             .map(|i| {
                 let at = i * size;
                 if write {
-                    TransferOp::write(&self.local, at, &remote, at, size)
+                    TransferOp::write(&self.local, self.offset + at, &remote, at, size)
                 } else {
-                    TransferOp::read(&self.local, at, &remote, at, size)
+                    TransferOp::read(&self.local, self.offset + at, &remote, at, size)
                 }
             })
             .collect();

@@ -295,6 +295,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         budget: Budget { min_time: Duration::from_millis(a.min_time_ms), ..Budget::default() },
         streams: tensorwire_tcp::default_streams(),
         chunks: 8,
+        page_offset: 0,
     };
     let mut md = String::new();
     let _ = writeln!(md, "# tensorwire bench report\n");
@@ -320,6 +321,21 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         );
         plots.push(file);
     }
+    eprintln!("bench: copy");
+    let copy = tensorwire_benches::copy::run(
+        &[4 << 10, 64 << 10, 256 << 10],
+        &[0, 16],
+        plan.runs,
+        plan.budget,
+        &progress,
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+    let _ = writeln!(
+        md,
+        "## The memory backends' copy\n\nThe CPU copy of shm, mem and UCX's mapped path (`copy_bytes`) against the C library's memcpy of the same bytes, the destination 0 and 16 bytes further into its page than the source (16: a READ into a buffer from `malloc`, which starts 16 bytes into its page). glibc's memcpy crawls on AMD CPUs at distances of 1-63 bytes for copies of 2 KiB to 1 MiB; `copy_bytes` takes a vector loop there.\n"
+    );
+    table(&mut md, &copy);
     let store_sizes: Vec<u64> = sizes.iter().copied().filter(|&s| s >= 1 << 20).collect();
     let store_sizes = if store_sizes.is_empty() { sizes.clone() } else { store_sizes };
     let _ = writeln!(md, "## Store\n");

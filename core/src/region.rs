@@ -251,9 +251,10 @@ impl MemSlice {
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.host_only("writing bytes")?;
         let dst = self.sub(offset, data.len() as u64)?;
-        // SAFETY: `dst` is `data.len()` bytes of live host memory (checked by `sub`); `data` is a
-        // distinct Rust allocation, so the ranges cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst.ptr(), data.len()) };
+        // SAFETY: `dst` is `data.len()` bytes of live host memory (checked by `sub`), `data` as
+        // many readable bytes. (`copy_bytes`, not a plain memcpy: a caller's buffer often sits
+        // at the page distance from a region where the C library's memcpy crawls.)
+        unsafe { crate::copy::copy_bytes(data.as_ptr() as usize, dst.ptr() as usize, data.len()) };
         Ok(())
     }
 
@@ -262,7 +263,9 @@ impl MemSlice {
         self.host_only("reading bytes")?;
         let src = self.sub(offset, out.len() as u64)?;
         // SAFETY: as in `write_at`, in the other direction.
-        unsafe { std::ptr::copy_nonoverlapping(src.ptr(), out.as_mut_ptr(), out.len()) };
+        unsafe {
+            crate::copy::copy_bytes(src.ptr() as usize, out.as_mut_ptr() as usize, out.len())
+        };
         Ok(())
     }
 

@@ -7,6 +7,7 @@
 //! cargo run --release -p tensorwire-benches --bin xfer -- --cluster-store --sizes 1M
 //! cargo run --release -p tensorwire-benches --bin xfer -- --backend tcp --batch 1024 --sizes 4K
 //! cargo run --release -p tensorwire-benches --bin xfer -- --scale
+//! cargo run --release -p tensorwire-benches --bin xfer -- --copy --sizes 4K,64K,1M
 //! ```
 //! Prints one JSON line per (op, size) with the medians of `--runs` interleaved runs and the
 //! median of the runs' ratios (`measure::interleaved` says how a run interleaves), then a summary
@@ -81,6 +82,19 @@ struct Args {
     /// --workers workers and --requests requests (one core, no I/O).
     #[arg(long)]
     orchestrator: bool,
+    /// Measure the CPU copy of the memory backends (`copy_bytes`) against memcpy at each of
+    /// --distances (bytes between the destination's and the source's page offsets), with
+    /// memcpy between page-aligned buffers as the bound.
+    #[arg(long)]
+    copy: bool,
+    /// Where the initiator's side of every op starts in its page, in bytes (transfers in one
+    /// process; the peer's side is page-aligned, the baseline memcpy's both sides): 16 is a
+    /// buffer from `malloc`.
+    #[arg(long, default_value_t = 0)]
+    page_offset: u64,
+    /// Distances for --copy.
+    #[arg(long, default_value = "0,16", value_delimiter = ',')]
+    distances: Vec<usize>,
     /// Measure the latency of one op at a time (p50 and p99 of --samples ops of each of
     /// --latency-sizes, both directions) next to the raw medium's round trip.
     #[arg(long)]
@@ -134,7 +148,13 @@ struct Args {
 }
 
 fn plan(args: &Args, budget: Budget) -> Plan {
-    Plan { runs: args.runs, budget, streams: args.streams, chunks: args.chunks }
+    Plan {
+        runs: args.runs,
+        budget,
+        streams: args.streams,
+        chunks: args.chunks,
+        page_offset: args.page_offset,
+    }
 }
 
 /// Prints one JSON line.
@@ -318,6 +338,12 @@ async fn run(args: Args) -> Result<()> {
             )
             .await?;
             (format!("{}-batch", args.backend), lines)
+        }
+        _ if args.copy => {
+            let lines =
+                tensorwire_benches::copy::run(&sizes, &args.distances, args.runs, budget, &emit)
+                    .await?;
+            ("copy".to_string(), lines)
         }
         _ if args.connector => {
             ("connector-p2p".to_string(), connector(&args, &sizes, budget).await?)
