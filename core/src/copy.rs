@@ -100,7 +100,8 @@ where
 
 /// Copies `n` bytes from `src` to `dst`: `ptr::copy` (overlap-safe) for small or overlapping
 /// ranges, non-temporal stores for large disjoint ones, and a vector loop of our own where the
-/// C library's copy is known to crawl (see [`page_aliased`]).
+/// C library's copy is known to crawl (a destination 1-63 bytes past the source modulo a page, on
+/// AMD CPUs: see `page_aliased`).
 ///
 /// # Safety
 /// `[src, src+n)` readable and `[dst, dst+n)` writable for the duration of the call.

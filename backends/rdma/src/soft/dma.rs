@@ -216,9 +216,9 @@ impl QpShared {
             };
             // SAFETY: both ranges were checked to lie inside live MRs of memory whose
             // registration promised it valid while the MR exists; the MRs are held (their
-            // deregistration waits for `_held`). `ptr::copy` tolerates overlap (a region
-            // written from itself).
-            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+            // deregistration waits for `_held`). `copy_bytes` tolerates overlap (a region
+            // written from itself), and avoids the C library's slow distances.
+            unsafe { tensorwire_core::backend::kit::copy_bytes(src, dst, n) };
             at += n;
         }
         self.nic.counters.bytes.fetch_add(len, Ordering::Relaxed);
