@@ -127,20 +127,31 @@ impl TransferHandle {
                 }
                 Ok(())
             };
-            let res = match tokio::time::timeout(limit, all).await {
-                Ok(r) => r,
-                Err(_) => Err(Error::timeout(
+            let res = within(limit, all).await.unwrap_or_else(|| {
+                Err(Error::timeout(
                     format!("{dir:?} of {len} bytes with remote region {region} via {backend}"),
                     limit,
-                )),
-            };
+                ))
+            });
             if let Some(e) = engine.upgrade() {
                 e.record(dir, len, res.is_ok());
             }
-            super::telemetry::op_ended(backend, dir.name(), len, start.elapsed(), &res);
-            res.map(|()| TransferReport { backend, bytes: len, elapsed: start.elapsed() })
+            let elapsed = start.elapsed();
+            super::telemetry::op_ended(backend, dir.name(), len, elapsed, &res);
+            res.map(|()| TransferReport { backend, bytes: len, elapsed })
         };
         TransferHandle { backend, fut: Box::pin(fut) }
+    }
+}
+
+/// `fut`'s output, or `None` when it has not ended within `limit`. A future done at its first
+/// poll (an op its backend finished in `submit`, copied inline) starts no timer, which would
+/// read the clock and clone the runtime's handle for nothing.
+async fn within<T>(limit: Duration, fut: impl Future<Output = T>) -> Option<T> {
+    let mut fut = std::pin::pin!(fut);
+    match std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+        Poll::Ready(v) => Some(v),
+        Poll::Pending => tokio::time::timeout(limit, fut).await.ok(),
     }
 }
 
@@ -148,5 +159,24 @@ impl Future for TransferHandle {
     type Output = Result<TransferReport>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         self.fut.as_mut().poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_wait_ends_with_its_future_or_at_its_bound() {
+        let bound = Duration::from_millis(20);
+        assert_eq!(within(bound, async { 7 }).await, Some(7), "done at the first poll");
+        let later = async {
+            tokio::task::yield_now().await;
+            8
+        };
+        assert_eq!(within(bound, later).await, Some(8), "done at a later poll");
+        let started = Instant::now();
+        assert_eq!(within(bound, std::future::pending::<u8>()).await, None, "never done");
+        assert!(started.elapsed() >= bound, "gave up before its bound");
     }
 }
