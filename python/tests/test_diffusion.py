@@ -99,6 +99,8 @@ def test_store_mode_over_several_store_nodes_survives_one(store_node):
 def test_a_handle_travels_as_bytes_or_text(pipeline):
     prod, _ = pipeline
     h = prod.publish(StagePayload(3, "step_latent", latent(), step=12), consumer_credit=1)
+    # The producer's own handle reads its fields when asked (decoded on first use).
+    assert (h.request_id, h.kind, h.dtype, h.shape) == (3, "step_latent", "float32", (16, 4, 12, 10))
     for form in (h.to_bytes(), h.to_str()):
         back = PayloadHandle.from_bytes(form) if isinstance(form, bytes) else PayloadHandle.from_str(form)
         assert (back.request_id, back.kind, back.dtype, back.shape) == (3, "step_latent", "float32", (16, 4, 12, 10))
@@ -148,6 +150,8 @@ def test_an_unknown_handle_is_invalid(pipeline):
     _, cons = pipeline
     with pytest.raises(tw.InvalidArgumentError):
         cons.consume(b"\x01not a handle", np.zeros(4, dtype=np.float32))
+    with pytest.raises(tw.InvalidArgumentError):
+        PayloadHandle.from_bytes(b"\x01not a handle")  # checked when it arrives, not when read
 
 
 def test_a_consumed_payload_says_so(pipeline):
