@@ -38,10 +38,9 @@ impl Memcpy {
 
     /// Copies `size` bytes once.
     pub fn copy(&mut self, size: u64) {
-        let n = (size as usize).min(self.len);
-        let (a, b) = self.at;
-        self.dst[b..b + n].copy_from_slice(&self.src[a..a + n]);
-        std::hint::black_box(&mut self.dst);
+        let (src, dst) = self.ends(size);
+        dst.copy_from_slice(src);
+        std::hint::black_box(dst);
     }
 
     /// The source and destination of a `size`-byte copy (for another copier to use).

@@ -19,12 +19,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see connector.py
 
 import numpy as np  # noqa: E402
 
+from connector import size_of  # noqa: E402  (this directory's connector.py)
 from tensorwire.diffusion import DiffusionConnector, StagePayload  # noqa: E402
-
-
-def size_of(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
 
 
 class Timed:
