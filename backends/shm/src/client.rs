@@ -6,7 +6,9 @@
 //! completion). Without a lease an op releases the region when its copy is over (End). A reader
 //! task matches grants to ops, and on the peer's Forget (the region is being deregistered) drops
 //! the mapping and ends the leases: once no copy of the region is in flight it answers Released,
-//! which lets the deregistration finish. It fails everything when the peer goes away.
+//! which lets the deregistration finish. It fails everything when the peer goes away. An op
+//! copied in `submit` first reads the peer's live page (see [`crate::live`]), where the peer's
+//! shutdown says it no longer serves us before it returns.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -26,6 +28,7 @@ use tokio::net::UnixStream;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 
+use crate::live::LivePage;
 use crate::mapping::Mapping;
 use crate::medium::{Grant, Medium};
 use crate::uds::{FrameReader, FrameWriter};
@@ -105,6 +108,8 @@ struct State {
     maps: HashMap<RegionId, Arc<Mapping>>,
     /// Leases by (region, write access).
     leases: HashMap<(RegionId, bool), Arc<Lease>>,
+    /// The peer's live page, from its first frame, until the connection dies.
+    live: Option<LivePage>,
     dead: Option<Error>,
 }
 
@@ -126,6 +131,7 @@ impl ClientShared {
                 s.dead = Some(e.clone());
             }
             s.leases.clear();
+            s.live = None;
             (std::mem::take(&mut s.pending), std::mem::take(&mut s.maps))
         };
         for (_, p) in pending {
@@ -227,6 +233,21 @@ async fn read_loop(c: Arc<ClientShared>, mut reader: FrameReader) {
             Err(e) => break e,
         };
         match f.h.kind {
+            Kind::Live => {
+                let page =
+                    f.fd.ok_or_else(|| Error::protocol("shm: a live page without its memfd"));
+                let page = match page.and_then(LivePage::open) {
+                    Ok(p) => p,
+                    Err(e) => break e,
+                };
+                let mut s = c.state.lock();
+                if s.live.is_some() {
+                    break Error::protocol("shm: a second live page");
+                }
+                if s.dead.is_none() {
+                    s.live = Some(page);
+                }
+            }
             Kind::Forget => {
                 let region = f.h.region;
                 let leases: Vec<Arc<Lease>> = {
@@ -349,9 +370,15 @@ async fn run_op(c: Arc<ClientShared>, op: Op, gate: Arc<CancelGate>) -> Result<(
 /// The lease `op` may run on (its region, access and key), with this op's copy entered on it;
 /// `None` when there is none or it was revoked.
 fn entered(c: &ClientShared, op: &Op) -> Option<Arc<Lease>> {
+    let l = lease_for(&c.state.lock(), op)?;
+    l.enter().then_some(l)
+}
+
+/// The lease held for `op`'s region, access and key, if any.
+fn lease_for(s: &State, op: &Op) -> Option<Arc<Lease>> {
     let write = op.dir() == Direction::Write;
-    let l = c.state.lock().leases.get(&(op.remote().region, write)).cloned()?;
-    (l.key == op.remote().key && l.enter()).then_some(l)
+    let l = s.leases.get(&(op.remote().region, write))?;
+    (l.key == op.remote().key).then(|| l.clone())
 }
 
 /// Copies `op` now, in `submit`, if it fits in `budget` (the medium's inline bytes per call,
@@ -363,14 +390,23 @@ fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>
     if len == 0 || len > *budget {
         return None;
     }
-    if c.writer.peer_gone() {
-        // The peer shut down (it hangs up before its shutdown returns) or died, and our reader
-        // may not have seen it yet: the op must not land in memory it no longer serves.
-        c.kill(Error::PeerClosed("shm: the peer closed the connection".into()));
+    let write = op.dir() == Direction::Write;
+    let l = {
+        let s = c.state.lock();
+        // The peer's shutdown marks its live page before it returns, and our reader may not
+        // have seen the stream end yet: the op must not land in memory it no longer serves. (A
+        // peer that dies without a shutdown is seen by the reader.) Without the page (not come
+        // yet, or the connection is dead) the op goes the usual way.
+        if s.live.as_ref()?.closed() {
+            drop(s);
+            c.kill(Error::PeerClosed("shm: the peer closed the connection".into()));
+            return None;
+        }
+        lease_for(&s, op)?
+    };
+    if !l.enter() {
         return None;
     }
-    let write = op.dir() == Direction::Write;
-    let l = entered(c, op)?;
     *budget -= len;
     let copied = l.map.at(op.remote().offset, len, write).and_then(|remote| {
         let local = op.local().ptr() as usize;

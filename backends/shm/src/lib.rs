@@ -13,6 +13,10 @@
 //!   Deregistration revokes the lease (Forget; the client answers Released once its copies are
 //!   over), so it waits for remote copies as for local ones. Waiting is on the socket (epoll),
 //!   never a spinning poll.
+//! - **Shutdown.** Each accepted connection gets a live page first: one sealed memfd page the
+//!   server marks closed before its shutdown returns. An op copied in `submit` reads it (one
+//!   load), so none lands in memory of a peer whose shutdown has returned; a peer that dies
+//!   without one is seen by the connection's reader at the end of its stream.
 //! - **Fallback.** Caller-registered (raw) memory has no memfd: `register` returns no blob for
 //!   it, so the engine picks its next backend (tcp) for ops on such regions.
 //! - **Cleanup.** Mappings of a peer's memory are dropped when the peer deregisters the region
@@ -24,6 +28,7 @@
 //!   `tensorwire-cuda`'s CUDA IPC (device memory, GPU copies).
 
 mod client;
+mod live;
 mod mapping;
 pub mod medium;
 mod memfd;
@@ -80,8 +85,10 @@ impl Inner {
     fn close(&self) {
         self.serving.close();
         // Peers see the end now, not once the aborted serving tasks drop their streams: a peer's
-        // op that copies in `submit` checks for it first, so none lands after shutdown returned.
+        // op that copies in `submit` reads the live page first, so none lands after shutdown
+        // returned.
         for conn in self.served.take() {
+            conn.live.close();
             conn.writer.hang_up();
         }
         for c in self.clients.take() {
@@ -179,14 +186,22 @@ async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
             }
         }
         let Some(host) = inner.serving.host() else { continue };
+        let (live, live_fd) = match live::LivePage::create() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "shm: refusing a peer: no live page for it");
+                continue;
+            }
+        };
         let sock = Arc::new(sock);
         let conn = Arc::new(ServerConn {
             writer: FrameWriter::new(sock.clone()),
             mapped: Mutex::new(Default::default()),
+            live,
         });
         inner.served.push(&conn);
         let reader = FrameReader::new(sock);
-        inner.serving.spawn(server::serve(conn, reader, host, inner.table.clone()));
+        inner.serving.spawn(server::serve(conn, reader, host, inner.table.clone(), live_fd));
     }
 }
 

@@ -6,11 +6,12 @@
 //! A Begin that asks for a lease holds the whole region (checked the same way, for the op's
 //! access) until the peer's `Released`, which it sends after the region's `Forget` once its
 //! copies are over: deregistration waits for it as it waits for a held op. When the peer goes
-//! away, everything it held is released.
+//! away, everything it held is released. The first frame to the peer is its live page (see
+//! [`crate::live`]), which the backend's shutdown marks closed.
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -18,6 +19,7 @@ use tensorwire_core::backend::kit::encode_error;
 use tensorwire_core::{Error, MemSlice, RegionId, Result, backend::Access, backend::BackendHost};
 
 use crate::Table;
+use crate::live::LivePage;
 use crate::uds::{FrameReader, FrameWriter};
 use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, LEASE, WANT_SHARE, WRITABLE};
 
@@ -44,6 +46,8 @@ pub(crate) struct ServerConn {
     pub(crate) writer: FrameWriter,
     /// Regions whose export this peer received (it gets a Forget when they go).
     pub(crate) mapped: Mutex<HashSet<RegionId>>,
+    /// Where the backend's shutdown tells the peer the connection is closed.
+    pub(crate) live: LivePage,
 }
 
 impl ServerConn {
@@ -70,15 +74,25 @@ async fn reply(conn: &ServerConn, kind: Kind, req: u64, r: Result<()>) -> Result
     }
 }
 
-/// Serves `conn` until the peer closes it or breaks the protocol.
+/// Serves `conn` until the peer closes it or breaks the protocol; first passes the peer `live`,
+/// the descriptor of `conn`'s live page.
 pub(crate) async fn serve(
     conn: Arc<ServerConn>,
     mut reader: FrameReader,
     host: Arc<dyn BackendHost>,
     table: Arc<Table>,
+    live: OwnedFd,
 ) {
     let mut held = Held::default();
-    if let Err(e) = serve_inner(&conn, &mut reader, &*host, &table, &mut held).await {
+    let mut h = Header::new(Kind::Live, 0);
+    h.flags = HAS_FD;
+    let sent = conn.writer.send(&h, &[], Some(live.as_raw_fd())).await;
+    drop(live); // the peer has its own now
+    let served = match sent {
+        Ok(()) => serve_inner(&conn, &mut reader, &*host, &table, &mut held).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = served {
         if !matches!(e, Error::PeerClosed(_)) {
             tracing::warn!(error = %e, "shm: peer connection closed");
         }

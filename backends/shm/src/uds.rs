@@ -37,14 +37,6 @@ impl FrameWriter {
         unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
     }
 
-    /// Whether the peer hung up (or the stream failed), without waiting: one `poll(2)`.
-    pub(crate) fn peer_gone(&self) -> bool {
-        let mut p = libc::pollfd { fd: self.sock.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
-        // SAFETY: one valid pollfd for the call; a zero timeout never blocks.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
-    }
-
     /// Sends `h`, then `body`, with `fd` attached to the first byte.
     pub(crate) async fn send(&self, h: &Header, body: &[u8], fd: Option<RawFd>) -> Result<()> {
         let mut frame = Vec::with_capacity(HEADER_LEN + body.len());

@@ -17,6 +17,10 @@
 //! ops on it (same key and access) without asking, and sends no End for them. When the region is
 //! deregistered the server sends `Forget`; the client stops using the lease, waits for its copies
 //! in flight, and answers `Released`, which lets the deregistration finish.
+//!
+//! Live page (version 4): the server's first frame is `Live`, with a descriptor of one sealed
+//! memfd page where its shutdown writes "closed" before it hangs up; the client reads it before
+//! each op it copies without asking (see `live.rs`).
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, Result, backend::RemoteRange};
@@ -27,7 +31,7 @@ pub use crate::medium::MAX_SHARE_BYTES;
 pub const HEADER_LEN: usize = 56;
 /// The protocol's magic ("TS"), version and largest body.
 pub const FRAMING: Framing =
-    Framing { name: "shm", magic: *b"TS", version: 3, max_payload: MAX_NOTIFY_WIRE as u32 };
+    Framing { name: "shm", magic: *b"TS", version: 4, max_payload: MAX_NOTIFY_WIRE as u32 };
 
 /// Begin: the client wants the region's export (share bytes, descriptor) with the grant.
 pub const WANT_SHARE: u8 = 1;
@@ -59,6 +63,8 @@ pub enum Kind {
     /// Client: its lease on `region` for the access its flags name ([`ACCESS_WRITE`] or not)
     /// is over, and no copy on it is in flight.
     Released,
+    /// Server, first frame (with [`HAS_FD`]): the connection's live page.
+    Live,
 }
 
 impl Kind {
@@ -71,6 +77,7 @@ impl Kind {
             Kind::NotifyAck => 5,
             Kind::Forget => 6,
             Kind::Released => 7,
+            Kind::Live => 8,
         }
     }
     fn from_tag(t: u8) -> Result<Kind> {
@@ -82,6 +89,7 @@ impl Kind {
             5 => Kind::NotifyAck,
             6 => Kind::Forget,
             7 => Kind::Released,
+            8 => Kind::Live,
             _ => return Err(Error::protocol(format!("shm: unknown frame kind {t}"))),
         })
     }

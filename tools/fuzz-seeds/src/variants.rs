@@ -133,7 +133,7 @@ fn envelopes(c: &mut Corpus) {
 
 fn shm_headers(c: &mut Corpus) {
     use shm::Kind::*;
-    for kind in [Begin, Granted, End, Notify, NotifyAck, Forget, Released] {
+    for kind in [Begin, Granted, End, Notify, NotifyAck, Forget, Released, Live] {
         let mut h = shm::Header::new(kind, 42);
         h.region = RegionId(3);
         h.key = AccessKey::from_bits(0xfeed_f00d);
@@ -142,6 +142,7 @@ fn shm_headers(c: &mut Corpus) {
         h.flags = match kind {
             Begin => shm::WANT_SHARE | shm::ACCESS_WRITE,
             Granted => shm::HAS_FD | shm::WRITABLE,
+            Live => shm::HAS_FD,
             _ => 0,
         };
         c.add("shm_header", h.encode().to_vec());

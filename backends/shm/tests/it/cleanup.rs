@@ -110,7 +110,8 @@ async fn check() {
     }
     settle("after a normal ending", |c| c == base).await;
 
-    // Killed peer: we map the child's region, the child dies, our mapping must go.
+    // Killed peer: we map the child's region (and our connection's live page), the child dies,
+    // our mappings must go.
     let kid = spawn_child("cleanup-peer", "hold");
     let a = Engine::builder().backend(shm()).start().await.unwrap();
     let src = a.alloc(1 << 20, Permissions::NONE).await.unwrap();
@@ -119,7 +120,11 @@ async fn check() {
     let remote = s.remote_region(kid.region).unwrap();
     s.transfer(TransferOp::write(&src, 0, &remote, 0, 1 << 20)).await.unwrap();
     let mapped = counts();
-    assert_eq!(mapped.memfd_maps, own.memfd_maps + 1, "we map the child's region");
+    assert_eq!(
+        mapped.memfd_maps,
+        own.memfd_maps + 2,
+        "we map the child's region and the live page of our connection"
+    );
     drop(kid); // SIGKILL and reap
     settle("after the peer was killed", |c| c.memfd_maps == own.memfd_maps).await;
     let e = s.transfer(TransferOp::write(&src, 0, &remote, 0, 4096)).await.unwrap_err();
