@@ -87,7 +87,8 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 /// Every name a crate records: a literal `"tensorwire_..."` right after `counter!(`,
-/// `gauge!(`, `histogram!(` or the caches' `count(`.
+/// `gauge!(`, `histogram!(`, the caches' `count(` or the engine's `op_key(` (the keys of an
+/// ended op, built once per thread).
 fn recorded_names() -> Vec<(String, String)> {
     let mut files = Vec::new();
     rust_files(&root(), &mut files);
@@ -100,7 +101,7 @@ fn recorded_names() -> Vec<(String, String)> {
             let len = text[start..].find('"').unwrap_or(0);
             let name = &text[start..start + len];
             let before = text[..at + i].trim_end();
-            let recorded = ["counter!(", "gauge!(", "histogram!(", "count("]
+            let recorded = ["counter!(", "gauge!(", "histogram!(", "count(", "op_key("]
                 .iter()
                 .any(|m| before.ends_with(m));
             if recorded {

@@ -445,12 +445,16 @@ impl Session {
             None => None,
         };
         let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
-        // backend index -> (op index, prepared op)
-        let mut groups: HashMap<usize, Vec<(usize, Prepared)>> = HashMap::new();
+        // (backend index, its (op index, prepared op)s), in the order the backends first
+        // appear: an engine runs a handful of backends, so a scan beats hashing.
+        let mut groups: Vec<(usize, Vec<(usize, Prepared)>)> = Vec::new();
         for (i, op) in ops.iter().enumerate() {
             match self.prepare(&engine, &peer, op) {
                 Ok(p) => {
-                    groups.entry(p.backend).or_default().push((i, p));
+                    match groups.iter_mut().find(|(b, _)| *b == p.backend) {
+                        Some((_, members)) => members.push((i, p)),
+                        None => groups.push((p.backend, vec![(i, p)])),
+                    }
                     handles.push(None);
                 }
                 Err(e) => handles.push(Some(TransferHandle::failed(e))),
@@ -467,6 +471,8 @@ impl Session {
                     continue;
                 }
             };
+            // Every op's time starts here: a backend may finish an op inside `submit`.
+            let start = std::time::Instant::now();
             let mut counts: Vec<(usize, usize)> = Vec::with_capacity(members.len());
             let mut all: Vec<Op> = Vec::with_capacity(members.len());
             for (i, p) in members {
@@ -488,8 +494,13 @@ impl Session {
                     if let Some(n) = notice.take_if(|_| i == 0) {
                         done = crate::completion::after_notice(c.conn.notify(n), done);
                     }
-                    handles[i] =
-                        Some(TransferHandle::running(&engine, backend.name(), &ops[i], vec![done]));
+                    handles[i] = Some(TransferHandle::running(
+                        &engine,
+                        backend.name(),
+                        &ops[i],
+                        vec![done],
+                        start,
+                    ));
                     continue;
                 }
                 match self.pieces(&engine, p, &c.fence) {
@@ -518,7 +529,7 @@ impl Session {
                     continue;
                 }
                 handles[i] =
-                    Some(TransferHandle::running(&engine, backend.name(), &ops[i], pieces));
+                    Some(TransferHandle::running(&engine, backend.name(), &ops[i], pieces, start));
             }
         }
         handles

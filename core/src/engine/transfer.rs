@@ -108,16 +108,18 @@ impl TransferHandle {
         TransferHandle { backend: "none", fut: Box::pin(std::future::ready(Err(e))) }
     }
 
+    /// The handle of `op`, which `backend` runs as `pieces` since `start` (read before the
+    /// backend's `submit`, which may have copied the op already).
     pub(crate) fn running(
         engine: &Arc<EngineShared>,
         backend: &'static str,
         op: &TransferOp,
         pieces: Vec<Completion>,
+        start: Instant,
     ) -> Self {
+        let limit = engine.config.transfer_timeout;
         let engine: Weak<EngineShared> = Arc::downgrade(engine);
-        let limit = engine.upgrade().map(|e| e.config.transfer_timeout).unwrap_or_default();
         let (dir, len, region) = (op.dir, op.len, op.remote.id.0);
-        let start = Instant::now();
         let in_flight = super::telemetry::InFlight::start();
         let fut = async move {
             let _in_flight = in_flight; // ends with the op, or with its handle when dropped
