@@ -551,3 +551,59 @@ impl Connection for ShmConnection {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+    use crate::memfd::Memfd;
+
+    /// A connection whose peer is the returned writer (a server this test plays by hand).
+    fn connection() -> (ShmConnection, FrameWriter) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let (conn, _) = ShmConnection::new(ours, Arc::new(Memfd), Duration::from_secs(5));
+        (conn, FrameWriter::new(Arc::new(theirs)))
+    }
+
+    /// Waits (bounded) until the connection is broken; its error.
+    async fn broken(conn: &ShmConnection) -> Error {
+        for _ in 0..500 {
+            if let Some(e) = conn.broken() {
+                return e;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the connection still stands");
+    }
+
+    fn live() -> Header {
+        let mut h = Header::new(Kind::Live, 0);
+        h.flags = crate::wire::HAS_FD;
+        h
+    }
+
+    #[tokio::test]
+    async fn a_live_page_comes_once_and_with_its_memfd() {
+        // No descriptor with it.
+        let (conn, peer) = connection();
+        peer.send(&Header::new(Kind::Live, 0), &[], None).await.unwrap();
+        let e = broken(&conn).await;
+        assert!(e.to_string().contains("without its memfd"), "{e}");
+
+        // A second one.
+        let (conn, peer) = connection();
+        let (_page, fd) = LivePage::create().unwrap();
+        peer.send(&live(), &[], Some(fd.as_raw_fd())).await.unwrap();
+        peer.send(&live(), &[], Some(fd.as_raw_fd())).await.unwrap();
+        let e = broken(&conn).await;
+        assert!(e.to_string().contains("a second live page"), "{e}");
+
+        // An unsealed one (a peer that could shrink it under our loads).
+        let (conn, peer) = connection();
+        let region = crate::live::unsealed_page();
+        peer.send(&live(), &[], Some(region.as_raw_fd())).await.unwrap();
+        let e = broken(&conn).await;
+        assert!(e.to_string().contains("not sealed"), "{e}");
+    }
+}

@@ -107,6 +107,19 @@ fn map(fd: &OwnedFd, prot: libc::c_int) -> Result<LivePage> {
     Ok(LivePage { word })
 }
 
+/// A page-long memfd with no seals (what a peer that could shrink it would pass).
+#[cfg(test)]
+pub(crate) fn unsealed_page() -> OwnedFd {
+    // SAFETY: a NUL-terminated name.
+    let raw = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(raw >= 0, "memfd_create");
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: ftruncate on it.
+    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), LEN as libc::off_t) }, 0);
+    fd
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,13 +140,7 @@ mod tests {
 
     #[test]
     fn an_unsealed_page_is_refused() {
-        // SAFETY: a NUL-terminated name.
-        let raw = unsafe { libc::memfd_create(c"t".as_ptr(), libc::MFD_CLOEXEC) };
-        // SAFETY: a fresh descriptor.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on it.
-        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), LEN as libc::off_t) }, 0);
-        let e = LivePage::open(fd).unwrap_err();
+        let e = LivePage::open(unsealed_page()).unwrap_err();
         assert!(e.to_string().contains("not sealed"), "{e}");
     }
 }
