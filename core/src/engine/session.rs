@@ -33,7 +33,10 @@ struct SessionInner {
     /// Shared, so an op reads it without copying every remote region the peer showed.
     peer: RwLock<Arc<EngineDescriptor>>,
     addr: RwLock<Option<SocketAddr>>,
-    conns: tokio::sync::Mutex<HashMap<&'static str, Conn>>,
+    /// Open connections by backend name: every op looks its one up here.
+    conns: std::sync::Mutex<HashMap<&'static str, Conn>>,
+    /// Held while a connection is opened, so two ops do not open two.
+    connecting: tokio::sync::Mutex<()>,
 }
 
 /// A backend connection and the fence that orders notifications after its ops.
@@ -104,7 +107,8 @@ impl Reroute for Fallback {
                 shared: Some(f.region.clone()),
                 offset: remote.offset,
             };
-            let ops = session.pieces(&engine, p, &c.fence)?;
+            let mut ops = Vec::new();
+            session.pieces(&engine, p, &c.fence, &mut ops)?;
             for done in c.conn.submit(ops) {
                 done.await?;
             }
@@ -143,7 +147,8 @@ impl Session {
                 engine: Arc::downgrade(engine),
                 peer: RwLock::new(Arc::new(desc)),
                 addr: RwLock::new(addr),
-                conns: tokio::sync::Mutex::new(HashMap::new()),
+                conns: std::sync::Mutex::new(HashMap::new()),
+                connecting: tokio::sync::Mutex::new(()),
             }),
         };
         let id = s.peer();
@@ -173,7 +178,8 @@ impl Session {
                 sessions.remove(&peer);
             }
         }
-        self.inner.conns.lock().await.clear();
+        let _connecting = self.inner.connecting.lock().await; // none opens behind the clear
+        lock(&self.inner.conns).clear();
     }
 
     /// The peer's engine id.
@@ -277,8 +283,15 @@ impl Session {
     }
 
     /// Cuts a prepared op into ops of at most its backend's request size, each with a ticket of
-    /// `fence` and, when a later backend could take it over, a [`Fallback`].
-    fn pieces(&self, engine: &EngineShared, p: Prepared<'_>, fence: &OpFence) -> Result<Vec<Op>> {
+    /// `fence` and, when a later backend could take it over, a [`Fallback`]; appends them to
+    /// `out` and returns how many (none appended on an error).
+    fn pieces(
+        &self,
+        engine: &EngineShared,
+        p: Prepared<'_>,
+        fence: &OpFence,
+        out: &mut Vec<Op>,
+    ) -> Result<usize> {
         let Prepared { backend, dir, local, region, shared, offset, .. } = p;
         let b = &engine.backends[backend];
         let blob = region.blob(b.name()).cloned().unwrap_or_default();
@@ -305,30 +318,49 @@ impl Session {
         };
         let len = local.len();
         if len <= max {
-            return Ok(vec![op(0, local)]);
+            out.push(op(0, local));
+            return Ok(1);
         }
-        let mut ops = Vec::with_capacity(len.div_ceil(max) as usize);
+        let first = out.len();
         let mut off = 0;
         while off < len {
             let n = max.min(len - off);
-            ops.push(op(off, local.sub(off, n)?));
+            match local.sub(off, n) {
+                Ok(piece) => out.push(op(off, piece)),
+                Err(e) => {
+                    out.truncate(first);
+                    return Err(e);
+                }
+            }
             off += n;
         }
-        Ok(ops)
+        Ok(out.len() - first)
     }
 
-    async fn connection(&self, engine: &EngineShared, backend: &Arc<dyn Backend>) -> Result<Conn> {
-        let mut conns = self.inner.conns.lock().await;
-        if let Some(c) = conns.get(backend.name()) {
-            match c.conn.broken() {
-                None => return Ok(c.clone()),
-                Some(e) => tracing::debug!(
+    /// The open connection through `backend`, if one is open and not broken.
+    fn open_connection(&self, backend: &Arc<dyn Backend>) -> Option<Conn> {
+        let c = lock(&self.inner.conns).get(backend.name())?.clone();
+        match c.conn.broken() {
+            None => Some(c),
+            Some(e) => {
+                tracing::debug!(
                     backend = backend.name(),
                     peer = %self.peer(),
                     error = %e,
                     "engine: connection broken; opening a new one"
-                ),
+                );
+                None
             }
+        }
+    }
+
+    async fn connection(&self, engine: &EngineShared, backend: &Arc<dyn Backend>) -> Result<Conn> {
+        if let Some(c) = self.open_connection(backend) {
+            return Ok(c);
+        }
+        let _connecting = self.inner.connecting.lock().await;
+        if let Some(c) = self.open_connection(backend) {
+            return Ok(c); // another op opened it meanwhile
         }
         let peer = self.shared_descriptor();
         let endpoint = peer
@@ -344,7 +376,7 @@ impl Session {
         })??;
         super::telemetry::connected(backend.name());
         let c = Conn { conn, fence: OpFence::new() };
-        conns.insert(backend.name(), c.clone());
+        lock(&self.inner.conns).insert(backend.name(), c.clone());
         Ok(c)
     }
 
@@ -503,11 +535,8 @@ impl Session {
                     ));
                     continue;
                 }
-                match self.pieces(&engine, p, &c.fence) {
-                    Ok(ops) => {
-                        counts.push((i, ops.len()));
-                        all.extend(ops);
-                    }
+                match self.pieces(&engine, p, &c.fence, &mut all) {
+                    Ok(n) => counts.push((i, n)),
                     Err(e) => handles[i] = Some(TransferHandle::failed(e)),
                 }
             }
