@@ -78,17 +78,23 @@ struct Inner {
     serving: Serving<std::os::unix::net::UnixListener>,
     table: Arc<Table>,
     served: WeakList<ServerConn>,
+    /// The live page of each connection served (and of those ended since the last accept):
+    /// held here, not by the connection, so the shutdown marks every one, even that of a
+    /// connection whose aborted task another thread is dropping right then.
+    live: Mutex<Vec<(Weak<ServerConn>, live::LivePage)>>,
     clients: WeakList<ClientShared>,
 }
 
 impl Inner {
     fn close(&self) {
         self.serving.close();
-        // Peers see the end now, not once the aborted serving tasks drop their streams: a peer's
-        // op that copies in `submit` reads the live page first, so none lands after shutdown
-        // returned.
+        // A peer's op that copies in `submit` reads its live page first, so none lands after
+        // shutdown returned; peers' readers see the end now, not once the aborted serving tasks
+        // drop their streams.
+        for (_, page) in self.live.lock().drain(..) {
+            page.close();
+        }
         for conn in self.served.take() {
-            conn.live.close();
             conn.writer.hang_up();
         }
         for c in self.clients.take() {
@@ -150,6 +156,7 @@ impl ShmBackend {
                 serving: Serving::new(backend, listener),
                 table: Arc::new(Table { regions: Mutex::default(), backend }),
                 served: WeakList::default(),
+                live: Mutex::default(),
                 clients: WeakList::default(),
             }),
         }))
@@ -197,9 +204,25 @@ async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
         let conn = Arc::new(ServerConn {
             writer: FrameWriter::new(sock.clone()),
             mapped: Mutex::new(Default::default()),
-            live,
         });
         inner.served.push(&conn);
+        {
+            let mut pages = inner.live.lock();
+            // Pages of connections that ended go (marked closed, for a peer still reading one).
+            pages.retain(|(c, page)| {
+                let served = c.strong_count() > 0;
+                if !served {
+                    page.close();
+                }
+                served
+            });
+            // A shutdown that began after the check above drained the list before this push,
+            // or drains it after: either way the page is marked.
+            if inner.serving.is_closed() {
+                live.close();
+            }
+            pages.push((Arc::downgrade(&conn), live));
+        }
         let reader = FrameReader::new(sock);
         inner.serving.spawn(server::serve(conn, reader, host, inner.table.clone(), live_fd));
     }

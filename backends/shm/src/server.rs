@@ -7,7 +7,7 @@
 //! access) until the peer's `Released`, which it sends after the region's `Forget` once its
 //! copies are over: deregistration waits for it as it waits for a held op. When the peer goes
 //! away, everything it held is released. The first frame to the peer is its live page (see
-//! [`crate::live`]), which the backend's shutdown marks closed.
+//! [`crate::live`]), which the backend's shutdown marks closed (the backend holds the pages).
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -19,7 +19,6 @@ use tensorwire_core::backend::kit::encode_error;
 use tensorwire_core::{Error, MemSlice, RegionId, Result, backend::Access, backend::BackendHost};
 
 use crate::Table;
-use crate::live::LivePage;
 use crate::uds::{FrameReader, FrameWriter};
 use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, LEASE, WANT_SHARE, WRITABLE};
 
@@ -46,8 +45,6 @@ pub(crate) struct ServerConn {
     pub(crate) writer: FrameWriter,
     /// Regions whose export this peer received (it gets a Forget when they go).
     pub(crate) mapped: Mutex<HashSet<RegionId>>,
-    /// Where the backend's shutdown tells the peer the connection is closed.
-    pub(crate) live: LivePage,
 }
 
 impl ServerConn {
