@@ -52,7 +52,7 @@ use tensorwire_core::{Error, RegionId, Result};
 use client::{ClientShared, ShmConnection};
 pub use medium::{Export, Grant, MAX_SHARE_BYTES, Medium, Opened};
 pub use memfd::Memfd;
-use server::ServerConn;
+use server::{Served, ServerConn};
 use uds::{FrameReader, FrameWriter};
 
 /// The backend's name.
@@ -77,26 +77,14 @@ struct Inner {
     /// The Unix listener, the engine host, the accept loop and serving tasks.
     serving: Serving<std::os::unix::net::UnixListener>,
     table: Arc<Table>,
-    served: WeakList<ServerConn>,
-    /// The live page of each connection served (and of those ended since the last accept):
-    /// held here, not by the connection, so the shutdown marks every one, even that of a
-    /// connection whose aborted task another thread is dropping right then.
-    live: Mutex<Vec<(Weak<ServerConn>, live::LivePage)>>,
+    served: Served,
     clients: WeakList<ClientShared>,
 }
 
 impl Inner {
     fn close(&self) {
         self.serving.close();
-        // A peer's op that copies in `submit` reads its live page first, so none lands after
-        // shutdown returned; peers' readers see the end now, not once the aborted serving tasks
-        // drop their streams.
-        for (_, page) in self.live.lock().drain(..) {
-            page.close();
-        }
-        for conn in self.served.take() {
-            conn.writer.hang_up();
-        }
+        self.served.close();
         for c in self.clients.take() {
             c.kill(self.serving.closed_error());
         }
@@ -155,8 +143,7 @@ impl ShmBackend {
             inner: Arc::new(Inner {
                 serving: Serving::new(backend, listener),
                 table: Arc::new(Table { regions: Mutex::default(), backend }),
-                served: WeakList::default(),
-                live: Mutex::default(),
+                served: Served::default(),
                 clients: WeakList::default(),
             }),
         }))
@@ -205,24 +192,7 @@ async fn accept_loop(listener: tokio::net::UnixListener, inner: Weak<Inner>) {
             writer: FrameWriter::new(sock.clone()),
             mapped: Mutex::new(Default::default()),
         });
-        inner.served.push(&conn);
-        {
-            let mut pages = inner.live.lock();
-            // Pages of connections that ended go (marked closed, for a peer still reading one).
-            pages.retain(|(c, page)| {
-                let served = c.strong_count() > 0;
-                if !served {
-                    page.close();
-                }
-                served
-            });
-            // A shutdown that began after the check above drained the list before this push,
-            // or drains it after: either way the page is marked.
-            if inner.serving.is_closed() {
-                live.close();
-            }
-            pages.push((Arc::downgrade(&conn), live));
-        }
+        inner.served.push(&conn, live, || inner.serving.is_closed());
         let reader = FrameReader::new(sock);
         inner.serving.spawn(server::serve(conn, reader, host, inner.table.clone(), live_fd));
     }

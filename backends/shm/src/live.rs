@@ -11,6 +11,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use tensorwire_core::{Error, Result};
 
+use crate::medium::Opened;
+use crate::memfd;
+
 /// Bytes of the page (one page; only its first word is used).
 const LEN: usize = 4096;
 /// Seals the server sets before it shares the page: it can neither shrink (a reader would
@@ -21,6 +24,8 @@ const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEA
 #[derive(Debug)]
 pub(crate) struct LivePage {
     word: NonNull<AtomicU32>,
+    /// The mapping (unmapped when dropped).
+    _map: Opened,
 }
 
 // SAFETY: the page is shared memory read and written only through the `AtomicU32` at its start.
@@ -44,7 +49,7 @@ impl LivePage {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), LEN as libc::off_t) } != 0 {
             return Err(std::io::Error::last_os_error().into());
         }
-        let page = map(&fd, libc::PROT_READ | libc::PROT_WRITE)?;
+        let page = LivePage::map(&fd, true)?;
         // SAFETY: F_ADD_SEALS on the memfd made with MFD_ALLOW_SEALING; our own writable
         // mapping predates the seal and stays writable.
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
@@ -61,16 +66,15 @@ impl LivePage {
         if seals < 0 || seals & SEALS != SEALS {
             return Err(Error::protocol("shm: the peer's live page is not sealed"));
         }
-        // SAFETY: fstat on an open descriptor into a zeroed stat buffer.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(std::io::Error::last_os_error().into());
-        }
-        if (st.st_size as u64) < LEN as u64 {
-            return Err(Error::protocol(format!("shm: a {}-byte live page", st.st_size)));
-        }
-        map(&fd, libc::PROT_READ)
+        LivePage::map(&fd, false)
+    }
+
+    /// Maps the page of `fd` (refused when it holds less than a page).
+    fn map(fd: &OwnedFd, writable: bool) -> Result<LivePage> {
+        let map = memfd::map(fd, LEN as u64, writable)?;
+        let word = NonNull::new(map.addr as *mut AtomicU32)
+            .ok_or_else(|| Error::Internal("mmap returned a null mapping".into()))?;
+        Ok(LivePage { word, _map: map })
     }
 
     /// Says the connection is no longer served (the serving side, before it hangs up).
@@ -84,27 +88,6 @@ impl LivePage {
         // SAFETY: the word lies in this value's live mapping.
         unsafe { self.word.as_ref() }.load(Ordering::Acquire) != 0
     }
-}
-
-impl Drop for LivePage {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping made in `map`, unmapped once; nothing borrows it past
-        // `&self` calls.
-        unsafe { libc::munmap(self.word.as_ptr().cast(), LEN) };
-    }
-}
-
-/// Maps the page of `fd` (at least `LEN` bytes) shared, with `prot`.
-fn map(fd: &OwnedFd, prot: libc::c_int) -> Result<LivePage> {
-    // SAFETY: mapping `LEN` bytes of a descriptor at least that large, at no fixed address.
-    let p =
-        unsafe { libc::mmap(std::ptr::null_mut(), LEN, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
-    if p == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    let word = NonNull::new(p.cast::<AtomicU32>())
-        .ok_or_else(|| Error::Internal("mmap returned a null mapping".into()))?;
-    Ok(LivePage { word })
 }
 
 /// A page-long memfd with no seals (what a peer that could shrink it would pass).
@@ -134,7 +117,7 @@ mod tests {
         assert!(!client.closed());
         server.close();
         assert!(client.closed());
-        let w = map(&dup, libc::PROT_READ | libc::PROT_WRITE);
+        let w = memfd::map(&dup, LEN as u64, true);
         assert!(w.is_err(), "a writable mapping of the sealed page");
     }
 

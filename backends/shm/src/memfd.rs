@@ -46,7 +46,7 @@ impl Medium for Memfd {
     fn open(&self, grant: Grant) -> Result<Opened> {
         let Grant { fd, len, writable, .. } = grant;
         let fd = fd.ok_or_else(|| Error::protocol("shm: a grant without its memfd"))?;
-        map(fd, len, writable)
+        map(&fd, len, writable) // the descriptor closes here: the mapping keeps the memory
     }
 
     unsafe fn copy(&self, src: usize, dst: usize, n: usize) -> Result<()> {
@@ -75,9 +75,9 @@ impl Drop for Unmap {
     }
 }
 
-/// Maps `len` (non-zero, checked by the caller) bytes of `fd`, writable only if the peer granted
-/// a writable descriptor.
-fn map(fd: OwnedFd, len: u64, writable: bool) -> Result<Opened> {
+/// Maps `len` (non-zero, checked by the caller) bytes of `fd` shared, writable only if the peer
+/// granted a writable descriptor; refused when `fd` holds fewer bytes.
+pub(crate) fn map(fd: &OwnedFd, len: u64, writable: bool) -> Result<Opened> {
     // SAFETY: fstat on an open descriptor into a zeroed stat buffer.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.

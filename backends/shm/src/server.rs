@@ -7,18 +7,19 @@
 //! access) until the peer's `Released`, which it sends after the region's `Forget` once its
 //! copies are over: deregistration waits for it as it waits for a held op. When the peer goes
 //! away, everything it held is released. The first frame to the peer is its live page (see
-//! [`crate::live`]), which the backend's shutdown marks closed (the backend holds the pages).
+//! [`crate::live`]), which the backend's shutdown marks closed ([`Served`] holds the pages).
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use bytes::Bytes;
 use tensorwire_core::backend::kit::encode_error;
 use tensorwire_core::{Error, MemSlice, RegionId, Result, backend::Access, backend::BackendHost};
 
 use crate::Table;
+use crate::live::LivePage;
 use crate::uds::{FrameReader, FrameWriter};
 use crate::wire::{ACCESS_WRITE, HAS_FD, Header, Kind, LEASE, WANT_SHARE, WRITABLE};
 
@@ -54,6 +55,51 @@ impl ServerConn {
             let mut h = Header::new(Kind::Forget, 0);
             h.region = region;
             let _ = self.writer.send(&h, &[], None).await;
+        }
+    }
+}
+
+/// The connections a backend serves, each with its live page. The pages are held here, not by
+/// the connections, so a shutdown marks every one, even that of a connection whose aborted
+/// task another thread is dropping right then (it may have left a list of weak references
+/// already, and its stream not be closed yet).
+#[derive(Debug, Default)]
+pub(crate) struct Served(Mutex<Vec<(Weak<ServerConn>, LivePage)>>);
+
+impl Served {
+    /// Adds `conn` with its `page`; the entries of connections gone since leave, their pages
+    /// marked closed. `closed`, read under the list's lock, says a shutdown began: the page is
+    /// marked now, as that shutdown may have emptied the list already.
+    pub(crate) fn push(&self, conn: &Arc<ServerConn>, page: LivePage, closed: impl Fn() -> bool) {
+        let mut v = self.0.lock();
+        v.retain(|(c, page)| {
+            let served = c.strong_count() > 0;
+            if !served {
+                page.close();
+            }
+            served
+        });
+        if closed() {
+            page.close();
+        }
+        v.push((Arc::downgrade(conn), page));
+    }
+
+    /// The connections still served.
+    pub(crate) fn live(&self) -> Vec<Arc<ServerConn>> {
+        self.0.lock().iter().filter_map(|(c, _)| c.upgrade()).collect()
+    }
+
+    /// Shutdown: marks every page closed (a peer's op that copies in `submit` reads it first,
+    /// so none lands after the shutdown returned), then hangs up every stream (peers' readers
+    /// see the end now, not once the aborted serving tasks drop their streams).
+    pub(crate) fn close(&self) {
+        let all = std::mem::take(&mut *self.0.lock());
+        for (_, page) in &all {
+            page.close();
+        }
+        for conn in all.iter().filter_map(|(c, _)| c.upgrade()) {
+            conn.writer.hang_up();
         }
     }
 }
