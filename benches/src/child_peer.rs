@@ -13,7 +13,8 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 
 use tensorwire_core::{
-    Engine, Error, Permissions, Region, RegionId, RemoteRegion, Session, TransferOp,
+    Engine, Error, Permissions, PreparedTransfer, Region, RegionId, RemoteRegion, Session,
+    TransferOp,
 };
 
 use crate::raw_tcp::RawTcp;
@@ -183,6 +184,16 @@ impl ChildPair {
     /// One op of `size` bytes; checks that the engine used `backend`.
     pub async fn op(&self, write: bool, size: u64, backend: &str) -> Result<()> {
         self.ops(write, size, 1, backend).await
+    }
+
+    /// One op of `size` bytes, prepared for [`crate::transfer::post_checked`].
+    pub async fn prepare(&self, write: bool, size: u64) -> Result<PreparedTransfer> {
+        let local = self.local.as_ref().ok_or_else(|| Error::protocol("pair dropped"))?;
+        let op = match write {
+            true => TransferOp::write(local, 0, &self.remote, 0, size),
+            false => TransferOp::read(local, 0, &self.remote, 0, size),
+        };
+        Ok(self.session.prepare(vec![op]).await?)
     }
 
     /// `n` ops of `size` bytes (the same ranges) in one submit, each completing on its own;

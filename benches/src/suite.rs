@@ -14,7 +14,7 @@ use crate::memcpy::SharedMemcpy;
 use crate::raw_tcp::RawTcp;
 use crate::report::Line;
 use crate::store::{StoreBench, StoreMode};
-use crate::transfer::{BACKENDS, EnginePair};
+use crate::transfer::{BACKENDS, EnginePair, post_checked};
 use crate::ucx_perftest::Perftest;
 
 /// How much to measure.
@@ -31,6 +31,15 @@ pub struct Plan {
     /// Where the initiator's side of every op starts in its page (one-process transfers; 0:
     /// page-aligned, as the remote side always is).
     pub page_offset: u64,
+    /// Post transfer ops from a [`tensorwire_core::PreparedTransfer`] made once per line.
+    pub prepared: bool,
+}
+
+impl Plan {
+    /// A line's name: the backend's, with "-prepared" for prepared transfers.
+    fn name(&self, backend: &str) -> String {
+        if self.prepared { format!("{backend}-prepared") } else { backend.to_string() }
+    }
 }
 
 /// Backend transfers against the raw medium.
@@ -64,17 +73,28 @@ pub async fn transfers(
     let copies = if backend == "tcp" { 2 } else { 1 };
     let baseline = if backend == "tcp" { "tokio-socket" } else { "memcpy" };
     let (pair_ref, raw, copy) = (&pair, &raw, &copy);
+    let name = &plan.name(backend);
     let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+        let prep = match plan.prepared {
+            true => Some(pair_ref.prepare(write, size).await?),
+            false => None,
+        };
+        let prep = &prep;
         let (tw, base) = interleaved(
             plan.runs,
             plan.budget,
             size,
-            || pair_ref.op(write, size, backend),
+            || async move {
+                match prep {
+                    Some(p) => post_checked(p, backend).await,
+                    None => pair_ref.op(write, size, backend).await,
+                }
+            },
             || raw_op(raw, copy, write, size),
         )
         .await?;
         let op = if write { "write" } else { "read" };
-        let line = Line::from_samples(backend, op, size, streams, baseline, tw, base);
+        let line = Line::from_samples(name, op, size, streams, baseline, tw, base);
         let memcpy = copy.gbps(size, plan.budget);
         Ok(line.bounded(copies, memcpy))
     })
@@ -116,7 +136,7 @@ async fn two_process(
     copy: &SharedMemcpy,
 ) -> Result<Vec<Line>> {
     let max = sizes.iter().copied().max().unwrap_or(4096);
-    let name = format!("{backend}-2p");
+    let name = plan.name(&format!("{backend}-2p"));
     eprintln!("  {backend} between two processes (the peer a child process), lines {name:?}:");
     let streams = if backend == "tcp" { plan.streams.max(1) } else { 1 };
     let child = ChildPair::new(backend, max, streams).await?;
@@ -127,11 +147,21 @@ async fn two_process(
     let (copies, baseline) = if raw.is_some() { (2, "tokio-socket-2p") } else { (1, "memcpy") };
     let (raw, child, name) = (&tokio::sync::Mutex::new(raw), &child, name.as_str());
     let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+        let prep = match plan.prepared {
+            true => Some(child.prepare(write, size).await?),
+            false => None,
+        };
+        let prep = &prep;
         let (tw, base) = interleaved(
             plan.runs,
             plan.budget,
             size,
-            || child.op(write, size, backend),
+            || async move {
+                match prep {
+                    Some(p) => post_checked(p, backend).await,
+                    None => child.op(write, size, backend).await,
+                }
+            },
             || raw_op(raw, copy, write, size),
         )
         .await?;

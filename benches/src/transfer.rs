@@ -5,7 +5,8 @@ use crate::Result;
 use std::sync::Arc;
 
 use tensorwire_core::{
-    Engine, Error, Permissions, Region, Session, TransferOp, backend::Backend, backend::MemBackend,
+    Engine, Error, Permissions, PreparedTransfer, Region, Session, TransferOp, backend::Backend,
+    backend::MemBackend,
 };
 use tensorwire_shm::ShmBackend;
 use tensorwire_tcp::{TcpBackend, TcpConfig};
@@ -125,6 +126,16 @@ impl EnginePair {
         self.batch(write, size, 1, backend).await
     }
 
+    /// One op of `size` bytes, prepared for [`post_checked`].
+    pub async fn prepare(&self, write: bool, size: u64) -> Result<PreparedTransfer> {
+        let remote = self.remote.remote();
+        let op = match write {
+            true => TransferOp::write(&self.local, self.offset, &remote, 0, size),
+            false => TransferOp::read(&self.local, self.offset, &remote, 0, size),
+        };
+        Ok(self.session.prepare(vec![op]).await?)
+    }
+
     /// `n` ops of `size` bytes each, at consecutive offsets, in one submit; completes when
     /// every op has (the regions must hold `n * size` bytes).
     pub async fn batch(&self, write: bool, size: u64, n: usize, backend: &str) -> Result<()> {
@@ -155,6 +166,16 @@ pub(crate) async fn submit_checked(
             let e = Error::protocol(format!("engine moved it with {}", report.backend));
             return Err(e.into());
         }
+    }
+    Ok(())
+}
+
+/// Posts `prep` once and waits for it; checks that the engine moved it with `backend`.
+pub async fn post_checked(prep: &PreparedTransfer, backend: &str) -> Result<()> {
+    let report = prep.post().await.await?;
+    if report.backend != backend {
+        let e = Error::protocol(format!("engine moved it with {}", report.backend));
+        return Err(e.into());
     }
     Ok(())
 }

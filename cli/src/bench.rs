@@ -296,6 +296,7 @@ pub(crate) async fn run(a: BenchArgs) -> anyhow::Result<()> {
         streams: tensorwire_tcp::default_streams(),
         chunks: 8,
         page_offset: 0,
+        prepared: false,
     };
     let mut md = String::new();
     let _ = writeln!(md, "# tensorwire bench report\n");

@@ -196,6 +196,8 @@ macro_rules! __each_test {
         $crate::__one_test!($mode, $f, notification_bounds);
         $crate::__one_test!($mode, $f, notification_handler_verdicts);
         $crate::__one_test!($mode, $f, notice_with_ops);
+        $crate::__one_test!($mode, $f, prepared_posts_again_and_again);
+        $crate::__one_test!($mode, $f, prepared_meets_the_peers_checks);
         $crate::__one_test!($mode, $f, reject_out_of_bounds);
         $crate::__one_test!($mode, $f, reject_wrong_key);
         $crate::__one_test!($mode, $f, reject_unknown_region);

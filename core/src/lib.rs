@@ -83,7 +83,8 @@ use tensorwire_proto::{error, ids};
 #[cfg(not(loom))]
 pub use engine::{
     ChunkSender, ChunkStream, Engine, EngineBuilder, EngineConfig, EngineStats, Handled,
-    Notification, NotificationHandler, Session, TransferHandle, TransferOp, TransferReport,
+    Notification, NotificationHandler, PreparedTransfer, Session, TransferHandle, TransferOp,
+    TransferReport,
 };
 #[cfg(not(loom))]
 pub use region::{MemSlice, Permissions, Region, RemoteRegion};

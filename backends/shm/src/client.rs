@@ -22,8 +22,8 @@ use tensorwire_core::backend::kit::{
     CancelGate, CompletionSender, Copied, by_segments, decode_error, gated, gated_copy_with,
     spawn_cancellable, spawn_in_order,
 };
-use tensorwire_core::backend::{Completion, Connection, Direction, Op};
-use tensorwire_core::{Error, RegionId, Result};
+use tensorwire_core::backend::{Completion, Connection, Direction, Op, RemoteSlice};
+use tensorwire_core::{Error, MemSlice, RegionId, Result};
 use tokio::net::UnixStream;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
@@ -376,21 +376,29 @@ fn entered(c: &ClientShared, op: &Op) -> Option<Arc<Lease>> {
 
 /// The lease held for `op`'s region, access and key, if any.
 fn lease_for(s: &State, op: &Op) -> Option<Arc<Lease>> {
-    let write = op.dir() == Direction::Write;
-    let l = s.leases.get(&(op.remote().region, write))?;
-    (l.key == op.remote().key).then(|| l.clone())
+    lease_of(s, op.dir(), op.remote())
+}
+
+/// The lease held for `remote`'s region and key, for access `dir`, if any.
+fn lease_of(s: &State, dir: Direction, remote: &RemoteSlice) -> Option<Arc<Lease>> {
+    let l = s.leases.get(&(remote.region, dir == Direction::Write))?;
+    (l.key == remote.key).then(|| l.clone())
 }
 
 /// Copies `op` now, in `submit`, if it fits in `budget` (the medium's inline bytes per call,
 /// which it then uses up) and its region is leased for its access and key; `None` otherwise
 /// (the op goes the usual way: larger ops, and the rest of a larger batch, run on the runtime's
 /// workers).
-fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>> {
-    let len = op.local().len();
+fn inline(
+    c: &Arc<ClientShared>,
+    (dir, local, remote): (Direction, &MemSlice, &RemoteSlice),
+    budget: &mut u64,
+) -> Option<Result<()>> {
+    let len = local.len();
     if len == 0 || len > *budget {
         return None;
     }
-    let write = op.dir() == Direction::Write;
+    let write = dir == Direction::Write;
     let l = {
         let s = c.state.lock();
         // The peer's shutdown marks its live page before it returns, and our reader may not
@@ -402,16 +410,16 @@ fn inline(c: &Arc<ClientShared>, op: &Op, budget: &mut u64) -> Option<Result<()>
             c.kill(Error::PeerClosed("shm: the peer closed the connection".into()));
             return None;
         }
-        lease_for(&s, op)?
+        lease_of(&s, dir, remote)?
     };
     if !l.enter() {
         return None;
     }
     *budget -= len;
-    let copied = l.map.at(op.remote().offset, len, write).and_then(|remote| {
-        let local = op.local().ptr() as usize;
+    let copied = l.map.at(remote.offset, len, write).and_then(|remote| {
+        let local = local.ptr() as usize;
         let (src, dst) = if write { (local, remote) } else { (remote, local) };
-        // SAFETY: `op.local()` is a live registered slice of `len` bytes held by `op` for this
+        // SAFETY: `local` is a live registered slice of `len` bytes the caller holds for this
         // call; `remote` is inside the lease's mapping (checked by `at`), which `l` keeps open;
         // the peer holds its region for the lease, which this copy entered.
         unsafe { c.medium.copy(src, dst, len as usize) }
@@ -520,7 +528,9 @@ impl Connection for ShmConnection {
         let mut group = Group::default();
         let mut out = Vec::with_capacity(ops.len());
         for op in ops {
-            if let Some(done) = inline(&self.shared, &op, &mut budget) {
+            if let Some(done) =
+                inline(&self.shared, (op.dir(), op.local(), op.remote()), &mut budget)
+            {
                 out.push(tensorwire_core::backend::kit::ready(done));
                 continue;
             }
@@ -540,6 +550,18 @@ impl Connection for ShmConnection {
         }
         group.spawn(&self.shared);
         out
+    }
+
+    /// An op within the medium's inline budget whose region this connection holds a lease on
+    /// for its access and key: copied as [`Connection::submit`] copies it inline.
+    fn run_now(
+        &self,
+        dir: Direction,
+        local: &MemSlice,
+        remote: &RemoteSlice,
+    ) -> Option<Result<()>> {
+        let mut budget = self.shared.medium.inline_bytes();
+        inline(&self.shared, (dir, local, remote), &mut budget)
     }
 
     fn notify(&self, msg: Bytes) -> Completion {

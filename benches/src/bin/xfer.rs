@@ -92,6 +92,10 @@ struct Args {
     /// buffer from `malloc`.
     #[arg(long, default_value_t = 0)]
     page_offset: u64,
+    /// Post each transfer op from a `PreparedTransfer` (checked and routed once) instead of
+    /// submitting it: lines "shm-prepared", "shm-2p-prepared" and so on.
+    #[arg(long)]
+    prepared: bool,
     /// Distances for --copy.
     #[arg(long, default_value = "0,16", value_delimiter = ',')]
     distances: Vec<usize>,
@@ -154,6 +158,7 @@ fn plan(args: &Args, budget: Budget) -> Plan {
         streams: args.streams,
         chunks: args.chunks,
         page_offset: args.page_offset,
+        prepared: args.prepared,
     }
 }
 

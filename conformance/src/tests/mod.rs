@@ -4,6 +4,7 @@ mod batch;
 mod chunked;
 mod lifecycle;
 mod notify;
+mod prepared;
 mod rejection;
 mod roundtrip;
 
@@ -11,5 +12,6 @@ pub use batch::*;
 pub use chunked::*;
 pub use lifecycle::*;
 pub use notify::*;
+pub use prepared::*;
 pub use rejection::*;
 pub use roundtrip::*;

@@ -4,6 +4,7 @@
 mod chunked;
 mod control;
 mod host;
+mod prepared;
 mod regions;
 mod session;
 pub(crate) mod staging;
@@ -20,6 +21,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 pub use chunked::{ChunkSender, ChunkStream};
+pub use prepared::PreparedTransfer;
 pub use session::Session;
 pub use transfer::{TransferHandle, TransferOp, TransferReport};
 

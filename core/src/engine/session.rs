@@ -41,23 +41,23 @@ struct SessionInner {
 
 /// A backend connection and the fence that orders notifications after its ops.
 #[derive(Debug, Clone)]
-struct Conn {
-    conn: Arc<dyn Connection>,
+pub(super) struct Conn {
+    pub(super) conn: Arc<dyn Connection>,
     fence: OpFence,
 }
 
 /// An op checked, with the backend chosen for it, before the engine cuts it into that
 /// backend's ops.
-struct Prepared<'a> {
-    backend: usize,
+pub(super) struct Routed<'a> {
+    pub(super) backend: usize,
     /// The local memory is on a GPU and the backend moves host memory: the engine stages it.
-    staged: bool,
-    dir: Direction,
-    local: MemSlice,
-    region: &'a RemoteRegion,
+    pub(super) staged: bool,
+    pub(super) dir: Direction,
+    pub(super) local: MemSlice,
+    pub(super) region: &'a RemoteRegion,
     /// The region, shared, when the caller has it so (a fallback).
     shared: Option<Arc<RemoteRegion>>,
-    offset: u64,
+    pub(super) offset: u64,
 }
 
 /// What an op needs to run on a later backend of the engine than the one it was given to (see
@@ -98,7 +98,7 @@ impl Reroute for Fallback {
                 "engine: an op falls back to another backend"
             );
             let c = session.connection(&engine, &backend).await?;
-            let p = Prepared {
+            let p = Routed {
                 backend: b,
                 staged: false,
                 dir,
@@ -156,7 +156,7 @@ impl Session {
         s
     }
 
-    fn engine(&self) -> Result<Arc<EngineShared>> {
+    pub(super) fn engine(&self) -> Result<Arc<EngineShared>> {
         let e = self
             .inner
             .engine
@@ -193,7 +193,7 @@ impl Session {
     }
 
     /// The peer's descriptor without a copy of it (what every op reads).
-    fn shared_descriptor(&self) -> Arc<EngineDescriptor> {
+    pub(super) fn shared_descriptor(&self) -> Arc<EngineDescriptor> {
         read(&self.inner.peer).clone()
     }
 
@@ -282,17 +282,17 @@ impl Session {
             })
     }
 
-    /// Cuts a prepared op into ops of at most its backend's request size, each with a ticket of
+    /// Cuts a routed op into ops of at most its backend's request size, each with a ticket of
     /// `fence` and, when a later backend could take it over, a [`Fallback`]; appends them to
     /// `out` and returns how many (none appended on an error).
     fn pieces(
         &self,
         engine: &EngineShared,
-        p: Prepared<'_>,
+        p: Routed<'_>,
         fence: &OpFence,
         out: &mut Vec<Op>,
     ) -> Result<usize> {
-        let Prepared { backend, dir, local, region, shared, offset, .. } = p;
+        let Routed { backend, dir, local, region, shared, offset, .. } = p;
         let b = &engine.backends[backend];
         let blob = region.blob(b.name()).cloned().unwrap_or_default();
         let max = b.capabilities().max_request_bytes.max(1);
@@ -354,7 +354,11 @@ impl Session {
         }
     }
 
-    async fn connection(&self, engine: &EngineShared, backend: &Arc<dyn Backend>) -> Result<Conn> {
+    pub(super) async fn connection(
+        &self,
+        engine: &EngineShared,
+        backend: &Arc<dyn Backend>,
+    ) -> Result<Conn> {
         if let Some(c) = self.open_connection(backend) {
             return Ok(c);
         }
@@ -380,12 +384,12 @@ impl Session {
         Ok(c)
     }
 
-    fn prepare<'a>(
+    pub(super) fn route<'a>(
         &self,
         engine: &EngineShared,
         peer: &EngineDescriptor,
         op: &'a TransferOp,
-    ) -> Result<Prepared<'a>> {
+    ) -> Result<Routed<'a>> {
         if op.local.engine_id != engine.id {
             return Err(Error::InvalidArgument(format!(
                 "local region {} belongs to {}, not this engine {}",
@@ -425,7 +429,7 @@ impl Session {
                 _ => return Err(e),
             },
         };
-        Ok(Prepared {
+        Ok(Routed {
             backend,
             staged,
             dir: op.dir,
@@ -477,11 +481,11 @@ impl Session {
             None => None,
         };
         let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
-        // (backend index, its (op index, prepared op)s), in the order the backends first
+        // (backend index, its (op index, routed op)s), in the order the backends first
         // appear: an engine runs a handful of backends, so a scan beats hashing.
-        let mut groups: Vec<(usize, Vec<(usize, Prepared)>)> = Vec::new();
+        let mut groups: Vec<(usize, Vec<(usize, Routed)>)> = Vec::new();
         for (i, op) in ops.iter().enumerate() {
-            match self.prepare(&engine, &peer, op) {
+            match self.route(&engine, &peer, op) {
                 Ok(p) => {
                     match groups.iter_mut().find(|(b, _)| *b == p.backend) {
                         Some((_, members)) => members.push((i, p)),

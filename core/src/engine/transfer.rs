@@ -89,7 +89,14 @@ pub struct TransferReport {
 /// local memory once the drop returns.
 pub struct TransferHandle {
     backend: &'static str,
-    fut: Pin<Box<dyn Future<Output = Result<TransferReport>> + Send>>,
+    state: State,
+}
+
+/// An op that ended before its handle was made (rejected up front, or run within the call that
+/// made it) holds its outcome; a running one its future.
+enum State {
+    Ended(Option<Result<TransferReport>>),
+    Running(Pin<Box<dyn Future<Output = Result<TransferReport>> + Send>>),
 }
 
 impl std::fmt::Debug for TransferHandle {
@@ -105,7 +112,20 @@ impl TransferHandle {
     }
 
     pub(crate) fn failed(e: Error) -> Self {
-        TransferHandle { backend: "none", fut: Box::pin(std::future::ready(Err(e))) }
+        TransferHandle { backend: "none", state: State::Ended(Some(Err(e))) }
+    }
+
+    /// The handle of ops that `backend` already ended.
+    pub(crate) fn ended(backend: &'static str, res: Result<TransferReport>) -> Self {
+        TransferHandle { backend, state: State::Ended(Some(res)) }
+    }
+
+    /// The handle of a transfer that `fut` runs.
+    pub(crate) fn from_future(
+        backend: &'static str,
+        fut: impl Future<Output = Result<TransferReport>> + Send + 'static,
+    ) -> Self {
+        TransferHandle { backend, state: State::Running(Box::pin(fut)) }
     }
 
     /// The handle of `op`, which `backend` runs as `pieces` since `start` (read before the
@@ -142,7 +162,7 @@ impl TransferHandle {
             super::telemetry::op_ended(backend, dir.name(), len, elapsed, &res);
             res.map(|()| TransferReport { backend, bytes: len, elapsed })
         };
-        TransferHandle { backend, fut: Box::pin(fut) }
+        TransferHandle::from_future(backend, fut)
     }
 }
 
@@ -160,13 +180,29 @@ async fn within<T>(limit: Duration, fut: impl Future<Output = T>) -> Option<T> {
 impl Future for TransferHandle {
     type Output = Result<TransferReport>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.fut.as_mut().poll(cx)
+        match &mut self.state {
+            State::Running(fut) => fut.as_mut().poll(cx),
+            State::Ended(res) => Poll::Ready(res.take().unwrap_or_else(|| {
+                Err(Error::InvalidArgument("a transfer handle polled after it ended".into()))
+            })),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn an_ended_handle_resolves_at_once_and_only_once() {
+        use futures::FutureExt;
+        let report = TransferReport { backend: "mem", bytes: 3, elapsed: Duration::ZERO };
+        let mut h = TransferHandle::ended("mem", Ok(report.clone()));
+        assert_eq!(h.backend(), "mem");
+        assert_eq!((&mut h).now_or_never().map(|r| r.unwrap()), Some(report));
+        let again = (&mut h).now_or_never().expect("ready").unwrap_err();
+        assert!(matches!(again, Error::InvalidArgument(_)), "{again}");
+    }
 
     #[tokio::test]
     async fn a_wait_ends_with_its_future_or_at_its_bound() {

@@ -75,7 +75,8 @@ async fn deregistration_revokes_a_lease_in_use() {
 }
 
 /// An op on a lease right after the peer's shutdown returned (before this side's reader can have
-/// seen the stream end) is refused, not copied into memory the peer no longer serves.
+/// seen the stream end) is refused, not copied into memory the peer no longer serves: a prepared
+/// post first, then submitted ops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_copy_lands_after_the_peer_shut_down() {
     for round in 0..20 {
@@ -87,7 +88,11 @@ async fn no_copy_lands_after_the_peer_shut_down() {
         let remote = dst.remote();
         s.transfer(TransferOp::write(&src, 0, &remote, 0, OP)).await.unwrap(); // leased from here
         s.transfer(TransferOp::write(&src, 0, &remote, 0, OP)).await.unwrap(); // copied in submit
+        let prep = s.prepare(vec![TransferOp::write(&src, 0, &remote, 0, OP)]).await.unwrap();
+        prep.post().await.await.unwrap(); // copied in post
         b.shutdown().await;
+        let e = prep.post().await.await.unwrap_err();
+        assert!(e.is_peer_failure(), "round {round}, prepared: {e}");
         let e = s.transfer(TransferOp::write(&src, 0, &remote, 0, OP)).await.unwrap_err();
         assert!(e.is_peer_failure(), "round {round}: {e}");
         let e = s.transfer(TransferOp::read(&src, 0, &remote, 0, OP)).await.unwrap_err();
