@@ -4,10 +4,10 @@
 //! its copy and a few loads; the others take the usual path of [`Session::submit`].
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::session::Session;
-use super::transfer::{TransferHandle, TransferOp, TransferReport};
+use super::transfer::{TransferHandle, TransferOp, TransferReport, counted};
 use crate::backend::{Connection, Direction, RemoteSlice};
 use crate::error::Result;
 use crate::region::MemSlice;
@@ -73,12 +73,7 @@ impl Session {
                 continue;
             }
             let c = self.connection(&engine, &backend).await?;
-            let remote = RemoteSlice {
-                region: r.region.id,
-                key: r.region.key,
-                offset: r.offset,
-                blob: r.region.blob(backend.name()).cloned().unwrap_or_default(),
-            };
+            let remote = r.remote(backend.name());
             now.push(Some(Now { conn: c.conn, dir: r.dir, local: r.local, remote }));
         }
         Ok(PreparedTransfer { session: self.clone(), ops, now, backends })
@@ -112,11 +107,12 @@ impl PreparedTransfer {
         }
         let elapsed = start.elapsed();
         for (op, &backend) in self.ops.iter().zip(&self.backends).take(ran) {
-            ended(&engine, backend, op, elapsed, &Ok(()));
+            counted(Some(&engine), backend, (op.dir, op.len), elapsed, &Ok(()));
         }
         let backend = self.backend();
         if let Some(e) = failed {
-            ended(&engine, self.backends[ran], &self.ops[ran], elapsed, &Err(e.clone()));
+            let op = &self.ops[ran];
+            counted(Some(&engine), self.backends[ran], (op.dir, op.len), elapsed, &Err(e.clone()));
             return TransferHandle::ended(self.backends[ran], Err(e));
         }
         let bytes: u64 = self.ops[..ran].iter().map(TransferOp::len).sum();
@@ -146,17 +142,4 @@ impl PreparedTransfer {
             Some(_) => "mixed",
         }
     }
-}
-
-/// Counts an op that ended within [`PreparedTransfer::post`] as the handle of a submitted one
-/// would have.
-fn ended(
-    engine: &super::EngineShared,
-    backend: &'static str,
-    op: &TransferOp,
-    took: Duration,
-    res: &Result<()>,
-) {
-    engine.record(op.dir, op.len, res.is_ok());
-    super::telemetry::op_ended(backend, op.dir.name(), op.len, took, res);
 }

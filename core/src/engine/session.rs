@@ -60,6 +60,18 @@ pub(super) struct Routed<'a> {
     pub(super) offset: u64,
 }
 
+impl Routed<'_> {
+    /// The op's remote end as `backend` names it.
+    pub(super) fn remote(&self, backend: &str) -> RemoteSlice {
+        RemoteSlice {
+            region: self.region.id,
+            key: self.region.key,
+            offset: self.offset,
+            blob: self.region.blob(backend).cloned().unwrap_or_default(),
+        }
+    }
+}
+
 /// What an op needs to run on a later backend of the engine than the one it was given to (see
 /// [`Op::fall_back`]): its session, its remote region (every backend's blob for it) and the
 /// backend that gave it back.
@@ -292,9 +304,9 @@ impl Session {
         fence: &OpFence,
         out: &mut Vec<Op>,
     ) -> Result<usize> {
-        let Routed { backend, dir, local, region, shared, offset, .. } = p;
-        let b = &engine.backends[backend];
-        let blob = region.blob(b.name()).cloned().unwrap_or_default();
+        let b = &engine.backends[p.backend];
+        let remote = p.remote(b.name());
+        let Routed { backend, dir, local, region, shared, .. } = p;
         let max = b.capabilities().max_request_bytes.max(1);
         let fallback = (backend + 1 < engine.backends.len()).then(|| {
             let f = Fallback {
@@ -307,12 +319,7 @@ impl Session {
         let op = |off: u64, local: MemSlice| Op {
             dir,
             local,
-            remote: RemoteSlice {
-                region: region.id,
-                key: region.key,
-                offset: offset + off,
-                blob: blob.clone(),
-            },
+            remote: RemoteSlice { offset: remote.offset + off, ..remote.clone() },
             ticket: fence.ticket(),
             fallback: fallback.clone(),
         };
@@ -480,6 +487,11 @@ impl Session {
             },
             None => None,
         };
+        if let ([op], None) = (&ops[..], &notice) {
+            if let Some(h) = self.run_now(&engine, &peer, op) {
+                return vec![h];
+            }
+        }
         let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
         // (backend index, its (op index, routed op)s), in the order the backends first
         // appear: an engine runs a handful of backends, so a scan beats hashing.
@@ -573,6 +585,33 @@ impl Session {
                 })
             })
             .collect()
+    }
+
+    /// A lone op that its connection can run within this call (an shm copy into a region it
+    /// holds a lease on; see [`Connection::run_now`]), run: its handle holds how it ended.
+    /// `None` when it cannot, and nothing ran (an op refused here is refused again, with its
+    /// error, on the usual path).
+    fn run_now(
+        &self,
+        engine: &Arc<EngineShared>,
+        peer: &EngineDescriptor,
+        op: &TransferOp,
+    ) -> Option<TransferHandle> {
+        let r = self.route(engine, peer, op).ok()?;
+        let backend = &engine.backends[r.backend];
+        if r.staged || r.local.len() > backend.capabilities().max_request_bytes {
+            return None;
+        }
+        let c = self.open_connection(backend)?;
+        let start = std::time::Instant::now();
+        let res = c.conn.run_now(r.dir, &r.local, &r.remote(backend.name()))?;
+        let elapsed = start.elapsed();
+        let name = backend.name();
+        super::transfer::counted(Some(engine), name, (op.dir, op.len), elapsed, &res);
+        Some(TransferHandle::ended(
+            name,
+            res.map(|()| TransferReport { backend: name, bytes: op.len, elapsed }),
+        ))
     }
 
     /// Submits one op and waits for it.

@@ -155,15 +155,27 @@ impl TransferHandle {
                     limit,
                 ))
             });
-            if let Some(e) = engine.upgrade() {
-                e.record(dir, len, res.is_ok());
-            }
             let elapsed = start.elapsed();
-            super::telemetry::op_ended(backend, dir.name(), len, elapsed, &res);
+            counted(engine.upgrade().as_deref(), backend, (dir, len), elapsed, &res);
             res.map(|()| TransferReport { backend, bytes: len, elapsed })
         };
         TransferHandle::from_future(backend, fut)
     }
+}
+
+/// Counts an ended op of `len` bytes in direction `dir`: in the engine's stats (while it
+/// stands) and the metrics.
+pub(super) fn counted(
+    engine: Option<&EngineShared>,
+    backend: &'static str,
+    (dir, len): (Direction, u64),
+    took: Duration,
+    res: &Result<()>,
+) {
+    if let Some(e) = engine {
+        e.record(dir, len, res.is_ok());
+    }
+    super::telemetry::op_ended(backend, dir.name(), len, took, res);
 }
 
 /// `fut`'s output, or `None` when it has not ended within `limit`. A future done at its first
