@@ -349,39 +349,89 @@ pub(crate) struct Session {
     moved: Moved,
 }
 
+/// Adds `bytes` to what `backend` moved.
+fn count(moved: &Moved, backend: &'static str, bytes: u64) {
+    *moved.lock().unwrap_or_else(PoisonError::into_inner).entry(backend).or_default() += bytes;
+}
+
+/// The engine's ops of a batch from Python: WRITEs or READs.
+fn built(py: Python<'_>, write: bool, ops: Vec<Op<'_>>) -> PyResult<Vec<TransferOp>> {
+    let mut built = Vec::with_capacity(ops.len());
+    for (local, lo, desc, ro, len) in ops {
+        let remote = remote(&desc).raise(py)?;
+        let local = local.get().raise(py)?;
+        built.push(if write {
+            TransferOp::write(&local, lo, &remote, ro, len)
+        } else {
+            TransferOp::read(&local, lo, &remote, ro, len)
+        });
+    }
+    Ok(built)
+}
+
 impl Session {
     fn run(&self, py: Python<'_>, write: bool, ops: Vec<Op<'_>>, timeout: f64) -> PyResult<u64> {
-        let mut built = Vec::with_capacity(ops.len());
-        for (local, lo, desc, ro, len) in ops {
-            let remote = remote(&desc).raise(py)?;
-            let local = local.get().raise(py)?;
-            built.push(if write {
-                TransferOp::write(&local, lo, &remote, ro, len)
-            } else {
-                TransferOp::read(&local, lo, &remote, ro, len)
-            });
-        }
+        let built = built(py, write, ops)?;
         let (s, moved) = (self.inner.clone(), self.moved.clone());
         wait(py, seconds(timeout).raise(py)?, "a transfer", async move {
             let mut bytes = 0;
             for h in s.submit(built).await {
                 let backend = h.backend();
                 let n = h.await?.bytes;
-                *moved
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .entry(backend)
-                    .or_default() += n;
+                count(&moved, backend, n);
                 bytes += n;
             }
             Ok(bytes)
         })
     }
+
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        write: bool,
+        ops: Vec<Op<'_>>,
+        timeout: f64,
+    ) -> PyResult<PreparedTransfer> {
+        let built = built(py, write, ops)?;
+        let s = self.inner.clone();
+        let inner = wait(py, seconds(timeout).raise(py)?, "preparing a transfer", async move {
+            Ok(s.prepare(built).await?)
+        })?;
+        Ok(PreparedTransfer { inner: Arc::new(inner), moved: self.moved.clone() })
+    }
+}
+
+/// Ops checked once (`Session.prepare_write`, `Session.prepare_read`) and run again with each
+/// `post`: for a transfer made again and again, such as the same tensor every step.
+#[pyclass(module = "tensorwire._native", frozen)]
+pub(crate) struct PreparedTransfer {
+    inner: Arc<tensorwire_core::PreparedTransfer>,
+    moved: Moved,
+}
+
+#[pymethods]
+impl PreparedTransfer {
+    /// Runs every op once more and waits for all; returns the bytes moved. The peer's checks
+    /// hold at every post (a region it deregistered since raises `NotFoundError`).
+    #[pyo3(signature = (*, timeout = 30.0))]
+    fn post(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
+        let (p, moved) = (self.inner.clone(), self.moved.clone());
+        wait(py, seconds(timeout).raise(py)?, "a prepared transfer", async move {
+            let report = p.post().await.await?;
+            count(&moved, report.backend, report.bytes);
+            Ok(report.bytes)
+        })
+    }
+
+    /// How many ops each post runs.
+    fn __len__(&self) -> usize {
+        self.inner.ops().len()
+    }
 }
 
 /// The `Session` methods; WRITE and READ (one op, and batches) are written once.
 macro_rules! session_methods {
-    ($(($one:ident, $batch:ident, $write:literal, $doc:literal, $batch_doc:literal)),*) => {
+    ($(($one:ident, $batch:ident, $prepare:ident, $write:literal, $doc:literal, $batch_doc:literal)),*) => {
         #[pymethods]
         impl Session {
             /// The peer engine's id.
@@ -412,6 +462,18 @@ macro_rules! session_methods {
             fn $batch(&self, py: Python<'_>, ops: Vec<Op<'_>>, timeout: f64) -> PyResult<u64> {
                 self.run(py, $write, ops, timeout)
             }
+
+            /// The ops (tuples as in the batch call) checked once, for `post` to run again and
+            /// again; raises what the batch call would for an op it refuses.
+            #[pyo3(signature = (ops, *, timeout = 30.0))]
+            fn $prepare(
+                &self,
+                py: Python<'_>,
+                ops: Vec<Op<'_>>,
+                timeout: f64,
+            ) -> PyResult<PreparedTransfer> {
+                self.prepare(py, $write, ops, timeout)
+            }
             )*
 
             /// Sends a notification; the peer gets it from `recv_notification` after every
@@ -431,6 +493,7 @@ session_methods!(
     (
         write,
         batch_write,
+        prepare_write,
         true,
         "WRITE `length` bytes from `local[local_offset:]` into the peer's region (its \
          descriptor) at `remote_offset`; returns the bytes moved.",
@@ -439,6 +502,7 @@ session_methods!(
     (
         read,
         batch_read,
+        prepare_read,
         false,
         "READ `length` bytes of the peer's region (its descriptor) at `remote_offset` into \
          `local[local_offset:]`; returns the bytes moved.",

@@ -18,6 +18,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::Engine>()?;
     m.add_class::<engine::Region>()?;
     m.add_class::<engine::Session>()?;
+    m.add_class::<engine::PreparedTransfer>()?;
     m.add_class::<store::Store>()?;
     m.add_class::<store::StoreNode>()?;
     m.add_class::<connector::Connector>()?;

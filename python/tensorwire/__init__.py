@@ -20,6 +20,7 @@ from ._native import (
     Consumption,
     Engine,
     Outcome,
+    PreparedTransfer,
     Publication,
     Region,
     Service,

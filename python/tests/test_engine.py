@@ -140,3 +140,32 @@ def test_raw_addresses_register_like_mooncake(engines):
     r.close()
     with pytest.raises(tw.InvalidArgumentError):
         a.register(buf, address=buf.ctypes.data, length=16)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_prepared_transfer_posts_again_and_again(backend):
+    a, b = tw.Engine(backends=[backend]), tw.Engine(backends=[backend])
+    try:
+        src = np.zeros(4096, dtype=np.uint8)
+        ra = a.register(src)
+        rb = b.alloc(8192)  # engine memory: a same-host peer (shm) maps it
+        s = a.connect(b.address)
+        p = s.prepare_write([(ra, 0, rb.descriptor(), 4096, 4096)])
+        assert len(p) == 1
+        for i in range(1, 4):
+            src[:] = i  # each post moves the bytes the source holds then
+            assert p.post() == 4096
+            assert rb.read(4096, 4096) == bytes([i]) * 4096 and rb.read(0, 4096) == bytes(4096)
+        back = np.zeros(4096, dtype=np.uint8)
+        rback = a.register(back)
+        r = s.prepare_read([(rback, 0, rb.descriptor(), 4096, 4096)])
+        assert r.post() == 4096 and (back == 3).all()
+        assert a.moved()[backend] == 4 * 4096
+        with pytest.raises(tw.OutOfBoundsError):
+            s.prepare_write([(ra, 0, rb.descriptor(), 8000, 4096)])
+        rb.close()
+        with pytest.raises(tw.NotFoundError):
+            p.post()
+    finally:
+        a.shutdown()
+        b.shutdown()
