@@ -487,17 +487,21 @@ impl Session {
             },
             None => None,
         };
+        // A lone op is routed here, and run within the call when its connection can.
+        let mut lone = None;
         if let ([op], None) = (&ops[..], &notice) {
-            if let Some(h) = self.run_now(&engine, &peer, op) {
+            let routed = self.route(&engine, &peer, op);
+            if let Some(h) = routed.as_ref().ok().and_then(|r| self.run_now(&engine, op, r)) {
                 return vec![h];
             }
+            lone = Some(routed);
         }
         let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
         // (backend index, its (op index, routed op)s), in the order the backends first
         // appear: an engine runs a handful of backends, so a scan beats hashing.
         let mut groups: Vec<(usize, Vec<(usize, Routed)>)> = Vec::new();
         for (i, op) in ops.iter().enumerate() {
-            match self.route(&engine, &peer, op) {
+            match lone.take().unwrap_or_else(|| self.route(&engine, &peer, op)) {
                 Ok(p) => {
                     match groups.iter_mut().find(|(b, _)| *b == p.backend) {
                         Some((_, members)) => members.push((i, p)),
@@ -587,17 +591,15 @@ impl Session {
             .collect()
     }
 
-    /// A lone op that its connection can run within this call (an shm copy into a region it
-    /// holds a lease on; see [`Connection::run_now`]), run: its handle holds how it ended.
-    /// `None` when it cannot, and nothing ran (an op refused here is refused again, with its
-    /// error, on the usual path).
+    /// `op`, routed as `r`, run within this call when its connection can (an shm copy into a
+    /// region it holds a lease on; see [`Connection::run_now`]): its handle holds how it
+    /// ended. `None` when it cannot, and nothing ran.
     fn run_now(
         &self,
         engine: &Arc<EngineShared>,
-        peer: &EngineDescriptor,
         op: &TransferOp,
+        r: &Routed<'_>,
     ) -> Option<TransferHandle> {
-        let r = self.route(engine, peer, op).ok()?;
         let backend = &engine.backends[r.backend];
         if r.staged || r.local.len() > backend.capabilities().max_request_bytes {
             return None;
