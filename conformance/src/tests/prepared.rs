@@ -58,7 +58,8 @@ pub async fn prepared_posts_again_and_again(f: &dyn PairFactory) {
 
 /// A preparation refuses what a submit refuses (here an op past the remote region's end), and a
 /// post after the peer deregistered its region fails as a submitted op does, though the region
-/// was in use by posts just before (an shm lease held on it).
+/// was in use by posts just before (an shm lease held on it). A local region deregisters while
+/// a preparation names it; posts fail after.
 pub async fn prepared_meets_the_peers_checks(f: &dyn PairFactory) {
     let (pair, s) = connected(f).await;
     let src = crate::alloc(f, &pair.a, 4096, Permissions::NONE).await.unwrap();
@@ -86,4 +87,15 @@ pub async fn prepared_meets_the_peers_checks(f: &dyn PairFactory) {
     assert!(matches!(e, Error::NotFound(Missing::Deregistered(id)) if id == remote.id), "{e}");
     let e = bounded("post again", prep.post().await).await.unwrap_err();
     assert!(matches!(e, Error::NotFound(Missing::Deregistered(_))), "{e}");
+
+    // A preparation does not hold its local region: deregistering it does not wait for the
+    // preparation, and later posts fail.
+    let dst = crate::alloc(f, &pair.b, 4096, Permissions::READ_WRITE).await.unwrap();
+    let op = TransferOp::write(&again, 0, &dst.remote(), 0, 4096);
+    let prep = bounded("prepare", s.prepare(vec![op])).await.unwrap();
+    bounded("post", prep.post().await).await.unwrap();
+    let id = again.id();
+    bounded("deregister the local region", again.deregister()).await.unwrap();
+    let e = bounded("post after", prep.post().await).await.unwrap_err();
+    assert!(matches!(e, Error::NotFound(Missing::Deregistered(d)) if d == id), "{e}");
 }

@@ -10,7 +10,6 @@ use super::session::Session;
 use super::transfer::{TransferHandle, TransferOp, TransferReport, counted};
 use crate::backend::{Connection, Direction, RemoteSlice};
 use crate::error::Result;
-use crate::region::MemSlice;
 
 /// Ops [`Session::prepare`]d once and posted any number of times with
 /// [`PreparedTransfer::post`]. Share it behind an `Arc`; posts may overlap.
@@ -43,12 +42,13 @@ pub struct PreparedTransfer {
     backends: Vec<&'static str>,
 }
 
-/// One op as its connection runs it within a call.
+/// One op as its connection runs it within a call. Its local memory is sliced at each post:
+/// a slice held here would keep the region's in-flight gate open, and its deregistration
+/// waiting, for as long as the preparation lives.
 #[derive(Debug)]
 struct Now {
     conn: Arc<dyn Connection>,
     dir: Direction,
-    local: MemSlice,
     remote: RemoteSlice,
 }
 
@@ -74,7 +74,7 @@ impl Session {
             }
             let c = self.connection(&engine, &backend).await?;
             let remote = r.remote(backend.name());
-            now.push(Some(Now { conn: c.conn, dir: r.dir, local: r.local, remote }));
+            now.push(Some(Now { conn: c.conn, dir: r.dir, remote }));
         }
         Ok(PreparedTransfer { session: self.clone(), ops, now, backends })
     }
@@ -94,9 +94,16 @@ impl PreparedTransfer {
         let start = Instant::now();
         let mut ran = 0;
         let mut failed = None;
-        for now in &self.now {
+        for (op, now) in self.ops.iter().zip(&self.now) {
             let Some(n) = now else { break };
-            match n.conn.run_now(n.dir, &n.local, &n.remote) {
+            let local = match op.local.slice(op.local_offset, op.len, "local") {
+                Ok(l) => l,
+                Err(e) => {
+                    failed = Some(e); // deregistered since
+                    break;
+                }
+            };
+            match n.conn.run_now(n.dir, &local, &n.remote) {
                 None => break,
                 Some(Ok(())) => ran += 1,
                 Some(Err(e)) => {
