@@ -552,16 +552,20 @@ impl Connection for ShmConnection {
         out
     }
 
-    /// An op within the medium's inline budget whose region this connection holds a lease on
-    /// for its access and key: copied as [`Connection::submit`] copies it inline.
+    /// An op within `budget` and the medium's inline bytes whose region this connection
+    /// holds a lease on for its access and key: copied as [`Connection::submit`] copies it
+    /// inline.
     fn run_now(
         &self,
         dir: Direction,
         local: &MemSlice,
         remote: &RemoteSlice,
+        budget: &mut u64,
     ) -> Option<Result<()>> {
-        let mut budget = self.shared.medium.inline_bytes();
-        inline(&self.shared, (dir, local, remote), &mut budget)
+        if local.len() > self.shared.medium.inline_bytes() {
+            return None;
+        }
+        inline(&self.shared, (dir, local, remote), budget)
     }
 
     fn notify(&self, msg: Bytes) -> Completion {

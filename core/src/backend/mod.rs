@@ -437,18 +437,21 @@ pub trait Connection: Send + Sync + Debug + 'static {
     }
     /// Moves `local.len()` bytes in direction `dir` between `local` and `remote` within this
     /// call, when this connection can now (a same-host copy into memory it already holds a
-    /// lease on), and returns how it ended; `None` when it cannot, and then no byte moved and
-    /// the engine submits the op the usual way. For [`crate::PreparedTransfer::post`]: an op
-    /// that ends inside the call needs no fence ticket or completion. `remote` names bytes the
-    /// peer showed (checked by the engine against its descriptor), and the peer's checks of key
-    /// and bounds hold as for [`Connection::submit`]. The default: never.
+    /// lease on) and the op fits in `budget` (the bytes the caller may still spend copying
+    /// inside its call, which an op run here takes from), and returns how it ended; `None`
+    /// when it cannot, and then no byte moved and the engine submits the op the usual way.
+    /// For [`crate::PreparedTransfer::post`] and lone ops: an op that ends inside the call
+    /// needs no fence ticket or completion. `remote` names bytes the peer showed (checked by
+    /// the engine against its descriptor), and the peer's checks of key and bounds hold as
+    /// for [`Connection::submit`]. The default: never.
     fn run_now(
         &self,
         dir: Direction,
         local: &MemSlice,
         remote: &RemoteSlice,
+        budget: &mut u64,
     ) -> Option<Result<()>> {
-        let _ = (dir, local, remote);
+        let _ = (dir, local, remote, budget);
         None
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::session::Session;
-use super::transfer::{TransferHandle, TransferOp, TransferReport, counted};
+use super::transfer::{CALL_BYTES, TransferHandle, TransferOp, TransferReport, counted};
 use crate::backend::{Connection, Direction, RemoteSlice};
 use crate::error::Result;
 
@@ -82,7 +82,7 @@ impl Session {
 
 impl PreparedTransfer {
     /// Starts every op once more. The ops that their connections can run within this call
-    /// (in order, up to the first that cannot) end before it returns; the rest are submitted as
+    /// (in order, up to the first that cannot, and up to 1 MiB in all) end before it returns; the rest are submitted as
     /// [`Session::submit`] would. The handle resolves when every op has ended, to the first
     /// error or to a report of all the bytes (its backend is the ops' one, or "mixed"). An op
     /// that fails within the call ends the post: the ops after it do not start.
@@ -92,6 +92,7 @@ impl PreparedTransfer {
             Err(e) => return TransferHandle::failed(e),
         };
         let start = Instant::now();
+        let mut budget = CALL_BYTES;
         let mut ran = 0;
         let mut failed = None;
         for (op, now) in self.ops.iter().zip(&self.now) {
@@ -103,7 +104,7 @@ impl PreparedTransfer {
                     break;
                 }
             };
-            match n.conn.run_now(n.dir, &local, &n.remote) {
+            match n.conn.run_now(n.dir, &local, &n.remote, &mut budget) {
                 None => break,
                 Some(Ok(())) => ran += 1,
                 Some(Err(e)) => {

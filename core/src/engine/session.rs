@@ -606,7 +606,8 @@ impl Session {
         }
         let c = self.open_connection(backend)?;
         let start = std::time::Instant::now();
-        let res = c.conn.run_now(r.dir, &r.local, &r.remote(backend.name()))?;
+        let mut budget = super::transfer::CALL_BYTES;
+        let res = c.conn.run_now(r.dir, &r.local, &r.remote(backend.name()), &mut budget)?;
         let elapsed = start.elapsed();
         let name = backend.name();
         super::transfer::counted(Some(engine), name, (op.dir, op.len), elapsed, &res);

@@ -13,6 +13,13 @@ use crate::backend::{Completion, Direction};
 use crate::error::{Error, Result};
 use crate::region::{MemSlice, Region, RegionInner, RemoteRegion};
 
+/// The bytes a post (or a lone op) may run within its call, all its ops together (see
+/// [`crate::backend::Connection::run_now`]): the ops past them are submitted (where a backend
+/// may copy up to its own inline budget in `submit`, shm 1 MiB, and leaves the rest to the
+/// runtime's workers), so a call holds its caller, often a runtime worker itself, for a few
+/// 1 MiB copies at most (50-100 us each).
+pub(super) const CALL_BYTES: u64 = 1 << 20;
+
 /// One READ or WRITE between a local region and a peer's region.
 #[derive(Debug, Clone)]
 pub struct TransferOp {

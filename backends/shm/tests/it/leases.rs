@@ -100,3 +100,27 @@ async fn no_copy_lands_after_the_peer_shut_down() {
         a.shutdown().await;
     }
 }
+
+/// A post of more bytes than a call copies within itself (four 512 KiB ops on a leased region):
+/// the ops past that budget are submitted, and every post lands all of its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_past_its_call_budget_lands_every_op() {
+    let (piece, n) = (512u64 << 10, 4u64);
+    let a = Engine::builder().backend(ShmBackend::new().unwrap()).start().await.unwrap();
+    let b = Engine::builder().backend(ShmBackend::new().unwrap()).start().await.unwrap();
+    let src = a.alloc(piece * n, Permissions::NONE).await.unwrap();
+    let dst = b.alloc(piece * n, Permissions::READ_WRITE).await.unwrap();
+    let s = a.connect(b.local_addr()).await.unwrap();
+    let remote = dst.remote();
+    let ops = (0..n).map(|i| TransferOp::write(&src, i * piece, &remote, i * piece, piece));
+    let prep = s.prepare(ops.collect()).await.unwrap();
+    for round in 0..3u8 {
+        let data: Vec<u8> = (0..piece * n).map(|i| (i % 253) as u8 ^ round).collect();
+        src.write_bytes(0, &data).unwrap();
+        let report = prep.post().await.await.unwrap();
+        assert_eq!(report.bytes, piece * n);
+        assert!(dst.to_vec(0, piece * n).unwrap() == data, "round {round}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
