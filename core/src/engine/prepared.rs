@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::session::Session;
 use super::transfer::{CALL_BYTES, TransferHandle, TransferOp, TransferReport, counted};
-use crate::backend::{Connection, Direction, RemoteSlice};
+use crate::backend::{Connection, RemoteSlice};
 use crate::error::Result;
 
 /// Ops [`Session::prepare`]d once and posted any number of times with
@@ -48,7 +48,6 @@ pub struct PreparedTransfer {
 #[derive(Debug)]
 struct Now {
     conn: Arc<dyn Connection>,
-    dir: Direction,
     remote: RemoteSlice,
 }
 
@@ -67,14 +66,12 @@ impl Session {
             let r = self.route(&engine, &peer, op)?;
             let backend = engine.backends[r.backend].clone();
             backends.push(backend.name());
-            let max = backend.capabilities().max_request_bytes;
-            if r.staged || r.local.len() > max {
+            if !r.may_run_now(&engine) {
                 now.push(None);
                 continue;
             }
             let c = self.connection(&engine, &backend).await?;
-            let remote = r.remote(backend.name());
-            now.push(Some(Now { conn: c.conn, dir: r.dir, remote }));
+            now.push(Some(Now { conn: c.conn, remote: r.remote(backend.name()) }));
         }
         Ok(PreparedTransfer { session: self.clone(), ops, now, backends })
     }
@@ -82,8 +79,8 @@ impl Session {
 
 impl PreparedTransfer {
     /// Starts every op once more. The ops that their connections can run within this call
-    /// (in order, up to the first that cannot, and up to 1 MiB in all) end before it returns; the rest are submitted as
-    /// [`Session::submit`] would. The handle resolves when every op has ended, to the first
+    /// (in order, up to the first that cannot, and up to 1 MiB in all) end before it returns;
+    /// the rest are submitted as [`Session::submit`] would. The handle resolves when every op has ended, to the first
     /// error or to a report of all the bytes (its backend is the ops' one, or "mixed"). An op
     /// that fails within the call ends the post: the ops after it do not start.
     pub async fn post(&self) -> TransferHandle {
@@ -104,7 +101,7 @@ impl PreparedTransfer {
                     break;
                 }
             };
-            match n.conn.run_now(n.dir, &local, &n.remote, &mut budget) {
+            match n.conn.run_now(op.dir, &local, &n.remote, &mut budget) {
                 None => break,
                 Some(Ok(())) => ran += 1,
                 Some(Err(e)) => {

@@ -70,6 +70,14 @@ impl Routed<'_> {
             blob: self.region.blob(backend).cloned().unwrap_or_default(),
         }
     }
+
+    /// Whether its connection may be asked to run the op within a call
+    /// ([`Connection::run_now`]): not when the engine stages it through a GPU bounce, nor when
+    /// its backend cuts it into several requests.
+    pub(super) fn may_run_now(&self, engine: &EngineShared) -> bool {
+        let max = engine.backends[self.backend].capabilities().max_request_bytes;
+        !self.staged && self.local.len() <= max
+    }
 }
 
 /// What an op needs to run on a later backend of the engine than the one it was given to (see
@@ -600,10 +608,10 @@ impl Session {
         op: &TransferOp,
         r: &Routed<'_>,
     ) -> Option<TransferHandle> {
-        let backend = &engine.backends[r.backend];
-        if r.staged || r.local.len() > backend.capabilities().max_request_bytes {
+        if !r.may_run_now(engine) {
             return None;
         }
+        let backend = &engine.backends[r.backend];
         let c = self.open_connection(backend)?;
         let start = std::time::Instant::now();
         let mut budget = super::transfer::CALL_BYTES;

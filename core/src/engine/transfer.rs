@@ -119,7 +119,7 @@ impl TransferHandle {
     }
 
     pub(crate) fn failed(e: Error) -> Self {
-        TransferHandle { backend: "none", state: State::Ended(Some(Err(e))) }
+        TransferHandle::ended("none", Err(e))
     }
 
     /// The handle of ops that `backend` already ended.
