@@ -5,6 +5,7 @@ mod connector;
 mod dlpack;
 mod engine;
 mod errors;
+mod linger;
 mod orchestrator;
 mod runtime;
 mod store;
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::Publication>()?;
     m.add_class::<connector::Consumption>()?;
     m.add_function(wrap_pyfunction!(connector::describe_handle, m)?)?;
+    m.add_function(wrap_pyfunction!(linger::set_linger, m)?)?;
     m.add_class::<orchestrator::Service>()?;
     m.add_class::<orchestrator::Worker>()?;
     m.add_class::<orchestrator::Assignment>()?;

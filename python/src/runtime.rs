@@ -36,7 +36,8 @@ pub(crate) fn seconds(timeout: f64) -> Res<Duration> {
     }
 }
 
-/// Runs `fut` on the runtime with the GIL released, for at most `timeout`.
+/// Runs `fut` on the runtime with the GIL released, for at most `timeout`; then a worker
+/// lingers (see `linger`).
 pub(crate) fn wait<T, F>(py: Python<'_>, timeout: Duration, what: &str, fut: F) -> PyResult<T>
 where
     T: Send,
@@ -44,7 +45,7 @@ where
 {
     let r = py.detach(|| {
         let rt = runtime()?;
-        rt.block_on(async {
+        let r = rt.block_on(async {
             match tokio::time::timeout(timeout, fut).await {
                 Ok(r) => r,
                 Err(_) => Err(Failure::new(
@@ -52,7 +53,9 @@ where
                     format!("{what}: no answer within {:.3} s", timeout.as_secs_f64()),
                 )),
             }
-        })
+        });
+        crate::linger::after_call(rt);
+        r
     });
     r.map_err(|f| f.into_py(py))
 }

@@ -10,7 +10,9 @@
   ``Connector``, ...) and every exception class (``tensorwire.errors``).
 
 Tensors move zero-copy through DLPack (host memory: numpy, torch CPU tensors, ...). Every call
-that waits takes ``timeout`` (seconds) and releases the GIL.
+that waits takes ``timeout`` (seconds) and releases the GIL. After such a call the runtime's
+workers stay awake for a moment (300 us, so the next call does not wait for a parked one):
+``set_linger(seconds)`` or ``TENSORWIRE_LINGER_US`` changes that, 0 turns it off.
 """
 
 from . import errors
@@ -31,6 +33,7 @@ from ._native import (
     Worker,
     __version__,
     describe_handle,
+    set_linger,
 )
 from .errors import *  # noqa: F401,F403  (the exception classes)
 from .mooncake import MooncakeDistributedStore, ReplicateConfig, TransferEngine, TransferNotify
@@ -55,5 +58,6 @@ __all__ = [
     "Worker",
     "describe_handle",
     "errors",
+    "set_linger",
     "__version__",
 ] + errors.__all__

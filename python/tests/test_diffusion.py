@@ -184,6 +184,37 @@ def test_a_dead_producer_is_producer_gone():
     cons.close()
 
 
+def test_a_wait_that_times_out_leaves_the_consume_going(pipeline):
+    # A `next` that gives up leaves the consume going: a later one gets the chunk, then the end.
+    prod, cons = pipeline
+    x = latent((8, 6), seed=4)
+    h = prod.publish(StagePayload(12, "latent", x, chunk_dim=0, num_chunks=1), consumer_credit=1)
+    dst = np.zeros_like(x)
+    c = cons._conn.consume(h.to_bytes(), dst, timeout=5)
+    with pytest.raises(tw.TimeoutError):
+        c.next(timeout=0.05)  # not marked ready yet
+    h.mark_ready(0)
+    assert c.next(timeout=5) == (0, 0, 8)
+    assert c.next(timeout=5) is None and c.next(timeout=5) is None
+    assert np.array_equal(dst, x)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_consume_dropped_early_leaves_the_payload(pipeline, chunks):
+    # A consume nobody waits for stops, and does not count its consumer: another reads it all.
+    prod, cons = pipeline
+    x = latent((8, 6), seed=5)
+    h = prod.publish(StagePayload(13 + chunks, "latent", x, chunk_dim=0, num_chunks=chunks), consumer_credit=1)
+    c = cons._conn.consume(h.to_bytes(), np.zeros_like(x), timeout=5)
+    with pytest.raises(tw.TimeoutError):
+        c.next(timeout=0.05)
+    del c
+    h.mark_all_ready()
+    dst = np.zeros_like(x)
+    assert len(list(cons.consume(h, dst, timeout=5))) == chunks
+    assert np.array_equal(dst, x)
+
+
 def test_consume_async(pipeline):
     prod, cons = pipeline
     x = latent()

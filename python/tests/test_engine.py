@@ -1,6 +1,8 @@
 """The transfer engine from Python: tensors registered through DLPack (no copy), transfers both
 ways, batches, notifications, and clear errors for bad input."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,26 @@ def test_a_prepared_transfer_posts_again_and_again(backend):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_the_linger_ends_and_can_be_turned_off(engines):
+    # After a call, runtime workers stay awake for the linger (a moment), then cost nothing.
+    a, b = engines
+    src, dst = pattern((256,), "uint8"), np.zeros(256, dtype=np.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    s = a.connect(b.address)
+    before = tw.set_linger(0.001)
+    try:
+        assert s.write(ra, 0, rb.descriptor(), 0, 256) == 256
+        start = time.process_time()  # every thread of this process
+        time.sleep(0.5)
+        # A linger that never ended would spin a core the whole half second.
+        assert time.process_time() - start < 0.25
+        for bad in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(tw.InvalidArgumentError, match="linger"):
+                tw.set_linger(bad)
+        assert tw.set_linger(0) == pytest.approx(0.001)
+        dst[:] = 0
+        assert s.write(ra, 0, rb.descriptor(), 0, 256) == 256 and np.array_equal(src, dst)
+    finally:
+        tw.set_linger(before)
