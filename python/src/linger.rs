@@ -41,10 +41,13 @@ static LINGER: OnceLock<Linger> = OnceLock::new();
 
 fn state() -> &'static Linger {
     LINGER.get_or_init(|| {
+        // Unset, or not a number of microseconds up to `MAX`: the default.
         let span = std::env::var("TENSORWIRE_LINGER_US")
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .map_or(DEFAULT, Duration::from_micros);
+            .map(Duration::from_micros)
+            .filter(|d| *d <= MAX)
+            .unwrap_or(DEFAULT);
         Linger { span: AtomicU64::new(nanos(span)), until: AtomicU64::new(0), awake: 0.into() }
     })
 }
@@ -106,17 +109,24 @@ async fn stay_awake(l: &'static Linger) {
     }
 }
 
-/// Sets how long a runtime worker stays awake after each call (seconds; 0 turns it off) and
-/// returns the span before.
+/// The longest span `set_linger` takes: longer, a worker would spin most of the time.
+const MAX: Duration = Duration::from_secs(1);
+
+/// Sets how long runtime workers stay awake after each call (seconds, 0 to 1; 0 turns it off)
+/// and returns the span before.
 #[pyo3::pyfunction]
 pub(crate) fn set_linger(py: pyo3::Python<'_>, seconds: f64) -> pyo3::PyResult<f64> {
-    if !(seconds.is_finite() && seconds >= 0.0) {
-        let e = crate::errors::Failure::invalid(format!(
-            "linger must be a finite number of seconds >= 0, not {seconds}"
-        ));
-        return Err(e.into_py(py));
-    }
+    let wanted = match Duration::try_from_secs_f64(seconds) {
+        Ok(d) if d <= MAX => d,
+        _ => {
+            let e = crate::errors::Failure::invalid(format!(
+                "linger must be from 0 to {} seconds, not {seconds}",
+                MAX.as_secs_f64()
+            ));
+            return Err(e.into_py(py));
+        }
+    };
     let before = span();
-    set_span(Duration::from_secs_f64(seconds));
+    set_span(wanted);
     Ok(before.as_secs_f64())
 }

@@ -20,6 +20,7 @@ use crate::payload::LeasePolicy;
 use crate::reference::{PayloadRef, Source};
 
 use super::state::*;
+use super::turn::Turn;
 
 impl DiffusionConnector {
     /// Fetches a payload into `dst` at `offset`, yielding a view per chunk as it lands. With
@@ -69,7 +70,9 @@ impl DiffusionConnector {
                 }
             }
             Source::P2p { addr, payload, region, .. } => {
-                reports_sent(&self.inner, region.engine, *payload).await;
+                // Ends when this returns: a later consume or release goes after this report.
+                let mut turn = Turn::take(&self.inner, region.engine, *payload);
+                turn.wait_before(self.inner.cfg.wait_timeout).await;
                 let s = match session_to(&self.inner, *addr).await {
                     Ok(s) if s.peer() == region.engine => s,
                     _ => return Ok(()), // the producer, and its payload, are gone
@@ -101,13 +104,21 @@ impl DiffusionConnector {
         let plan = plan_of(&r.meta, r.chunking)?;
         fits(&dst, offset, &plan)?;
         let (tx, rx) = mpsc::channel(plan.len() as usize + 1);
+        // Taken here, in the caller's call: a consume or release of the payload asked for after
+        // this one returns goes after it, whenever their tasks run.
+        let turn = match &r.source {
+            Source::P2p { payload, region, .. } => {
+                Some(Turn::take(&self.inner, region.engine, *payload))
+            }
+            Source::Store { .. } => None,
+        };
         let inner = self.inner.clone();
         let r = r.clone();
         let task = tokio::spawn(async move {
             let started = Instant::now();
             let at = Destination { region: &dst, offset, plan: &plan };
             let out = match &r.source {
-                Source::P2p { .. } => consume_p2p(&inner, &r, at, &tx, report).await,
+                Source::P2p { .. } => consume_p2p(&inner, &r, at, &tx, report, turn).await,
                 Source::Store { key } => consume_store(&inner, &r, key, at, &tx, report).await,
             };
             match out {
@@ -210,20 +221,16 @@ pub(super) async fn read_failed(
     ConnectorError::ProducerGone(format!("payload {payload}: its buffer is gone ({e})"))
 }
 
-/// Removes the waiter entry however the consume ends.
-pub(super) struct Waiter<'a>(&'a Inner, (EngineId, u64));
+/// Removes the waiter entry however the consume ends, unless a later consume of the payload
+/// (in its turn, once this one's report left) has put its own there since.
+pub(super) struct Waiter<'a>(&'a Inner, (EngineId, u64), ToFetch);
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
-        self.0.waiters.lock().remove(&self.1);
-    }
-}
-
-/// Waits (bounded) for the reports of earlier consumes of `payload` still on their way.
-pub(super) async fn reports_sent(inner: &Inner, engine: EngineId, payload: u64) {
-    let pending = inner.reporting.lock().get(&(engine, payload)).cloned();
-    if let Some(mut r) = pending {
-        let _ = tokio::time::timeout(inner.cfg.wait_timeout, r.wait_for(|done| *done)).await;
+        let mut w = self.0.waiters.lock();
+        if w.get(&self.1).is_some_and(|tx| tx.same_channel(&self.2)) {
+            w.remove(&self.1);
+        }
     }
 }
 
@@ -236,11 +243,11 @@ pub(super) async fn reports_sent(inner: &Inner, engine: EngineId, payload: u64) 
 /// delivered ends the fetch through `to`). An unchunked payload's rides with the read, which
 /// succeeds only if the producer accepted it.
 pub(super) struct Subscription {
-    inner: Arc<Inner>,
     session: Session,
-    engine: EngineId,
     payload: u64,
     verdict: Verdict,
+    /// The consume's turn at the payload, ended once `Done` has left (or none was owed).
+    turn: Option<Turn>,
 }
 
 /// Where a subscription stands, as far as its consumer knows.
@@ -258,18 +265,12 @@ pub(super) enum Verdict {
 
 impl Subscription {
     pub(super) fn new(
-        inner: &Arc<Inner>,
         session: &Session,
         payload: u64,
         verdict: Verdict,
+        turn: Option<Turn>,
     ) -> Subscription {
-        Subscription {
-            inner: inner.clone(),
-            session: session.clone(),
-            engine: session.peer(),
-            payload,
-            verdict,
-        }
+        Subscription { session: session.clone(), payload, verdict, turn }
     }
 
     pub(super) fn message(payload: u64, hold: Duration) -> Bytes {
@@ -278,11 +279,11 @@ impl Subscription {
 
     /// Sends the subscription on its own task (the consume waits for announcements meanwhile).
     pub(super) fn start(
-        inner: &Arc<Inner>,
         session: &Session,
         payload: u64,
         hold: Duration,
         to: ToFetch,
+        turn: Option<Turn>,
     ) -> Subscription {
         let (bytes, s) = (Self::message(payload, hold), session.clone());
         let send = tokio::spawn(async move {
@@ -295,18 +296,18 @@ impl Subscription {
                 }
             }
         });
-        Self::new(inner, session, payload, Verdict::Pending(send))
+        Self::new(session, payload, Verdict::Pending(send), turn)
     }
 
     /// A subscription that rides with the read (returned with the message to carry): the read
     /// succeeds only if the producer accepted it.
     pub(super) fn riding(
-        inner: &Arc<Inner>,
         session: &Session,
         payload: u64,
         hold: Duration,
+        turn: Option<Turn>,
     ) -> (Subscription, Bytes) {
-        (Self::new(inner, session, payload, Verdict::Riding), Self::message(payload, hold))
+        (Self::new(session, payload, Verdict::Riding, turn), Self::message(payload, hold))
     }
 
     /// The read it rode with succeeded: the producer accepted it.
@@ -317,18 +318,16 @@ impl Subscription {
     }
 
     /// Ends the subscription, in the background; a later consume or release of the payload
-    /// waits for it. A refused one is owed no `Done`; one whose verdict is unknown gets one (a
-    /// producer that refused it refuses that too).
+    /// waits for it (the turn ends with the task that sends `Done`). A refused one is owed no
+    /// `Done`; one whose verdict is unknown gets one (a producer that refused it refuses that
+    /// too).
     pub(super) fn end(&mut self, consumed: bool) {
         let verdict = match std::mem::replace(&mut self.verdict, Verdict::Ended) {
             Verdict::Pending(send) => Some(send),
             Verdict::Accepted | Verdict::Riding => None,
             Verdict::Ended => return,
         };
-        let key = (self.engine, self.payload);
-        let (done, pending) = tokio::sync::watch::channel(false);
-        self.inner.reporting.lock().insert(key, pending);
-        let (s, inner, payload) = (self.session.clone(), self.inner.clone(), self.payload);
+        let (s, payload, turn) = (self.session.clone(), self.payload, self.turn.take());
         let msg = Bytes::from(Control::Done { payload, consumed }.encode());
         tokio::spawn(async move {
             let accepted = match verdict {
@@ -340,8 +339,7 @@ impl Subscription {
             } else if let Err(e) = s.notify(msg).await {
                 tracing::debug!(payload, error = %e, "connector: ending a subscription");
             }
-            inner.reporting.lock().remove(&key);
-            done.send_replace(true);
+            drop(turn); // the report has left: the next consume or release of the payload goes
         });
     }
 }
@@ -361,12 +359,15 @@ pub(super) async fn consume_p2p(
     dst: Destination<'_>,
     out: &mpsc::Sender<Result<ChunkView>>,
     report: bool,
+    mut turn: Option<Turn>,
 ) -> Result<()> {
     let Source::P2p { addr, payload, region: ref remote, offset: base } = r.source else {
         return Err(ConnectorError::Internal("not a p2p payload".into()));
     };
     let engine = remote.engine;
-    reports_sent(inner, engine, payload).await;
+    if let Some(t) = turn.as_mut() {
+        t.wait_before(inner.cfg.wait_timeout).await;
+    }
     let s = session_to(inner, addr).await?;
     if s.peer() != engine {
         return Err(ConnectorError::ProducerGone(format!(
@@ -375,7 +376,7 @@ pub(super) async fn consume_p2p(
     }
     let (tx, rx) = mpsc::channel(dst.plan.len() as usize + 4);
     inner.waiters.lock().insert((engine, payload), tx.clone());
-    let _w = Waiter(inner, (engine, payload));
+    let _w = Waiter(inner, (engine, payload), tx.clone());
     // The producer keeps the buffer for this consumer until `held_until` at least (its clock
     // starts when the subscription arrives, after this one): a read that ends later may have
     // read a buffer given back, and fails the consume.
@@ -388,11 +389,11 @@ pub(super) async fn consume_p2p(
     let p = P2pRead { s, remote, base, payload, dst, wait, hold, held_until, rx };
     match r.chunking {
         None => {
-            let (subscription, notice) = Subscription::riding(inner, &p.s, payload, hold);
+            let (subscription, notice) = Subscription::riding(&p.s, payload, hold, turn);
             p.whole(subscription, notice, r.checksum, out, report).await
         }
         Some(_) => {
-            let subscription = Subscription::start(inner, &p.s, payload, hold, tx);
+            let subscription = Subscription::start(&p.s, payload, hold, tx, turn);
             p.chunked(subscription, out, report).await
         }
     }

@@ -24,6 +24,7 @@ mod consume;
 mod inbox;
 mod publish;
 mod state;
+mod turn;
 
 pub use consume::Consumption;
 pub use publish::Publication;

@@ -98,9 +98,9 @@ pub(super) struct Inner {
     pub(super) waiters: Mutex<HashMap<(EngineId, u64), ToFetch>>,
     /// The runtime the connector was made on (the notification handler runs on backend tasks).
     pub(super) rt: tokio::runtime::Handle,
-    /// Consumption reports (and unsubscriptions) on their way, by (producer, payload): they
-    /// complete in the background, and a later consume or release of the same payload waits for
-    /// them first, so it sees the payload as the report left it.
+    /// The last turn taken at each p2p payload, by (producer, payload): a consume or release
+    /// waits for the one before it to end (its report sent, in the background, or none owed),
+    /// so it sees the payload as that report left it (see `turn`).
     pub(super) reporting: Mutex<HashMap<(EngineId, u64), tokio::sync::watch::Receiver<bool>>>,
     /// Sessions with producers, by control address (one handshake per producer).
     pub(super) sessions: tokio::sync::Mutex<HashMap<SocketAddr, Session>>,

@@ -149,3 +149,42 @@ async fn an_unchunked_payloads_subscription_arrives_during_its_read() {
     assert!(dst.to_vec(0, len).unwrap() == data, "bytes differ");
     until("the buffer is given back", || producer.held() == 0 && producer.readers() == 0).await;
 }
+
+/// A consume dropped before its end and another of the same payload asked for at once (a
+/// retry): the first one's unsubscription (`Done`, not consumed) goes in the background, and
+/// must neither end the retry's subscription at the producer nor take the retry's place among
+/// the connector's fetches (which failed the retry with "connector closed"). The retry reads
+/// every byte and counts the one consumer: the producer gives the buffer back. Twenty rounds,
+/// each dropping the first consume once its subscription has arrived, and retrying at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consume_dropped_and_retried_at_once_counts_once() {
+    let (_proxy, producer, consumer) = pair(Duration::from_secs(10)).await;
+    let len = 64u64 << 10;
+    let meta = TensorMeta::contiguous(DType::U8, &[len]);
+    let data: Vec<u8> = (0..len as u32).map(|i| (i.wrapping_mul(40_503) >> 7) as u8).collect();
+    let dst = Arc::new(consumer.engine().alloc(len, Permissions::NONE).await.unwrap());
+    for round in 0..200u64 {
+        let src = Arc::new(producer.engine().alloc(len, Permissions::READ).await.unwrap());
+        src.write_bytes(0, &data).unwrap();
+        let payload = StagePayload {
+            request: 10 + round,
+            kind: PayloadKind::Latent,
+            region: src,
+            offset: 0,
+            meta: meta.clone(),
+            chunking: Some(Chunking { dim: 0, count: 2 }),
+            lease: LeasePolicy::DeleteOnConsume { consumers: 1 },
+        };
+        let mut publication = producer.publish(payload, None).unwrap();
+        let r = publication.reference.clone();
+        let first = consumer.consume(&r, dst.clone(), 0, Some(&meta)).unwrap();
+        until("the first subscription arrives", || producer.readers() == 1).await;
+        drop(first);
+        let retry = consumer.consume(&r, dst.clone(), 0, Some(&meta)).unwrap();
+        publication.mark_all_ready().unwrap();
+        let chunks = retry.all().await.unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert_eq!(chunks.len(), 2, "round {round}");
+        assert!(dst.to_vec(0, len).unwrap() == data, "round {round}: bytes differ");
+        until("the one consumer is counted", || producer.held() == 0).await;
+    }
+}
