@@ -72,7 +72,7 @@ impl DiffusionConnector {
             Source::P2p { addr, payload, region, .. } => {
                 // Ends when this returns: a later consume or release goes after this report.
                 let mut turn = Turn::take(&self.inner, region.engine, *payload);
-                turn.wait_before(self.inner.cfg.wait_timeout).await;
+                turn.wait_before().await;
                 let s = match session_to(&self.inner, *addr).await {
                     Ok(s) if s.peer() == region.engine => s,
                     _ => return Ok(()), // the producer, and its payload, are gone
@@ -366,7 +366,7 @@ pub(super) async fn consume_p2p(
     };
     let engine = remote.engine;
     if let Some(t) = turn.as_mut() {
-        t.wait_before(inner.cfg.wait_timeout).await;
+        t.wait_before().await;
     }
     let s = session_to(inner, addr).await?;
     if s.peer() != engine {

@@ -97,7 +97,7 @@ impl DiffusionConnector {
             publisher: Mutex::default(),
             waiters: Mutex::default(),
             rt: tokio::runtime::Handle::current(),
-            reporting: Mutex::default(),
+            turns: Mutex::default(),
             sessions: tokio::sync::Mutex::default(),
             next: AtomicU64::new(1),
         });

@@ -101,7 +101,7 @@ pub(super) struct Inner {
     /// The last turn taken at each p2p payload, by (producer, payload): a consume or release
     /// waits for the one before it to end (its report sent, in the background, or none owed),
     /// so it sees the payload as that report left it (see `turn`).
-    pub(super) reporting: Mutex<HashMap<(EngineId, u64), tokio::sync::watch::Receiver<bool>>>,
+    pub(super) turns: Mutex<HashMap<(EngineId, u64), tokio::sync::watch::Receiver<bool>>>,
     /// Sessions with producers, by control address (one handshake per producer).
     pub(super) sessions: tokio::sync::Mutex<HashMap<SocketAddr, Session>>,
     pub(super) next: AtomicU64,

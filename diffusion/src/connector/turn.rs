@@ -32,14 +32,14 @@ struct End {
     key: (EngineId, u64),
     /// Says the turn ended (true) to the turn after it.
     ended: watch::Sender<bool>,
-    /// This turn's entry in `Inner::reporting`, to recognise it there.
+    /// This turn's entry in `Inner::turns`, to recognise it there.
     mine: watch::Receiver<bool>,
 }
 
 impl End {
     fn now(self) {
         self.ended.send_replace(true);
-        let mut r = self.inner.reporting.lock();
+        let mut r = self.inner.turns.lock();
         // A later turn may have taken the entry since: it is that one's now.
         if r.get(&self.key).is_some_and(|e| e.same_channel(&self.mine)) {
             r.remove(&self.key);
@@ -59,14 +59,16 @@ impl Turn {
     pub(super) fn take(inner: &Arc<Inner>, producer: EngineId, payload: u64) -> Turn {
         let key = (producer, payload);
         let (ended, mine) = watch::channel(false);
-        let before = inner.reporting.lock().insert(key, mine.clone());
+        let before = inner.turns.lock().insert(key, mine.clone());
         Turn { end: Some(End { inner: inner.clone(), key, ended, mine }), before }
     }
 
-    /// Waits (at most `wait`) for the turn before this one to end.
-    pub(super) async fn wait_before(&mut self, wait: Duration) {
+    /// Waits (at most the connector's wait bound) for the turn before this one to end. Until
+    /// it has, the turn keeps `before` (a wait cut short leaves it for `drop` to wait on).
+    pub(super) async fn wait_before(&mut self) {
+        let Some(end) = &self.end else { return };
         if let Some(before) = self.before.clone() {
-            ended(before, wait).await;
+            ended(before, end.inner.cfg.wait_timeout).await;
             self.before = None;
         }
     }
@@ -109,7 +111,7 @@ mod tests {
         let mut third = Turn::take(inner, producer, 7);
         drop(dropped); // never waited: an aborted consume's
         let waiting = tokio::spawn(async move {
-            third.wait_before(Duration::from_secs(20)).await;
+            third.wait_before().await;
             third
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -119,7 +121,7 @@ mod tests {
         drop(third);
         // Every turn ended: the payload's entry is gone.
         tokio::time::timeout(Duration::from_secs(10), async {
-            while inner.reporting.lock().contains_key(&(producer, 7)) {
+            while inner.turns.lock().contains_key(&(producer, 7)) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
