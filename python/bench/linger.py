@@ -1,6 +1,6 @@
 """Publish+consume from Python with the runtime's linger off and on, taking turns in one process.
 
-    python bench/linger.py [--sizes 1M,4M,64M] [--pairs 8] [--linger-us 300]
+    python bench/linger.py [--sizes 1M,4M,64M] [--pairs 8] [--linger-us 1000]
 
 Two DiffusionConnectors in this process (p2p over tcp on loopback, as `connector.py`), one numpy
 tensor published and consumed into a numpy destination, over and over for `--budget` seconds
@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--sizes", default="1M,4M,64M")
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--budget", type=float, default=0.4, help="seconds per sample")
-    p.add_argument("--linger-us", type=float, default=300)
+    p.add_argument("--linger-us", type=float, default=1000)
     args = p.parse_args()
     prod = DiffusionConnector(transfer_mode="p2p", te_config={"streams": 2})
     cons = DiffusionConnector(transfer_mode="p2p", te_config={"streams": 2})

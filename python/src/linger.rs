@@ -1,28 +1,33 @@
-//! Lingering: after a call from Python returns, runtime workers stay awake for a short while
-//! (two tasks yield in turn, so the workers running them still run other tasks and poll
-//! sockets), so that the next call finds them running instead of parked.
+//! Lingering: while a call from Python runs and for a short while after it returns, runtime
+//! workers stay awake (two tasks yield in turn, so the workers running them still run other
+//! tasks and poll sockets), so that neither the call's own work nor the next call finds them
+//! parked.
 //!
 //! Why: a Python caller is a thread outside the runtime. Between two calls it runs Python code
 //! (tens of microseconds), long enough for the runtime's workers to run out of work and park;
 //! the next call then waits for a parked worker to be woken, and on a virtual machine whose
 //! idle CPUs halt that costs tens of microseconds per wake, several times per handoff. A Rust
 //! caller on a runtime task does not pay it: its worker is running when the next call starts.
-//! Measured on the 2-vCPU host (`python/bench/linger.py`, off against on in one process;
-//! docs/performance.md, "Ninth part"): publish+consume from Python 1.3-1.6x as fast at 1 MiB,
-//! 1.1x at 4 MiB, level at 64 MiB. Two tasks did better than one (a handoff keeps a worker
-//! busy on each side), and yielding the thread as well as the task better than the task alone
-//! (on two cores the caller often waits for the CPU a lingering worker holds).
+//! The same holds inside a call that waits for a transfer: between two readiness events of its
+//! sockets a worker with nothing else to do parks, unless a lingering task keeps it awake.
+//! Measured on the 2-vCPU host (`python/bench/linger.py`, variants taking turns in one process;
+//! docs/performance.md, "Ninth part" and "Tenth part"): the linger after each call made
+//! publish+consume from Python 1.3-1.6x as fast at 1 MiB and 1.1x at 4 MiB; arming it at each
+//! call's start as well and for 1 ms instead of 300 us gave 1.09-1.29x at 4 MiB, and
+//! 0.95-1.16x at 1 MiB and 0.97-1.05x at 64 MiB (within the noise; five runs). Two tasks did better than one (a handoff keeps a
+//! worker busy on each side), and yielding the thread as well as the task better than the task
+//! alone (on two cores the caller often waits for the CPU a lingering worker holds).
 //!
-//! The cost is bounded: at most two workers spin, for at most `span` past the last call, and
-//! an idle process (no calls) spins not at all. `TENSORWIRE_LINGER_US` sets the span at start
-//! (0 turns it off); `tensorwire.set_linger(seconds)` changes it.
+//! The cost is bounded: at most two workers spin, for at most `span` past the start or the end
+//! of the last call, and an idle process (no calls) spins not at all. `TENSORWIRE_LINGER_US`
+//! sets the span at start (0 turns it off); `tensorwire.set_linger(seconds)` changes it.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 /// The span when `TENSORWIRE_LINGER_US` does not say.
-pub(crate) const DEFAULT: Duration = Duration::from_micros(300);
+pub(crate) const DEFAULT: Duration = Duration::from_millis(1);
 
 /// The linger's state: how long, until when, and how many tasks are staying awake.
 struct Linger {
@@ -72,8 +77,9 @@ pub(crate) fn set_span(span: Duration) {
     state().span.store(nanos(span), SeqCst);
 }
 
-/// A call from Python returned: keep workers awake until `span` from now.
-pub(crate) fn after_call(rt: &tokio::runtime::Runtime) {
+/// A call from Python starts or returned: keep workers awake until `span` from now (or later, if
+/// an earlier call asked for later).
+pub(crate) fn arm(rt: &tokio::runtime::Runtime) {
     let l = state();
     let span = l.span.load(SeqCst);
     if span == 0 {

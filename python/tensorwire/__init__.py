@@ -10,9 +10,10 @@
   ``Connector``, ...) and every exception class (``tensorwire.errors``).
 
 Tensors move zero-copy through DLPack (host memory: numpy, torch CPU tensors, ...). Every call
-that waits takes ``timeout`` (seconds) and releases the GIL. After such a call the runtime's
-workers stay awake for a moment (300 us, so the next call does not wait for a parked one):
-``set_linger(seconds)`` or ``TENSORWIRE_LINGER_US`` changes that, 0 turns it off.
+that waits takes ``timeout`` (seconds) and releases the GIL. From the start of such a call and
+after it the runtime's workers stay awake for a moment (1 ms, so neither the call's transfer nor
+the next call waits for a parked one): ``set_linger(seconds)`` or ``TENSORWIRE_LINGER_US``
+changes that, 0 turns it off.
 """
 
 from . import errors
