@@ -3,11 +3,33 @@
 //! its share of the bytes on every stream, and completes when every stream's receiver has read its
 //! share and answered one byte; a READ sends a 9-byte request on every stream and completes when
 //! every share has been read. Each stream is driven by its own task, as tensorwire's are.
+//!
+//! With [`set_linger`] on (`xfer --linger-baseline`), the pair arms the process's linger
+//! (`tensorwire_core::linger`) where tensorwire's engine does: when it starts an op and when
+//! it serves a request, so both sides keep their workers awake alike.
 
 use crate::Result;
 use tensorwire_core::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+static LINGER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the pair arms the linger as the engine does (off by default: a plain socket pair).
+pub fn set_linger(on: bool) {
+    LINGER.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_linger`] is on.
+pub fn lingers() -> bool {
+    LINGER.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn arm() {
+    if lingers() {
+        tensorwire_core::linger::arm();
+    }
+}
 
 const OP_WRITE: u8 = 1;
 const OP_READ: u8 = 2;
@@ -35,6 +57,7 @@ async fn serve(mut s: TcpStream, mut buf: Vec<u8>) {
         if s.read_exact(&mut hdr).await.is_err() {
             return;
         }
+        arm();
         let len = u64::from_le_bytes(hdr[1..9].try_into().unwrap_or_default()) as usize;
         let len = len.min(buf.len());
         let r = match hdr[0] {
@@ -110,6 +133,7 @@ impl RawTcp {
 
     /// One op of `size` bytes in direction `op`, striped over every stream.
     pub async fn op(&mut self, write: bool, size: u64) -> Result<()> {
+        arm();
         let parts = shares(size, self.streams.len());
         let mut tasks = Vec::with_capacity(parts.len());
         for (slot, share) in self.streams.iter_mut().zip(parts) {
@@ -160,6 +184,7 @@ impl RawTcp {
     /// answers, and the batch completes when every answer is in (what an engine does with a
     /// batch of small ops on a connection: no op waits for the one before it).
     pub async fn batch(&mut self, write: bool, size: u64, n: usize) -> Result<()> {
+        arm();
         let k = self.streams.len();
         let mut tasks = Vec::with_capacity(k);
         for (i, slot) in self.streams.iter_mut().enumerate() {

@@ -71,7 +71,7 @@ pub async fn transfers(
     // (into the socket, out of it), shm and mem once.
     let copy = SharedMemcpy::new(max);
     let copies = if backend == "tcp" { 2 } else { 1 };
-    let baseline = if backend == "tcp" { "tokio-socket" } else { "memcpy" };
+    let baseline = if backend == "tcp" { socket_pair(false) } else { "memcpy" };
     let (pair_ref, raw, copy) = (&pair, &raw, &copy);
     let name = &plan.name(backend);
     let lines = sweep(sizes, ops, on_line, move |size, write| async move {
@@ -127,6 +127,16 @@ async fn raw_op(
 /// shm and tcp between two processes, as every deployment runs them: the same sizes, the peer
 /// this binary re-run as a child (lines named "shm-2p", "tcp-2p"); shm against the same memcpy,
 /// tcp against the socket pair with its server in the child too.
+/// The socket pair's name in a line: its server in a child process or not, lingering or not.
+fn socket_pair(two_process: bool) -> &'static str {
+    match (two_process, crate::raw_tcp::lingers()) {
+        (false, false) => "tokio-socket",
+        (false, true) => "tokio-socket-lingering",
+        (true, false) => "tokio-socket-2p",
+        (true, true) => "tokio-socket-2p-lingering",
+    }
+}
+
 async fn two_process(
     backend: &str,
     sizes: &[u64],
@@ -144,7 +154,7 @@ async fn two_process(
         Some(at) => Some(RawTcp::connect(at, streams, max).await?),
         None => None,
     };
-    let (copies, baseline) = if raw.is_some() { (2, "tokio-socket-2p") } else { (1, "memcpy") };
+    let (copies, baseline) = if raw.is_some() { (2, socket_pair(true)) } else { (1, "memcpy") };
     let (raw, child, name) = (&tokio::sync::Mutex::new(raw), &child, name.as_str());
     let lines = sweep(sizes, ops, on_line, move |size, write| async move {
         let prep = match plan.prepared {
@@ -200,7 +210,7 @@ pub async fn batches(
     let raw = if tcp { Some(RawTcp::new(streams, 2 * max * streams as u64).await?) } else { None };
     let raw = tokio::sync::Mutex::new(raw);
     let copy = SharedMemcpy::new(max);
-    let baseline = if tcp { "tokio-socket" } else { "memcpy" };
+    let baseline = if tcp { socket_pair(false) } else { "memcpy" };
     let (pair_ref, raw, copy) = (&pair, &raw, &copy);
     let lines = sweep(sizes, ops, on_line, move |size, write| async move {
         let (tw, base) = interleaved(

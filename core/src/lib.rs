@@ -66,6 +66,8 @@ mod fence;
 #[cfg(not(loom))]
 pub mod gpu;
 #[cfg(not(loom))]
+pub mod linger;
+#[cfg(not(loom))]
 mod region;
 #[cfg(not(loom))]
 mod tasks;

@@ -36,8 +36,8 @@ pub(crate) fn seconds(timeout: f64) -> Res<Duration> {
     }
 }
 
-/// Runs `fut` on the runtime with the GIL released, for at most `timeout`; workers linger (see
-/// `linger`) from its start and after its end.
+/// Runs `fut` on the runtime with the GIL released, for at most `timeout`; workers linger
+/// (`tensorwire_core::linger`, see `linger`) from its start and after its end.
 pub(crate) fn wait<T, F>(py: Python<'_>, timeout: Duration, what: &str, fut: F) -> PyResult<T>
 where
     T: Send,
@@ -45,7 +45,7 @@ where
 {
     let r = py.detach(|| {
         let rt = runtime()?;
-        crate::linger::arm(rt);
+        tensorwire_core::linger::arm_on(rt.handle());
         let r = rt.block_on(async {
             match tokio::time::timeout(timeout, fut).await {
                 Ok(r) => r,
@@ -55,7 +55,7 @@ where
                 )),
             }
         });
-        crate::linger::arm(rt);
+        tensorwire_core::linger::arm_on(rt.handle());
         r
     });
     r.map_err(|f| f.into_py(py))

@@ -136,6 +136,12 @@ struct Args {
     /// Which ops (write = put_from, read = get_into with --store).
     #[arg(long, value_enum, default_value = "both")]
     op: OpArg,
+    /// The tcp baseline (the socket pair) arms the process's linger where the engine does (when
+    /// it starts an op and when it serves one), so both keep their workers awake alike; its lines
+    /// say "tokio-socket-lingering". Without it, the pair is plain and parks its workers
+    /// between ops, as a plain tokio program does.
+    #[arg(long)]
+    linger_baseline: bool,
     /// Streams per connection (tcp), for tensorwire and the baseline alike.
     #[arg(long, default_value_t = tensorwire_tcp::default_streams())]
     streams: usize,
@@ -382,6 +388,7 @@ async fn run(args: Args) -> Result<()> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    tensorwire_benches::raw_tcp::set_linger(args.linger_baseline);
     if args.metrics {
         if let Err(e) = tensorwire_observe::install("xfer") {
             eprintln!("xfer: {e}");

@@ -53,6 +53,8 @@ impl BackendHost for HostAdapter {
     }
 
     fn resolve(&self, range: RemoteRange, access: Access) -> Result<MemSlice> {
+        // A peer's access: its next one, and the answer's send, find a worker awake.
+        crate::linger::arm();
         self.engine()?.regions.resolve(range, access)
     }
 

@@ -504,6 +504,8 @@ impl Session {
             }
             lone = Some(routed);
         }
+        // Ops that run in the background: their answers find a worker awake.
+        crate::linger::arm();
         let mut handles: Vec<Option<TransferHandle>> = Vec::with_capacity(ops.len());
         // (backend index, its (op index, routed op)s), in the order the backends first
         // appear: an engine runs a handful of backends, so a scan beats hashing.
