@@ -4,6 +4,8 @@
 //! A test binary of its own: the linger is process-wide, and the transfers of other tests
 //! running beside these would arm it too.
 
+#![cfg(not(loom))] // the linger drives tokio tasks; the loom build has only the sans-IO pieces
+
 use std::time::{Duration, Instant};
 
 use tensorwire_core::linger;
