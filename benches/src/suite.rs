@@ -124,9 +124,6 @@ async fn raw_op(
     }
 }
 
-/// shm and tcp between two processes, as every deployment runs them: the same sizes, the peer
-/// this binary re-run as a child (lines named "shm-2p", "tcp-2p"); shm against the same memcpy,
-/// tcp against the socket pair with its server in the child too.
 /// The socket pair's name in a line: its server in a child process or not, lingering or not.
 fn socket_pair(two_process: bool) -> &'static str {
     match (two_process, crate::raw_tcp::lingers()) {
@@ -137,6 +134,9 @@ fn socket_pair(two_process: bool) -> &'static str {
     }
 }
 
+/// shm and tcp between two processes, as every deployment runs them: the same sizes, the peer
+/// this binary re-run as a child (lines named "shm-2p", "tcp-2p"); shm against the same memcpy,
+/// tcp against the socket pair with its server in the child too.
 async fn two_process(
     backend: &str,
     sizes: &[u64],
