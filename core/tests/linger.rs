@@ -14,13 +14,23 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
 
-/// Waits up to 10 s for `awake()` to read `n`.
-fn until_awake(n: usize) -> usize {
+/// Waits up to 10 s for `read()` to give `n`; returns what it gives then.
+fn settle(n: usize, read: impl Fn() -> usize) -> usize {
     let start = Instant::now();
-    while linger::awake() != n && start.elapsed() < Duration::from_secs(10) {
+    while read() != n && start.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(1));
     }
-    linger::awake()
+    read()
+}
+
+/// Waits up to 10 s for `awake()` to read `n`.
+fn until_awake(n: usize) -> usize {
+    settle(n, linger::awake)
+}
+
+/// Tasks alive on `rt` (the linger's are the only ones these tests leave running).
+fn tasks(rt: &tokio::runtime::Runtime) -> usize {
+    rt.metrics().num_alive_tasks()
 }
 
 #[test]
@@ -49,11 +59,15 @@ fn the_linger_starts_on_activity_ends_after_its_span_and_stays_bounded() {
     });
     assert_eq!(until_awake(linger::AWAKE), linger::AWAKE);
     assert_eq!(until_awake(0), 0, "lingering tasks outlived their span");
+    assert_eq!(settle(0, || tasks(&rt)), 0, "lingering tasks did not end");
 
-    // A runtime that goes away while its tasks linger gives their places back.
+    // They stay for the span (1 s here; looked at well before it ends).
     linger::set_span(linger::MAX);
     rt.block_on(async { linger::arm() });
-    assert_eq!(until_awake(linger::AWAKE), linger::AWAKE);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(linger::awake(), linger::AWAKE, "lingering tasks left before their span ended");
+    assert_eq!(tasks(&rt), linger::AWAKE);
+    // A runtime that goes away while its tasks linger gives their places back.
     drop(rt);
     assert_eq!(until_awake(0), 0, "a dropped lingering task kept its place");
 
