@@ -55,6 +55,8 @@ mod wire;
 #[cfg(not(loom))]
 pub mod backend;
 #[cfg(not(loom))]
+pub mod block;
+#[cfg(not(loom))]
 mod bounce;
 #[cfg(not(loom))]
 mod completion;

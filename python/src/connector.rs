@@ -16,7 +16,7 @@ use tensorwire_diffusion::{
 use crate::dlpack::Tensor;
 use crate::engine::Engine;
 use crate::errors::{Failure, Raise, Res};
-use crate::runtime::{runtime, seconds, wait};
+use crate::runtime::{runtime, seconds, wait, wait_sized};
 use crate::store::Store;
 
 fn mode(s: &str) -> Res<Mode> {
@@ -189,6 +189,7 @@ impl Connector {
         let expect = t.meta.clone();
         let conn = self.inner.clone();
         let chunks = r.chunking.map_or(1, |c| c.count);
+        let chunk_bytes = t.span() / u64::from(chunks.max(1));
         let dim = r.chunking.map(|c| c.dim);
         let inner = wait(py, seconds(timeout).raise(py)?, "starting a consume", async move {
             let region = Arc::new(t.register(conn.engine(), Permissions::NONE).await?);
@@ -197,7 +198,7 @@ impl Connector {
                 false => conn.consume(&r, region, 0, Some(&expect))?,
             })
         })?;
-        Ok(Consumption { inner: tokio::sync::Mutex::new(inner), chunks, dim })
+        Ok(Consumption { inner: tokio::sync::Mutex::new(inner), chunks, dim, chunk_bytes })
     }
 
     /// Reports the payload of `handle` consumed (the end of a `hold` consume, once the work
@@ -312,6 +313,8 @@ pub(crate) struct Consumption {
     inner: tokio::sync::Mutex<tensorwire_diffusion::Consumption>,
     chunks: u32,
     dim: Option<u32>,
+    /// About how many bytes each chunk is (how long a wait for one is).
+    chunk_bytes: u64,
 }
 
 #[pymethods]
@@ -321,7 +324,7 @@ impl Consumption {
     #[pyo3(signature = (*, timeout = 30.0))]
     fn next(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<(u32, u64, u64)>> {
         let t = seconds(timeout).raise(py)?;
-        wait(py, t, "the next chunk", async {
+        wait_sized(py, t, "the next chunk", self.chunk_bytes, async {
             let mut c = self.inner.lock().await;
             Ok(c.next().await?.map(|v| (v.index, v.start, v.end)))
         })

@@ -18,7 +18,7 @@ use tensorwire_tcp::{TcpBackend, TcpConfig};
 
 use crate::dlpack::{Tensor, perms};
 use crate::errors::{Failure, Raise, Res};
-use crate::runtime::{seconds, wait};
+use crate::runtime::{seconds, wait, wait_sized};
 
 /// Parses "host:port" (a missing port means any free port).
 pub(crate) fn addr(s: &str) -> Res<SocketAddr> {
@@ -372,8 +372,9 @@ fn built(py: Python<'_>, write: bool, ops: Vec<Op<'_>>) -> PyResult<Vec<Transfer
 impl Session {
     fn run(&self, py: Python<'_>, write: bool, ops: Vec<Op<'_>>, timeout: f64) -> PyResult<u64> {
         let built = built(py, write, ops)?;
+        let bytes = built.iter().map(TransferOp::len).sum();
         let (s, moved) = (self.inner.clone(), self.moved.clone());
-        wait(py, seconds(timeout).raise(py)?, "a transfer", async move {
+        wait_sized(py, seconds(timeout).raise(py)?, "a transfer", bytes, async move {
             let mut bytes = 0;
             for h in s.submit(built).await {
                 let backend = h.backend();
@@ -416,7 +417,8 @@ impl PreparedTransfer {
     #[pyo3(signature = (*, timeout = 30.0))]
     fn post(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let (p, moved) = (self.inner.clone(), self.moved.clone());
-        wait(py, seconds(timeout).raise(py)?, "a prepared transfer", async move {
+        let bytes = p.ops().iter().map(TransferOp::len).sum();
+        wait_sized(py, seconds(timeout).raise(py)?, "a prepared transfer", bytes, async move {
             let report = p.post().await.await?;
             count(&moved, report.backend, report.bytes);
             Ok(report.bytes)

@@ -2,8 +2,8 @@
 //! (`tensorwire_core::linger`, one setting for the whole process: the engine's transfers and the
 //! binding's calls).
 //!
-//! The binding arms the linger when a call that waits starts and again when it returns
-//! (`runtime::wait`). A Python caller is a thread outside the runtime: between two calls it runs
+//! The binding arms the linger when a call has to wait (its future not ready at its first
+//! poll) and again when it returns (`runtime::wait`). A Python caller is a thread outside the runtime: between two calls it runs
 //! Python code (tens of microseconds), long enough for the runtime's workers to run out of work
 //! and park, and the next call then waits for a parked worker to be woken (tens of microseconds
 //! where idle CPUs halt, several times per handoff); inside a call that waits for a transfer a

@@ -17,7 +17,7 @@ use tensorwire_store::{
 use crate::dlpack::Tensor;
 use crate::engine::{Engine, Region, addr};
 use crate::errors::{Failure, Raise, Res};
-use crate::runtime::{seconds, wait};
+use crate::runtime::{seconds, wait, wait_sized};
 
 fn retention(s: &str) -> Res<Retention> {
     match s {
@@ -185,7 +185,8 @@ impl Store {
         let (key, r, s) =
             (key.into_bytes(), self::retention(retention).raise(py)?, self.inner.clone());
         let meta = TensorMeta::contiguous(DType::U8, &[data.len() as u64]);
-        wait(py, seconds(timeout).raise(py)?, "a store put", async move {
+        let bytes = data.len() as u64;
+        wait_sized(py, seconds(timeout).raise(py)?, "a store put", bytes, async move {
             Ok(s.put(&key, &meta, &data, r).await?)
         })
     }
@@ -250,7 +251,7 @@ impl Store {
         let r = self::retention(retention).raise(py)?;
         let (key, region, s) = (key.into_bytes(), region.get().raise(py)?, self.inner.clone());
         let meta = TensorMeta::contiguous(DType::U8, &[length]);
-        wait(py, seconds(timeout).raise(py)?, "a store put_from", async move {
+        wait_sized(py, seconds(timeout).raise(py)?, "a store put_from", length, async move {
             let src = region.slice(offset, length)?;
             Ok(s.put_from(&key, &meta, &src, r).await?)
         })
@@ -407,7 +408,8 @@ impl Store {
         F: std::future::Future<Output = tensorwire_store::Result<T>> + Send,
     {
         let (key, s) = (key.into_bytes(), self.inner.clone());
-        wait(py, seconds(timeout).raise(py)?, what, async move { Ok(call(s, key).await?) })
+        // A control call of a key: short, the caller spins for its answer.
+        wait_sized(py, seconds(timeout).raise(py)?, what, 0, async move { Ok(call(s, key).await?) })
     }
 
     /// `put_from` (with `put`'s retention) or `get_into` of many tensors, concurrently: the
@@ -424,7 +426,8 @@ impl Store {
             return Err(Failure::invalid("as many keys as tensors").into_py(py));
         }
         let (s, e) = (self.inner.clone(), self.engine.clone());
-        wait(py, seconds(timeout).raise(py)?, "a store batch", async move {
+        let bytes = tensors.iter().map(Tensor::span).sum();
+        wait_sized(py, seconds(timeout).raise(py)?, "a store batch", bytes, async move {
             // The regions stay registered until the calls are done (slices are checked against
             // deregistration).
             let (mut regions, mut slices, mut metas) = (Vec::new(), Vec::new(), Vec::new());

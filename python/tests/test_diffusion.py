@@ -186,13 +186,19 @@ def test_a_dead_producer_is_producer_gone():
 
 def test_a_wait_that_times_out_leaves_the_consume_going(pipeline):
     # A `next` that gives up leaves the consume going: a later one gets the chunk, then the end.
+    # The wait for a small chunk spins (about 100 us) before it parks: a wait far longer costs
+    # next to no CPU.
     prod, cons = pipeline
     x = latent((8, 6), seed=4)
     h = prod.publish(StagePayload(12, "latent", x, chunk_dim=0, num_chunks=1), consumer_credit=1)
     dst = np.zeros_like(x)
     c = cons._conn.consume(h.to_bytes(), dst, timeout=5)
+    start, cpu = time.monotonic(), time.process_time()  # every thread of this process
     with pytest.raises(tw.TimeoutError):
-        c.next(timeout=0.05)  # not marked ready yet
+        c.next(timeout=0.5)  # not marked ready yet
+    assert time.monotonic() - start >= 0.5
+    # A caller that spun through the whole wait would use half a second of a core.
+    assert time.process_time() - cpu < 0.25
     h.mark_ready(0)
     assert c.next(timeout=5) == (0, 0, 8)
     assert c.next(timeout=5) is None and c.next(timeout=5) is None

@@ -173,6 +173,17 @@ def test_a_prepared_transfer_posts_again_and_again(backend):
         b.shutdown()
 
 
+def test_a_huge_timeout_waits_as_long_as_it_takes(engines):
+    # A timeout past what a clock can hold is a wait without end in practice (a century), not
+    # an error or a crash.
+    a, b = engines
+    src, dst = pattern((256,), "uint8"), np.zeros(256, dtype=np.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    s = a.connect(b.address, timeout=1e300)
+    assert s.write(ra, 0, rb.descriptor(), 0, 256, timeout=1e300) == 256
+    assert np.array_equal(src, dst)
+
+
 def test_the_linger_ends_and_can_be_turned_off(engines):
     # After a call, runtime workers stay awake for the linger (a moment), then cost nothing.
     a, b = engines
