@@ -87,6 +87,8 @@ pub fn block_on<F: Future>(
             } else {
                 // Returns on an unpark (the waker's, or a stale one), at the deadline, or
                 // spuriously: the flag and the clock say which.
+                #[cfg(test)]
+                tests::PARKS.with(|p| p.set(p.get() + 1));
                 std::thread::park_timeout(deadline - now);
             }
         }
@@ -103,6 +105,15 @@ pub fn now<F: Future>(fut: Pin<&mut F>) -> Poll<F::Output> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// How often `block_on` parked on this thread.
+        pub(super) static PARKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    fn parks() -> u64 {
+        PARKS.with(std::cell::Cell::get)
+    }
 
     /// A future that is ready at its poll after the `n`th wake, each wake coming from another
     /// thread `delay` after a poll.
@@ -150,9 +161,27 @@ mod tests {
 
     #[test]
     fn short_ops_spin_long_ones_park() {
+        // The linger's span is its default here (no test of this binary changes it).
+        let spin = SPIN.min(crate::linger::span());
+        assert!(spin > Duration::ZERO);
+        for bytes in [0, 4096, SHORT_BYTES] {
+            assert_eq!(spin_for(bytes), spin);
+        }
         assert_eq!(spin_for(SHORT_BYTES + 1), Duration::ZERO);
-        assert!(spin_for(4096) <= SPIN);
-        assert_eq!(spin_for(0), spin_for(SHORT_BYTES));
+        assert_eq!(SHORT_BYTES, 256 * 1024);
+    }
+
+    #[test]
+    fn a_spinning_wait_does_not_park_and_one_without_spin_does() {
+        let far = Instant::now() + Duration::from_secs(30);
+        let before = parks();
+        let fut = std::pin::pin!(woken_later(2, Duration::from_millis(2)));
+        assert_eq!(block_on(fut, Duration::from_secs(30), far), Some(2));
+        assert_eq!(parks(), before);
+        // Woken 50 ms after each poll: the thread has parked by then.
+        let fut = std::pin::pin!(woken_later(3, Duration::from_millis(50)));
+        assert_eq!(block_on(fut, Duration::ZERO, far), Some(3));
+        assert!(parks() > before);
     }
 
     #[test]
