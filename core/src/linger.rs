@@ -14,7 +14,7 @@
 //! thread (`sched_yield`: a thread waiting for that CPU runs) and then its worker (which runs its
 //! other tasks and polls its sockets and timers instead of parking). The engine arms it when it
 //! submits ops that run in the background and when it serves a peer's access; the Python
-//! binding when a call that waits starts and ends.
+//! binding when a call has to wait and when it returns.
 //!
 //! The cost is bounded: at most two workers spin, for at most `span` after the last activity,
 //! and an idle process spins not at all. `TENSORWIRE_LINGER_US` sets the span when the process
