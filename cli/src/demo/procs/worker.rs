@@ -369,9 +369,27 @@ pub(super) async fn release(c: &DiffusionConnector, ck: &Checkpoints, a: &Assign
             continue;
         }
         for r in decode_refs(blob).unwrap_or_default() {
-            if let Err(e) = c.release(&r).await {
+            if let Err(e) = release_payload(c, &r).await {
                 eprintln!("worker: request {}: releasing a payload failed: {e}", a.request);
             }
         }
     }
+}
+
+/// Tries a release again while it fails, three more times within about a second: the store
+/// node that holds the payload may be restarting (killed by `--chaos-store`), and a report that
+/// no replica took leaves the payload in the store for good. A cluster store's release fails
+/// only when no replica answered that it took the report (and one that is gone already counts
+/// as released), so a try again counts no consumer twice on a node that answered.
+async fn release_payload(c: &DiffusionConnector, r: &PayloadRef) -> Result<(), ConnectorError> {
+    let mut pause = Duration::from_millis(100);
+    for _ in 0..3 {
+        match c.release(r).await {
+            Ok(()) => return Ok(()),
+            Err(e) => eprintln!("worker: releasing a payload failed, trying again: {e}"),
+        }
+        tokio::time::sleep(pause).await;
+        pause *= 2;
+    }
+    c.release(r).await
 }
