@@ -1,23 +1,43 @@
 //! The HTTP listener of `/metrics`, `/healthz` and `/readyz`.
+//!
+//! What a client can hold: a connection must send its first byte within [`Limits::first_byte`]
+//! and its whole head (at most [`MAX_HEAD`] bytes) within [`Limits::head`]; until its head is in,
+//! it is one of at most [`Limits::pending`] pending connections, and a new connection when that
+//! many are pending closes the *oldest* (`tensorwire_proto::admission`), so a client that keeps
+//! re-opening idle connections cannot crowd out a scrape, which sends its head at once. The
+//! accept loop backs off when the process runs out of descriptors.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
+use tensorwire_proto::admission::{self, Admission};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 
 use crate::health::{Health, Target};
 
-/// Longest request head read.
-const MAX_HEAD: usize = 8 << 10;
-/// Bound on reading a request head.
-const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest request head read; a longer one is answered 400.
+pub const MAX_HEAD: usize = 8 << 10;
 /// Bound on writing an answer.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections served at once; more are closed unanswered.
-const MAX_CONNECTIONS: usize = 64;
+
+/// The bounds on connections whose head is not in yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections reading their head at once (the oldest goes when more arrive).
+    pub pending: usize,
+    /// Bound on the first byte of a head.
+    pub first_byte: Duration,
+    /// Bound on the whole head.
+    pub head: Duration,
+}
+
+impl Default for Limits {
+    /// 64 pending, 1 s to the first byte, 5 s to the whole head.
+    fn default() -> Self {
+        Limits { pending: 64, first_byte: Duration::from_secs(1), head: Duration::from_secs(5) }
+    }
+}
 
 /// A running listener; dropping it stops it.
 #[derive(Debug)]
@@ -41,6 +61,16 @@ impl Endpoint {
         health: Health,
         expose: bool,
     ) -> Result<Endpoint, String> {
+        Endpoint::serve_with(listen, health, expose, Limits::default()).await
+    }
+
+    /// [`Endpoint::serve`] with other bounds on clients.
+    pub async fn serve_with(
+        listen: SocketAddr,
+        health: Health,
+        expose: bool,
+        limits: Limits,
+    ) -> Result<Endpoint, String> {
         if !listen.ip().is_loopback() {
             if !expose {
                 return Err(format!(
@@ -55,7 +85,7 @@ impl Endpoint {
             .await
             .map_err(|e| format!("metrics endpoint: cannot listen on {listen}: {e}"))?;
         let addr = l.local_addr().map_err(|e| format!("metrics endpoint: {e}"))?;
-        let task = tokio::spawn(accept(l, health));
+        let task = tokio::spawn(accept(l, health, limits));
         Ok(Endpoint { addr, task })
     }
 
@@ -77,55 +107,70 @@ impl Endpoint {
     }
 }
 
-async fn accept(l: TcpListener, health: Health) {
-    let room = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+async fn accept(l: TcpListener, health: Health, limits: Limits) {
+    // One bound for all sources: a scraper and an attacker on the same host share an address.
+    let room = Admission::new(
+        "metrics endpoint",
+        admission::Limits {
+            pending: limits.pending,
+            per_source: limits.pending,
+            deadline: limits.head,
+        },
+    );
     loop {
-        let (s, _) = match l.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::debug!(error = %e, "metrics endpoint: accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Ok(permit) = room.clone().try_acquire_owned() else {
-            continue; // too many at once: closed unanswered
-        };
+        let (s, peer) = tensorwire_proto::accept::accept(&l, "metrics endpoint").await;
+        let mut pending = room.admit(peer.ip());
         let health = health.clone();
         tokio::spawn(async move {
-            serve_one(s, &health).await;
-            drop(permit);
+            let head = pending.prove(read_head(s, limits.first_byte)).await;
+            pending.proved();
+            if let Ok(Some((mut s, head))) = head {
+                let answer = match parse_request(&head) {
+                    Ok((method, path)) => route(method, path, &health),
+                    Err(status) => Answer::text(status, "bad request\n"),
+                };
+                let _ = tokio::time::timeout(WRITE_TIMEOUT, answer.write(&mut s)).await;
+                if answer.status == 400 {
+                    // A lingering close: what the client still sends is read (a little, for a
+                    // short while) so that closing does not reset the connection before the
+                    // client read the answer.
+                    let mut sink = [0u8; 4096];
+                    let drain = async {
+                        for _ in 0..256 {
+                            if !matches!(s.read(&mut sink).await, Ok(n) if n > 0) {
+                                break;
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(Duration::from_millis(500), drain).await;
+                }
+            }
         });
+        // Let the connections just accepted read their heads before more are accepted.
+        tokio::task::yield_now().await;
     }
 }
 
-async fn serve_one(mut s: TcpStream, health: &Health) {
+/// Reads up to the end of the head (`\r\n\r\n`), at most [`MAX_HEAD`] bytes, the first byte
+/// within `first_byte`; `None` when the client closed, failed or was too slow to start.
+async fn read_head(mut s: TcpStream, first_byte: Duration) -> Option<(TcpStream, Vec<u8>)> {
     let mut head = Vec::with_capacity(512);
-    let read = tokio::time::timeout(READ_TIMEOUT, read_head(&mut s, &mut head)).await;
-    let answer = match read {
-        Ok(Ok(())) => match parse_request(&head) {
-            Ok((method, path)) => route(method, path, health),
-            Err(status) => Answer::text(status, "bad request\n"),
-        },
-        Ok(Err(_)) | Err(_) => return, // closed, failed or too slow: nothing to answer
-    };
-    let _ = tokio::time::timeout(WRITE_TIMEOUT, answer.write(&mut s)).await;
-}
-
-/// Reads up to the end of the head (`\r\n\r\n`), at most [`MAX_HEAD`] bytes.
-async fn read_head(s: &mut TcpStream, head: &mut Vec<u8>) -> std::io::Result<()> {
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
         if head.len() >= MAX_HEAD {
-            return Ok(()); // parse_request refuses a head without its end
+            break; // parse_request refuses a head without its end
         }
-        let n = s.read(&mut buf).await?;
+        let n = if head.is_empty() {
+            tokio::time::timeout(first_byte, s.read(&mut buf)).await.ok()?.ok()?
+        } else {
+            s.read(&mut buf).await.ok()?
+        };
         if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
+            return None;
         }
         head.extend_from_slice(&buf[..n]);
     }
-    Ok(())
+    Some((s, head))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

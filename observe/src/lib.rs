@@ -33,5 +33,5 @@ mod scrape;
 pub use exporter::{install, render};
 pub use families::{FAMILIES, Family, Kind};
 pub use health::{Health, Target};
-pub use http::Endpoint;
+pub use http::{Endpoint, Limits as EndpointLimits, MAX_HEAD};
 pub use scrape::{Sample, Samples, get};

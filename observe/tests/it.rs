@@ -68,6 +68,121 @@ async fn a_reachable_address_needs_expose() {
     assert_ne!(ep.addr().port(), 0);
 }
 
+/// What the endpoint answers to `request` (raw bytes), or None when it closed unanswered.
+fn exchange(addr: SocketAddr, request: &[u8]) -> Option<u16> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let _ = s.write_all(request);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    std::str::from_utf8(out.get(9..12)?).ok()?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_is_read_up_to_its_bound_and_no_further() {
+    let ep = Endpoint::serve("127.0.0.1:0".parse().unwrap(), Health::new(), false).await.unwrap();
+    let addr = ep.addr();
+    let head = |len: usize| {
+        let start = b"GET /healthz HTTP/1.1\r\nX: ".to_vec();
+        let pad = len - start.len() - 4;
+        [start, vec![b'a'; pad], b"\r\n\r\n".to_vec()].concat()
+    };
+    let at_bound = head(tensorwire_observe::MAX_HEAD);
+    let code = tokio::task::spawn_blocking(move || exchange(addr, &at_bound)).await.unwrap();
+    assert_eq!(code, Some(200), "a head of exactly the bound is served");
+    // Twice the bound, its end at the very end: refused as soon as the bound is read, without
+    // waiting for the rest (or for the head's deadline).
+    let over = head(2 * tensorwire_observe::MAX_HEAD);
+    let code = tokio::task::spawn_blocking(move || exchange(addr, &over)).await.unwrap();
+    assert_eq!(code, Some(400));
+    // A head that never ends is answered 400 once the bound is read.
+    let endless = vec![b'a'; 64 << 10];
+    let code = tokio::task::spawn_blocking(move || exchange(addr, &endless)).await.unwrap();
+    assert_eq!(code, Some(400));
+}
+
+#[test]
+fn the_default_bounds() {
+    let d = tensorwire_observe::EndpointLimits::default();
+    assert_eq!(
+        (d.pending, d.first_byte, d.head),
+        (64, Duration::from_secs(1), Duration::from_secs(5))
+    );
+    assert_eq!(tensorwire_observe::MAX_HEAD, 8 << 10);
+}
+
+/// Past the bound of pending connections the oldest goes, at once (the deadlines here are far
+/// away), and the others stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_connection_bound_the_oldest_pending_goes() {
+    let limits = tensorwire_observe::EndpointLimits {
+        pending: 4,
+        first_byte: Duration::from_secs(600),
+        head: Duration::from_secs(600),
+    };
+    let ep = Endpoint::serve_with("127.0.0.1:0".parse().unwrap(), Health::new(), false, limits)
+        .await
+        .unwrap();
+    let addr = ep.addr();
+    tokio::task::spawn_blocking(move || {
+        let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let open = |s: &TcpStream| {
+            s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+            let mut b = [0u8; 1];
+            matches!((&*s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        };
+        std::thread::sleep(Duration::from_millis(100)); // all four accepted
+        assert!(idle.iter().all(open));
+        let _fifth = TcpStream::connect(addr).unwrap();
+        idle[0].set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut b = [0u8; 1];
+        let r = (&idle[0]).read(&mut b);
+        let waited = |e: &std::io::Error| {
+            matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+        };
+        assert!(
+            matches!(&r, Ok(0)) || matches!(&r, Err(e) if !waited(e)),
+            "the oldest stayed: {r:?}"
+        );
+        assert!(idle[1..].iter().all(open), "a newer one went");
+        // A scrape still gets its answer.
+        assert_eq!(exchange(addr, b"GET /healthz HTTP/1.1\r\n\r\n"), Some(200));
+    })
+    .await
+    .unwrap();
+}
+
+/// A client that keeps re-opening idle connections (the attack of issue 61: 3 of 30 scrapes
+/// got through) does not keep scrapes out: all 30 are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrapes_are_answered_while_idle_connections_flood_the_endpoint() {
+    let ep = Endpoint::serve("127.0.0.1:0".parse().unwrap(), Health::new(), false).await.unwrap();
+    let addr = ep.addr();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut held = std::collections::VecDeque::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(s) = TcpStream::connect(addr) {
+                    held.push_back(s);
+                }
+                if held.len() > 300 {
+                    held.pop_front();
+                }
+            }
+        })
+    };
+    let answered = tokio::task::spawn_blocking(move || {
+        (0..30).filter(|_| exchange(addr, b"GET /healthz HTTP/1.1\r\n\r\n") == Some(200)).count()
+    })
+    .await
+    .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    flood.join().unwrap();
+    assert_eq!(answered, 30);
+}
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }

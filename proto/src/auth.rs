@@ -47,10 +47,19 @@ pub struct Transcript {
 pub struct ClusterSecret(Arc<[u8]>);
 
 impl ClusterSecret {
-    /// A secret from bytes (use at least 32 random bytes; [`ClusterSecret::from_file`] refuses
-    /// fewer than [`MIN_SECRET_BYTES`]).
+    /// A secret from bytes, unchecked (tests and tools; a secret from a user goes through
+    /// [`ClusterSecret::from_bytes`] or [`ClusterSecret::from_file`], which refuse a short or
+    /// regular one). An empty secret proves nothing and verifies nothing.
     pub fn new(bytes: impl AsRef<[u8]>) -> Self {
         ClusterSecret(Arc::from(bytes.as_ref()))
+    }
+
+    /// A secret from bytes a user gave: at least [`MIN_SECRET_BYTES`] of them, not a few byte
+    /// values repeated.
+    pub fn from_bytes(bytes: impl AsRef<[u8]>) -> crate::Result<Self> {
+        crate::secret_file::check_strength(bytes.as_ref())
+            .map_err(|why| crate::Error::InvalidArgument(format!("cluster secret: {why}")))?;
+        Ok(ClusterSecret::new(bytes))
     }
 
     fn mac(&self, side: Side, t: &Transcript) -> Hmac<Sha256> {
@@ -67,14 +76,18 @@ impl ClusterSecret {
         m
     }
 
-    /// `side`'s proof for a handshake with transcript `t`.
+    /// `side`'s proof for a handshake with transcript `t` (all zeros for an empty secret,
+    /// which no verification accepts).
     pub fn proof(&self, side: Side, t: &Transcript) -> [u8; AUTH_LEN] {
+        if self.0.is_empty() {
+            return [0; AUTH_LEN];
+        }
         self.mac(side, t).finalize().into_bytes().into()
     }
 
-    /// Checks `side`'s proof in constant time.
+    /// Checks `side`'s proof in constant time; an empty secret verifies nothing.
     pub fn verify(&self, side: Side, t: &Transcript, proof: &[u8]) -> bool {
-        self.mac(side, t).verify_slice(proof).is_ok()
+        !self.0.is_empty() && self.mac(side, t).verify_slice(proof).is_ok()
     }
 }
 
@@ -107,5 +120,33 @@ mod tests {
         assert!(!s.verify(Side::Server, &other, &sp), "carried to another protocol");
         assert!(!s.verify(Side::Server, &t, &sp[..31]));
         assert_eq!(format!("{s:?}"), "ClusterSecret(..)");
+    }
+
+    #[test]
+    fn an_empty_secret_proves_and_verifies_nothing() {
+        let t = Transcript { magic: *b"TW", client: nonce(), server: nonce() };
+        let empty = ClusterSecret::new([]);
+        for side in [Side::Server, Side::Client] {
+            let p = empty.proof(side, &t);
+            assert!(!empty.verify(side, &t, &p), "an empty secret verified its own proof");
+            assert!(!empty.verify(side, &t, &[0; AUTH_LEN]));
+            assert!(!empty.verify(side, &t, &[]));
+            assert!(!empty.verify(side, &t, &ClusterSecret::new(b"k").proof(side, &t)));
+        }
+    }
+
+    #[test]
+    fn a_secret_from_a_user_is_checked_at_its_edges() {
+        let distinct: Vec<u8> = (0..16).collect();
+        ClusterSecret::from_bytes(&distinct).unwrap();
+        let e = ClusterSecret::from_bytes(&distinct[..15]).unwrap_err().to_string();
+        assert!(e.contains("15 bytes") && e.contains("at least 16"), "{e}");
+        assert!(ClusterSecret::from_bytes([]).is_err());
+        // Eight distinct byte values pass, seven do not.
+        let eight: Vec<u8> = (0..16).map(|i| i % 8).collect();
+        ClusterSecret::from_bytes(&eight).unwrap();
+        let seven: Vec<u8> = (0..16).map(|i| i % 7).collect();
+        let e = ClusterSecret::from_bytes(&seven).unwrap_err().to_string();
+        assert!(e.contains("not random"), "{e}");
     }
 }

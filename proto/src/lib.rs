@@ -16,6 +16,10 @@ pub mod ids;
 pub mod wire;
 
 #[cfg(not(loom))]
+pub mod accept;
+#[cfg(not(loom))]
+pub mod admission;
+#[cfg(not(loom))]
 pub mod auth;
 #[cfg(not(loom))]
 pub mod discovery;
@@ -23,6 +27,8 @@ pub mod discovery;
 mod exposure;
 #[cfg(not(loom))]
 pub mod handshake;
+#[cfg(not(loom))]
+pub mod loopback_secret;
 #[cfg(not(loom))]
 mod secret_file;
 

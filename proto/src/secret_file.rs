@@ -62,7 +62,7 @@ impl ClusterSecret {
 }
 
 /// Why `bytes` cannot be a cluster secret, if it cannot.
-fn check_strength(bytes: &[u8]) -> std::result::Result<(), String> {
+pub(crate) fn check_strength(bytes: &[u8]) -> std::result::Result<(), String> {
     if bytes.len() < MIN_SECRET_BYTES {
         return Err(format!(
             "the secret is {} bytes; a cluster secret needs at least {MIN_SECRET_BYTES}",

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tensorwire_core::Error;
 use tensorwire_core::backend::kit::TaskSet;
+use tensorwire_proto::admission::{Admission, Limits, Pending};
 use tensorwire_proto::auth::{ClusterSecret, check_listener};
 use tensorwire_proto::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
@@ -62,18 +63,15 @@ impl StoreNode {
             }
         });
         let conns = tasks.clone();
+        // Connections that have not finished their handshake are bounded in time and number
+        // (tensorwire_proto::admission); those that did are clients that hold the secret.
+        let admission = Admission::new("store node", Limits::handshake(HANDSHAKE_TIMEOUT));
         tasks.spawn(async move {
             loop {
-                match l.accept().await {
-                    Ok((sock, peer)) => {
-                        let _ = sock.set_nodelay(true);
-                        conns.spawn(serve_conn(sock, peer, store.clone(), secret.clone()));
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "store node: accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
+                let (sock, peer) = tensorwire_proto::accept::accept(&l, "store node").await;
+                let _ = sock.set_nodelay(true);
+                let pending = admission.admit(peer.ip());
+                conns.spawn(serve_conn(sock, peer, store.clone(), secret.clone(), pending));
             }
         });
         Ok(StoreNode { addr, tasks })
@@ -109,16 +107,13 @@ async fn serve_conn(
     peer: SocketAddr,
     store: Arc<EmbeddedStore>,
     secret: Option<ClusterSecret>,
+    mut pending: Pending,
 ) {
-    let opened = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        Handshake { framing: &FRAMING, secret: secret.as_ref(), peer }.server(&mut sock),
-    )
-    .await;
-    match opened {
-        Ok(Ok(())) => {}
+    let hs = Handshake { framing: &FRAMING, secret: secret.as_ref(), peer };
+    match pending.prove(hs.server(&mut sock)).await {
+        Ok(Ok(())) => pending.proved(),
         Ok(Err(e)) => return tracing::warn!(%peer, error = %e, "store node: handshake refused"),
-        Err(_) => return tracing::debug!(%peer, "store node: handshake timed out"),
+        Err(closed) => return tracing::debug!(%peer, ?closed, "store node: handshake unfinished"),
     }
     let mut held = Held::default();
     loop {

@@ -7,17 +7,20 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tensorwire_proto::auth::nonce;
+use tensorwire_proto::auth::{ClusterSecret, Side, Transcript, nonce};
 use tensorwire_proto::wire::frame::Framing;
-use tensorwire_proto::wire::handshake::{CHALLENGE, OPEN, Open, PROOF, Proof, REJECT};
+use tensorwire_proto::wire::handshake::{CHALLENGE, Challenge, OPEN, Open, PROOF, Proof, REJECT};
 
 /// How the intruder answers the challenge.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// A proof made with a random key.
     WrongProof,
     /// No proof, as a peer without a secret would send.
     NoProof,
+    /// A true proof of this secret (the probe that shows what a member, or a process of the
+    /// same user on loopback, gets).
+    Proves(ClusterSecret),
 }
 
 /// Every frame (kind, payload) `addr` sent to the intruder, which sent `first` after its proof.
@@ -28,7 +31,8 @@ pub async fn frames_received(
     first: (u8, &[u8]),
 ) -> Vec<(u8, Vec<u8>)> {
     let mut s = tokio::net::TcpStream::connect(addr).await.expect("the listener accepts");
-    framing.write(&mut s, OPEN, &Open { nonce: nonce() }.encode()).await.expect("send Open");
+    let mine = nonce();
+    framing.write(&mut s, OPEN, &Open { nonce: mine }.encode()).await.expect("send Open");
     let mut got = Vec::new();
     if let Some(f) = read(&mut s, framing, addr).await {
         got.push(f);
@@ -36,6 +40,13 @@ pub async fn frames_received(
     let proof = match claim {
         Claim::WrongProof => Some(nonce()),
         Claim::NoProof => None,
+        Claim::Proves(k) => {
+            let theirs = got.first().and_then(|(_, p)| Challenge::decode(p).ok());
+            theirs.map(|ch| {
+                let t = Transcript { magic: framing.magic, client: mine, server: ch.nonce };
+                k.proof(Side::Client, &t)
+            })
+        }
     };
     // The server may close as soon as it sees the proof: later writes may fail, which is fine.
     let _ = framing.write(&mut s, PROOF, &Proof { proof }.encode()).await;

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tensorwire_core::backend::kit::lock;
 
 use async_trait::async_trait;
@@ -19,6 +19,7 @@ use tensorwire_core::backend::{
     RegionInfo, RemoteRange,
 };
 use tensorwire_core::{Error, MemSlice, MemoryKind, RegionId, Result, backend::Access};
+use tensorwire_proto::admission::Pending;
 use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::sync::oneshot;
@@ -178,16 +179,14 @@ impl Backend for NcclBackend {
 
 async fn accept_loop(listener: tokio::net::TcpListener, shared: Weak<Shared>) {
     loop {
-        let Ok((sock, peer)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
+        let (sock, peer) = tensorwire_proto::accept::accept(&listener, "nccl control").await;
         let Some(s) = shared.upgrade() else { return };
         if s.serving.is_closed() {
             return;
         }
         let _ = sock.set_nodelay(true);
-        s.serving.spawn(serve(Arc::downgrade(&s), sock, peer));
+        let pending = s.serving.admit(peer.ip());
+        s.serving.spawn(serve(Arc::downgrade(&s), sock, peer, pending));
     }
 }
 
@@ -213,19 +212,24 @@ struct InConn {
     comm: Arc<dyn Comm>,
 }
 
-async fn serve(shared: Weak<Shared>, sock: TcpStream, peer: SocketAddr) {
-    if let Err(e) = serve_inner(&shared, sock, peer).await {
+async fn serve(shared: Weak<Shared>, sock: TcpStream, peer: SocketAddr, mut pending: Pending) {
+    if let Err(e) = serve_inner(&shared, sock, peer, &mut pending).await {
         tracing::debug!(%peer, error = %e, "nccl: peer connection ended");
     }
 }
 
-async fn serve_inner(shared: &Weak<Shared>, mut sock: TcpStream, peer: SocketAddr) -> Result<()> {
+async fn serve_inner(
+    shared: &Weak<Shared>,
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    pending: &mut Pending,
+) -> Result<()> {
     let up = || shared.upgrade().ok_or_else(|| Error::PeerClosed("nccl backend dropped".into()));
     let (secret, limit) = {
         let s = up()?;
         (s.host()?.cluster_secret(), s.cfg.answer_timeout)
     };
-    channel::accept(&mut sock, &FRAMING, secret.as_ref(), peer, limit).await?;
+    channel::accept(&mut sock, &FRAMING, secret.as_ref(), peer, limit, pending).await?;
     let (mut rd, wr) = sock.into_split();
     let first = tokio::time::timeout(limit, channel::read::<Msg>(&mut rd))
         .await

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -147,20 +146,15 @@ async fn accept_loop(
     inbound: Arc<WeakList<InConn>>,
 ) {
     loop {
-        let (sock, peer) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "rdma: accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+        let (sock, peer) = tensorwire_proto::accept::accept(&listener, "rdma control").await;
         let Some(s) = shared.upgrade() else { return };
         if s.serving.is_closed() {
             return;
         }
         let _ = sock.set_nodelay(true);
-        s.serving.spawn(crate::serve::serve(Arc::downgrade(&s), inbound.clone(), sock, peer));
+        let pending = s.serving.admit(peer.ip());
+        let serve = crate::serve::serve(Arc::downgrade(&s), inbound.clone(), sock, peer, pending);
+        s.serving.spawn(serve);
     }
 }
 

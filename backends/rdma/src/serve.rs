@@ -18,6 +18,7 @@ use tensorwire_core::backend::RemoteRange;
 use tensorwire_core::backend::kit::WeakList;
 use tensorwire_core::{Error, Missing, RegionId, Result};
 use tensorwire_core::{MemSlice, backend::Access};
+use tensorwire_proto::admission::Pending;
 use tokio::net::TcpStream;
 
 use crate::NAME;
@@ -71,8 +72,9 @@ pub(crate) async fn serve(
     inbound: Arc<WeakList<InConn>>,
     sock: TcpStream,
     peer: SocketAddr,
+    mut pending: Pending,
 ) {
-    if let Err(e) = run(&shared, &inbound, sock, peer).await {
+    if let Err(e) = run(&shared, &inbound, sock, peer, &mut pending).await {
         tracing::debug!(%peer, error = %e, "rdma: peer connection ended");
     }
     if let Some(s) = shared.upgrade() {
@@ -85,12 +87,13 @@ async fn run(
     inbound: &WeakList<InConn>,
     mut sock: TcpStream,
     peer: SocketAddr,
+    pending: &mut Pending,
 ) -> Result<()> {
     let (secret, limit) = {
         let s = up(shared)?;
         (s.host()?.cluster_secret(), s.cfg.answer_timeout)
     };
-    control::accept(&mut sock, &FRAMING, secret.as_ref(), peer, limit).await?;
+    control::accept(&mut sock, &FRAMING, secret.as_ref(), peer, limit, pending).await?;
     let (mut rd, wr) = sock.into_split();
     let first = tokio::time::timeout(limit, control::read::<Msg>(&mut rd))
         .await

@@ -26,7 +26,7 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
 use crate::io::{self, Landed, Watchdog};
-use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, check_preamble};
+use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, Ticket, check_preamble};
 
 /// The smallest piece an op is cut into to use another stream: below it, a stream's header, its
 /// wake-ups and its answer cost more than the copy it takes over. An op of one piece goes out
@@ -371,14 +371,15 @@ impl Drop for TcpConnection {
     }
 }
 
-async fn open_stream(addr: SocketAddr, stall: Duration) -> Result<TcpStream> {
+async fn open_stream(addr: SocketAddr, ticket: &Ticket, stall: Duration) -> Result<TcpStream> {
     let sock = TcpStream::connect(addr).await?;
     sock.set_nodelay(true)?;
     crate::keepalive(&sock);
     let mut dog = Watchdog::new(stall);
-    // SAFETY: PREAMBLE is a static readable for its length.
-    unsafe { io::send_parts(&sock, [(PREAMBLE.as_ptr() as usize, 8)], &mut dog, "preamble") }
-        .await?;
+    let opening = [(PREAMBLE.as_ptr() as usize, 8), (ticket.0.as_ptr() as usize, ticket.0.len())];
+    // SAFETY: PREAMBLE is a static and `ticket` a borrow that outlives the send, each readable
+    // for its length.
+    unsafe { io::send_parts(&sock, opening, &mut dog, "preamble") }.await?;
     let mut pre = [0u8; 8];
     if !io::recv_buf(&sock, &mut pre, &mut dog, &|| true, "preamble").await? {
         return Err(Error::PeerClosed(format!("tcp: {addr} closed the stream at setup")));
@@ -388,15 +389,16 @@ async fn open_stream(addr: SocketAddr, stall: Duration) -> Result<TcpStream> {
 }
 
 impl TcpConnection {
-    /// Opens `streams` data streams to `addr`.
+    /// Opens `streams` data streams to `addr`, each showing `ticket` (from the peer's endpoint).
     pub(crate) async fn open(
         addr: SocketAddr,
+        ticket: Ticket,
         streams: usize,
         cfg: ClientCfg,
     ) -> Result<(Self, Arc<ConnShared>)> {
         let mut socks = Vec::with_capacity(streams);
         for _ in 0..streams.max(1) {
-            socks.push(open_stream(addr, cfg.stall).await?);
+            socks.push(open_stream(addr, &ticket, cfg.stall).await?);
         }
         let shared = Arc::new(ConnShared {
             peer: addr,

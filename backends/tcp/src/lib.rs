@@ -10,8 +10,15 @@
 //! - **Checked on the serving side.** Every inbound request goes through the engine's
 //!   `BackendHost::resolve` (region, access key, permission, bounds, deregistration); a WRITE is
 //!   acknowledged only after its bytes are in place. Refusals travel back as the same `Error`
-//!   variant. Data streams are not authenticated themselves: access keys are 128-bit random values
-//!   a peer only learns from an (optionally HMAC-authenticated) engine handshake.
+//!   variant. Access keys are 128-bit random values a peer only learns from the engine
+//!   handshake (authenticated with the cluster secret, or on loopback with the user's).
+//! - **Nothing held by strangers.** A new data stream must send the data preamble and the
+//!   backend's [`wire::Ticket`] (shown only in its endpoint blob, so only to a peer that passed
+//!   the handshake) within [`TcpConfig::pending`]'s deadline; until then it is pending, and a
+//!   source or the listener at its bound of pending streams loses its oldest to the newcomer
+//!   (`tensorwire_proto::admission`). A stream that proved itself may idle (TCP keepalive ends
+//!   it when its host vanishes); at most [`TcpConfig::max_streams`] are served at once. The
+//!   accept loop backs off when the process runs out of descriptors.
 //! - **Optional crc32c** per piece ([`TcpConfig::checksum`]), verified on receipt; a mismatch is
 //!   [`Error::Checksum`], never success.
 //! - **Dead peers surface.** A closed or reset stream fails every queued and pending op of its
@@ -33,6 +40,7 @@ mod server;
 pub mod wire;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -43,9 +51,11 @@ use tensorwire_core::backend::{
     Backend, BackendHost, Capabilities, Connection, PeerBackendInfo, RegionInfo,
 };
 use tensorwire_core::{Error, RegionId, Result};
+use tensorwire_proto::admission::{Admission, Limits};
 use tokio::net::TcpStream;
 
 use client::{ClientCfg, ConnShared, TcpConnection};
+use wire::{TICKET_LEN, Ticket};
 
 /// The backend's name in descriptors and telemetry.
 pub const NAME: &str = "tcp";
@@ -67,6 +77,13 @@ pub struct TcpConfig {
     pub checksum: bool,
     /// A stream with outstanding work and no progress for this long is declared dead.
     pub stall_timeout: Duration,
+    /// Bounds on streams that have not yet sent the preamble and the ticket: how many per
+    /// listener and per source address (the oldest goes when a bound is reached), and how
+    /// long one may take. Default 256, 64 per source, 10 s.
+    pub pending: Limits,
+    /// Streams that proved themselves served at once; more are closed once proved (and
+    /// warned about). Default 4,096.
+    pub max_streams: usize,
 }
 
 impl Default for TcpConfig {
@@ -78,6 +95,8 @@ impl Default for TcpConfig {
             piece_bytes: DEFAULT_PIECE,
             checksum: false,
             stall_timeout: Duration::from_secs(30),
+            pending: Limits::handshake(Duration::from_secs(10)),
+            max_streams: 4096,
         }
     }
 }
@@ -112,6 +131,12 @@ fn keepalive(sock: &TcpStream) {
 struct Inner {
     /// The data listener, the engine host, the accept loop and serving tasks.
     serving: Serving<std::net::TcpListener>,
+    /// What a stream sends after its preamble (see [`wire::Ticket`]).
+    ticket: Ticket,
+    /// Streams not yet proved.
+    admission: Admission,
+    /// Streams served now that proved themselves.
+    streams: Arc<AtomicUsize>,
     /// Outbound connections, killed at shutdown.
     conns: WeakList<ConnShared>,
 }
@@ -155,18 +180,31 @@ impl TcpBackend {
         listener.set_nonblocking(true)?;
         let local = listener.local_addr()?;
         Ok(Arc::new(TcpBackend {
-            cfg,
             local,
             inner: Arc::new(Inner {
                 serving: Serving::new(NAME, listener),
+                ticket: Ticket::random(),
+                admission: Admission::new("tcp data", cfg.pending),
+                streams: Arc::default(),
                 conns: WeakList::default(),
             }),
+            cfg,
         }))
     }
 
     /// The data listener's bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// Pending data streams held now (all, or from `source`).
+    pub fn pending_streams(&self, source: Option<std::net::IpAddr>) -> usize {
+        self.inner.admission.pending(source)
+    }
+
+    /// Data streams served now that proved themselves.
+    pub fn served_streams(&self) -> usize {
+        self.inner.streams.load(Ordering::Acquire)
     }
 
     fn client_cfg(&self) -> ClientCfg {
@@ -184,16 +222,9 @@ impl Drop for TcpBackend {
     }
 }
 
-async fn accept_loop(listener: tokio::net::TcpListener, inner: Weak<Inner>, stall: Duration) {
+async fn accept_loop(listener: tokio::net::TcpListener, inner: Weak<Inner>, cfg: TcpConfig) {
     loop {
-        let (sock, _) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "tcp: accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+        let (sock, peer) = tensorwire_proto::accept::accept(&listener, "tcp data").await;
         let Some(inner) = inner.upgrade() else { return };
         if inner.serving.is_closed() {
             return;
@@ -201,21 +232,32 @@ async fn accept_loop(listener: tokio::net::TcpListener, inner: Weak<Inner>, stal
         let Some(host) = inner.serving.host() else { continue };
         let _ = sock.set_nodelay(true);
         keepalive(&sock);
-        inner.serving.spawn(server::serve(sock, host, stall));
+        let stream = server::Stream {
+            pending: inner.admission.admit(peer.ip()),
+            ticket: inner.ticket,
+            served: inner.streams.clone(),
+            max_streams: cfg.max_streams,
+        };
+        inner.serving.spawn(server::serve(sock, host, cfg.stall_timeout, stream));
     }
 }
 
-fn encode_endpoint(addr: SocketAddr) -> Bytes {
+/// The endpoint blob: the data address and the stream ticket.
+fn encode_endpoint(addr: SocketAddr, ticket: &Ticket) -> Bytes {
     let mut w = Writer::new();
-    w.str(&addr.to_string());
+    w.str(&addr.to_string()).raw(&ticket.0);
     Bytes::from(w.finish())
 }
 
-fn decode_endpoint(b: &[u8]) -> Result<SocketAddr> {
+fn decode_endpoint(b: &[u8]) -> Result<(SocketAddr, Ticket)> {
     let mut r = Reader::new(b, "tcp endpoint");
     let s = r.str(128, "address")?;
+    let mut t = [0u8; TICKET_LEN];
+    t.copy_from_slice(r.raw(TICKET_LEN)?);
     r.finish()?;
-    s.parse().map_err(|_| Error::protocol(format!("tcp endpoint: bad address {s:?}")))
+    let addr =
+        s.parse().map_err(|_| Error::protocol(format!("tcp endpoint: bad address {s:?}")))?;
+    Ok((addr, Ticket(t)))
 }
 
 #[async_trait]
@@ -235,12 +277,12 @@ impl Backend for TcpBackend {
     async fn start(&self, host: Arc<dyn BackendHost>) -> Result<()> {
         let listener = self.inner.serving.start(host, tokio::net::TcpListener::from_std)?;
         let weak = Arc::downgrade(&self.inner);
-        self.inner.serving.spawn(accept_loop(listener, weak, self.cfg.stall_timeout));
+        self.inner.serving.spawn(accept_loop(listener, weak, self.cfg.clone()));
         Ok(())
     }
 
     fn endpoint(&self) -> Bytes {
-        encode_endpoint(self.cfg.advertise.unwrap_or(self.local))
+        encode_endpoint(self.cfg.advertise.unwrap_or(self.local), &self.inner.ticket)
     }
 
     async fn register(&self, _region: &RegionInfo) -> Result<Option<Bytes>> {
@@ -255,15 +297,15 @@ impl Backend for TcpBackend {
 
     async fn connect(&self, peer: &PeerBackendInfo) -> Result<Arc<dyn Connection>> {
         self.inner.serving.ensure_open()?;
-        let addr = decode_endpoint(&peer.endpoint)?;
-        let (conn, shared) = TcpConnection::open(addr, self.cfg.streams, self.client_cfg())
+        let (addr, ticket) = decode_endpoint(&peer.endpoint)?;
+        let (conn, shared) = TcpConnection::open(addr, ticket, self.cfg.streams, self.client_cfg())
             .await
             .map_err(|e| match e {
-            Error::Backend { .. } => {
-                Error::PeerClosed(format!("tcp: cannot reach {} at {addr}: {e}", peer.engine))
-            }
-            e => e,
-        })?;
+                Error::Backend { .. } => {
+                    Error::PeerClosed(format!("tcp: cannot reach {} at {addr}: {e}", peer.engine))
+                }
+                e => e,
+            })?;
         self.inner.conns.push(&shared);
         Ok(Arc::new(conn))
     }
@@ -300,9 +342,14 @@ mod tests {
     #[test]
     fn endpoint_round_trip_and_rejections() {
         let a: SocketAddr = "10.1.2.3:4567".parse().unwrap();
-        assert_eq!(decode_endpoint(&encode_endpoint(a)).unwrap(), a);
+        let t = Ticket::random();
+        assert_eq!(decode_endpoint(&encode_endpoint(a, &t)).unwrap(), (a, t));
         assert!(decode_endpoint(b"\x03\x00\x00\x00abc").is_err());
         assert!(decode_endpoint(&[0xff; 3]).is_err());
+        // A blob of the version before (no ticket) is refused, and so is one with bytes after.
+        let full = encode_endpoint(a, &t);
+        assert!(decode_endpoint(&full[..full.len() - TICKET_LEN]).is_err());
+        assert!(decode_endpoint(&[&full[..], b"x"].concat()).is_err());
     }
 
     #[test]

@@ -1,10 +1,13 @@
-//! The serving side: one task per accepted data stream. Each request is checked through the
+//! The serving side: one task per accepted data stream. A stream is pending until it sent the
+//! preamble and the backend's ticket (bounded in time and number by the backend's admission);
+//! then each request is checked through the
 //! engine's `BackendHost::resolve` (region, key, permission, bounds, deregistration) before any
 //! byte moves; WRITE payloads land straight in the resolved slice and are acknowledged only once in
 //! place; READs are answered from the slice with one gathered send. A refused WRITE's payload is
 //! drained, so the stream stays usable.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,10 +16,31 @@ use tensorwire_core::{Error, MemSlice, Result, backend::Access, backend::Backend
 use tokio::net::TcpStream;
 
 use crate::io::{self, Watchdog};
-use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, check_preamble};
+use tensorwire_proto::admission::Pending;
 
-/// Bound on receiving a new stream's preamble.
-const PREAMBLE_TIMEOUT: Duration = Duration::from_secs(10);
+use crate::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE, TICKET_LEN, Ticket, check_preamble};
+
+/// What the accept loop gives a stream's task besides its socket.
+#[derive(Debug)]
+pub(crate) struct Stream {
+    /// Its place among the pending streams, given back once it proved itself.
+    pub(crate) pending: Pending,
+    /// What it must send after the preamble.
+    pub(crate) ticket: Ticket,
+    /// Streams served now that proved themselves (this one counts from its proof to its end).
+    pub(crate) served: Arc<AtomicUsize>,
+    /// The bound on `served`.
+    pub(crate) max_streams: usize,
+}
+
+/// A place among the served streams, given back on drop.
+struct Served(Arc<AtomicUsize>);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// crc32c of a slice of registered memory.
 pub(crate) fn crc_of(slice: &MemSlice) -> u32 {
@@ -27,28 +51,62 @@ pub(crate) fn crc_of(slice: &MemSlice) -> u32 {
 }
 
 /// Serves one accepted stream until the client closes it or breaks the protocol.
-pub(crate) async fn serve(sock: TcpStream, host: Arc<dyn BackendHost>, stall: Duration) {
+pub(crate) async fn serve(
+    sock: TcpStream,
+    host: Arc<dyn BackendHost>,
+    stall: Duration,
+    mut stream: Stream,
+) {
     let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    if let Err(e) = serve_inner(&sock, host, stall).await {
+    let limit = stream.pending.deadline();
+    let opened = match stream.pending.prove(open(&sock, &stream.ticket, stall)).await {
+        Ok(r) => r,
+        Err(closed) => Err(closed.error("tcp data stream", limit)),
+    };
+    if let Err(e) = opened {
+        return tracing::debug!(%peer, error = %e, "tcp data stream closed before it proved itself");
+    }
+    stream.pending.proved();
+    let served = Served(stream.served.clone());
+    if stream.served.fetch_add(1, Ordering::AcqRel) >= stream.max_streams {
+        return tracing::warn!(%peer, max = stream.max_streams,
+            "tcp data stream refused: the backend serves its most streams already");
+    }
+    if let Err(e) = serve_requests(&sock, host, stall).await {
         if !matches!(e, Error::PeerClosed(_)) {
             tracing::warn!(%peer, error = %e, "tcp data stream closed");
         }
     }
+    drop(served);
 }
 
-async fn serve_inner(sock: &TcpStream, host: Arc<dyn BackendHost>, stall: Duration) -> Result<()> {
-    // A stream that does not open with the preamble promptly is closed (as the control
-    // endpoint bounds its handshake): connections that say nothing hold nothing for long.
-    let mut dog = Watchdog::new(stall.min(PREAMBLE_TIMEOUT));
-    let mut pre = [0u8; 8];
-    if !io::recv_buf(sock, &mut pre, &mut dog, &|| true, "preamble").await? {
-        return Ok(());
-    }
-    check_preamble(&pre)?;
+/// A new stream's opening: the client's preamble and ticket, then this side's preamble. A
+/// stream that opens with anything else is closed unanswered.
+async fn open(sock: &TcpStream, ticket: &Ticket, stall: Duration) -> Result<()> {
     let mut dog = Watchdog::new(stall);
+    let mut pre = [0u8; 8 + TICKET_LEN];
+    if !io::recv_buf(sock, &mut pre, &mut dog, &|| true, "preamble").await? {
+        return Err(Error::PeerClosed("tcp data: the stream closed before its preamble".into()));
+    }
+    let (p, t) = pre.split_at(8);
+    check_preamble(p.try_into().unwrap_or(&[0; 8]))?;
+    if !ticket.matches(t.try_into().unwrap_or(&[0; TICKET_LEN])) {
+        return Err(Error::AccessDenied(
+            "tcp data: the stream's ticket is not this backend's (a peer must learn the \
+             endpoint in an engine handshake)"
+                .into(),
+        ));
+    }
     // SAFETY: PREAMBLE is a static readable for its length.
-    unsafe { io::send_parts(sock, [(PREAMBLE.as_ptr() as usize, 8)], &mut dog, "preamble") }
-        .await?;
+    unsafe { io::send_parts(sock, [(PREAMBLE.as_ptr() as usize, 8)], &mut dog, "preamble") }.await
+}
+
+async fn serve_requests(
+    sock: &TcpStream,
+    host: Arc<dyn BackendHost>,
+    stall: Duration,
+) -> Result<()> {
+    let mut dog = Watchdog::new(stall);
     let mut hbuf = [0u8; HEADER_LEN];
     loop {
         if !io::recv_buf(sock, &mut hbuf, &mut dog, &|| false, "request header").await? {

@@ -1,5 +1,6 @@
-//! The TCP data protocol: a preamble each side sends once per stream, then fixed 64-byte headers,
-//! each followed by the payload its kind and status say. A pure codec: `DataHeader::decode` is total
+//! The TCP data protocol: a preamble each side sends once per stream (the client's followed by
+//! the server's [`Ticket`]), then fixed 64-byte headers, each followed by the payload its kind
+//! and status say. A pure codec: `DataHeader::decode` is total
 //! and bounds every length before a byte of payload is read.
 //!
 //! ```text
@@ -10,7 +11,8 @@
 //! `len` is the op's byte count. Payload that follows: WriteReq: `len` bytes; ReadReq: its notice
 //! (an engine notification the server delivers before serving the READ, whose refusal fails the
 //! READ); ReadResp (ok): `len` bytes; Notify: `len` bytes; any response with status Err: `len`
-//! bytes of encoded error; nothing otherwise. Version 2 added the READ's notice.
+//! bytes of encoded error; nothing otherwise. Version 2 added the READ's notice; version 3 the
+//! ticket after the client's preamble.
 
 use tensorwire_core::backend::kit::{Framing, MAX_ERROR_BYTES, MAX_NOTIFY_WIRE, Reader, Writer};
 use tensorwire_core::{AccessKey, Error, RegionId, Result, backend::RemoteRange};
@@ -21,9 +23,40 @@ pub const HEADER_LEN: usize = 64;
 pub const MAX_PIECE: u64 = 16 << 20;
 /// The data protocol's magic ("TD"), version and largest payload.
 pub const FRAMING: Framing =
-    Framing { name: "tcp data", magic: *b"TD", version: 2, max_payload: MAX_PIECE as u32 };
+    Framing { name: "tcp data", magic: *b"TD", version: 3, max_payload: MAX_PIECE as u32 };
 /// Preamble each side sends first on a new stream.
 pub const PREAMBLE: [u8; 8] = [b'T', b'W', b'D', b'A', b'T', b'A', FRAMING.version, 0];
+
+/// Bytes of a [`Ticket`].
+pub const TICKET_LEN: usize = 16;
+
+/// What a client sends after its preamble to show it learned the server's endpoint in an
+/// engine handshake: random per backend, shown to peers only in the backend's endpoint blob
+/// (which travels in the engine's descriptor, so only to a peer that passed the handshake). A
+/// stream without it holds nothing for long (see the backend's docs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Ticket(pub [u8; TICKET_LEN]);
+
+impl Ticket {
+    /// A fresh random ticket.
+    pub fn random() -> Ticket {
+        let n = tensorwire_proto::auth::nonce();
+        let mut t = [0u8; TICKET_LEN];
+        t.copy_from_slice(&n[..TICKET_LEN]);
+        Ticket(t)
+    }
+
+    /// Whether `other` is this ticket, compared in constant time.
+    pub fn matches(&self, other: &[u8; TICKET_LEN]) -> bool {
+        self.0.iter().zip(other).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ticket(..)")
+    }
+}
 
 /// Flag: the header's crc32c covers the piece's bytes.
 pub const FLAG_CRC: u8 = 1;
@@ -277,6 +310,12 @@ mod tests {
         assert!(DataHeader::decode(&w.encode()).unwrap_err().to_string().contains("notice"));
         assert!(check_preamble(&PREAMBLE).is_ok());
         assert!(check_preamble(b"GET / HT").is_err());
+        let t = Ticket::random();
+        assert!(t.matches(&t.0) && t != Ticket::random());
+        let mut near = t.0;
+        near[TICKET_LEN - 1] ^= 1;
+        assert!(!t.matches(&near));
+        assert_eq!(format!("{t:?}"), "Ticket(..)");
     }
 
     #[test]

@@ -43,17 +43,25 @@ async fn a_client_without_the_secret_learns_no_region_key() {
     other.shutdown().await;
 }
 
-/// The probe itself: against an engine without a secret (loopback) it does get the descriptor,
-/// keys included, so the test above would see a leak.
+/// The probe itself: proving the user's loopback secret (what a process of the same user does)
+/// it gets the descriptor of an engine without a cluster secret, keys included, so the tests
+/// here would see a leak; without that proof (what a process of another user on the host has)
+/// it gets nothing from the same engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_probe_sees_what_an_open_engine_shows() {
+async fn the_probe_sees_what_an_open_engine_shows_and_only_to_its_user() {
     let e = engine(EngineConfig::default()).await.unwrap();
     let shown = e.alloc(4096, Permissions::READ_WRITE).await.unwrap();
     let key = shown.remote().key.to_bits().to_le_bytes();
     let hello = engine(EngineConfig::default()).await.unwrap().descriptor().encode();
-    let frames = frames_received(e.local_addr(), &CONTROL, Claim::NoProof, (HELLO, &hello)).await;
+    let mine = Claim::Proves(tensorwire_proto::loopback_secret::loopback_secret().unwrap());
+    let frames = frames_received(e.local_addr(), &CONTROL, mine, (HELLO, &hello)).await;
     let (kind, descriptor) = &frames[1];
     assert_eq!(*kind, HELLO);
     assert!(descriptor.windows(key.len()).any(|w| w == key), "the descriptor carries the key");
+    let another_user = Claim::Proves(ClusterSecret::new("another user's loopback secret"));
+    for claim in [Claim::WrongProof, Claim::NoProof, another_user] {
+        let frames = frames_received(e.local_addr(), &CONTROL, claim, (HELLO, &hello)).await;
+        assert_refused("engine control endpoint without a secret", &frames, Some(&key));
+    }
     e.shutdown().await;
 }

@@ -19,6 +19,7 @@ use crate::auth::ClusterSecret;
 use crate::error::{Error, Result};
 use crate::handshake::Handshake;
 use crate::wire::frame::Framing;
+use tensorwire_proto::admission::Pending;
 
 /// Messages queued for the writer task.
 const QUEUE: usize = 1024;
@@ -59,17 +60,27 @@ pub async fn dial(
     })?
 }
 
-/// The server side of the handshake on an accepted control channel, bounded by `limit`.
+/// The server side of the handshake on an accepted control channel, bounded by `limit` and by
+/// the connection's place among the listener's pending ones (`pending`, from
+/// [`crate::backend::kit::Serving::admit`]), which it gives back once the peer proved itself.
 pub async fn accept(
     sock: &mut TcpStream,
     framing: &Framing,
     secret: Option<&ClusterSecret>,
     peer: SocketAddr,
     limit: Duration,
+    pending: &mut Pending,
 ) -> Result<()> {
-    tokio::time::timeout(limit, Handshake { framing, secret, peer }.server(sock))
-        .await
-        .map_err(|_| Error::timeout(format!("{}: peer handshake", framing.name), limit))?
+    let hs = Handshake { framing, secret, peer };
+    let handshake = tokio::time::timeout(limit, hs.server(sock));
+    match pending.prove(handshake).await {
+        Ok(Ok(r)) => {
+            pending.proved();
+            r
+        }
+        Ok(Err(_)) => Err(Error::timeout(format!("{}: peer handshake", framing.name), limit)),
+        Err(closed) => Err(closed.error(framing.name, pending.deadline())),
+    }
 }
 
 /// Reads the next message; `None` at the end of the stream.

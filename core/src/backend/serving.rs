@@ -5,6 +5,9 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use tensorwire_proto::admission::{Admission, Limits, Pending};
 
 use crate::backend::BackendHost;
 use crate::error::{Error, Result};
@@ -19,6 +22,8 @@ pub struct Serving<L> {
     host: OnceLock<Arc<dyn BackendHost>>,
     closed: AtomicBool,
     tasks: Arc<TaskSet>,
+    /// Connections accepted and not yet through their handshake (see [`Serving::admit`]).
+    admission: Admission,
 }
 
 impl<L> Serving<L> {
@@ -30,7 +35,15 @@ impl<L> Serving<L> {
             host: OnceLock::new(),
             closed: AtomicBool::new(false),
             tasks: TaskSet::new(),
+            admission: Admission::new(name, Limits::handshake(Duration::from_secs(10))),
         }
+    }
+
+    /// Admits a connection accepted from `source` as pending until it proved itself (its
+    /// handshake; see `tensorwire_proto::admission`): at most 256 per listener and 64 per
+    /// source, for at most 10 s, the oldest closed when a bound is reached.
+    pub fn admit(&self, source: std::net::IpAddr) -> Pending {
+        self.admission.admit(source)
     }
 
     /// For `Backend::start`: records the engine `host` and hands over the listener, converted by

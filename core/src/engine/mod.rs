@@ -4,6 +4,7 @@
 mod chunked;
 mod control;
 mod host;
+mod peers;
 mod prepared;
 mod regions;
 mod session;
@@ -61,6 +62,14 @@ pub struct EngineConfig {
     /// start and for every peer from another host). Anyone who reaches the control endpoint then
     /// learns the keys of the regions this engine shows to peers.
     pub insecure: bool,
+    /// The largest descriptor a peer may send in a handshake (encoded bytes); a larger one is
+    /// refused there. Default 1 MiB, the control frame's bound (a descriptor showing the most
+    /// regions a descriptor may hold, 4,096, takes about 400 KiB).
+    pub max_peer_descriptor: usize,
+    /// Peers' descriptors kept for [`Engine::session`] (the least recently used go first).
+    pub max_peers: usize,
+    /// Bytes of peers' descriptors kept (the least recently used go first).
+    pub max_peer_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +84,9 @@ impl Default for EngineConfig {
             notification_queue: 1024,
             cluster_secret: None,
             insecure: false,
+            max_peer_descriptor: 1 << 20,
+            max_peers: 1024,
+            max_peer_bytes: 64 << 20,
         }
     }
 }
@@ -158,8 +170,8 @@ pub(crate) struct EngineShared {
     /// Bounce buffers for device staging, made on first use.
     pub(crate) staging: std::sync::OnceLock<Arc<staging::StagingPool>>,
     pub(crate) regions: RegionTable,
-    /// Descriptors of peers that completed a handshake with us (either direction).
-    pub(crate) peers: Mutex<HashMap<EngineId, EngineDescriptor>>,
+    /// Descriptors of peers that completed a handshake with us (either direction), bounded.
+    pub(crate) peers: Mutex<peers::PeerTable>,
     pub(crate) sessions: Mutex<HashMap<EngineId, Session>>,
     pub(crate) notif_tx: mpsc::Sender<Notification>,
     pub(crate) notif_handler: HandlerSlot,
@@ -395,6 +407,7 @@ impl EngineBuilder {
         let local_addr = listener.local_addr()?;
         let host = self.config.host_id.clone().unwrap_or_else(default_host_id);
         let (notif_tx, notif_rx) = mpsc::channel(self.config.notification_queue.max(1));
+        let peers = peers::PeerTable::new(self.config.max_peers, self.config.max_peer_bytes);
         let shared = Arc::new(EngineShared {
             id: EngineId::random(),
             host,
@@ -404,7 +417,7 @@ impl EngineBuilder {
             gpu: self.gpu,
             staging: std::sync::OnceLock::new(),
             regions: RegionTable::new(),
-            peers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(peers),
             sessions: Mutex::new(HashMap::new()),
             notif_tx,
             notif_handler: HandlerSlot::default(),
@@ -626,14 +639,22 @@ impl Engine {
         Ok(session::Session::open(&self.shared, desc, Some(addr)))
     }
 
+    /// Peers' descriptors kept now (for [`Engine::session`]) and the bytes they take, within
+    /// [`EngineConfig::max_peers`] and [`EngineConfig::max_peer_bytes`].
+    pub fn known_peers(&self) -> (usize, usize) {
+        lock(&self.shared.peers).usage()
+    }
+
     /// The session with a peer that already shook hands with this engine (either direction).
+    /// Descriptors of peers with no session are kept within [`EngineConfig::max_peers`] and
+    /// [`EngineConfig::max_peer_bytes`]; a peer forgotten meanwhile is `NotFound` until it shakes
+    /// hands again.
     pub fn session(&self, peer: EngineId) -> Result<Session> {
         if let Some(s) = lock(&self.shared.sessions).get(&peer) {
             return Ok(s.clone());
         }
         let desc = lock(&self.shared.peers)
-            .get(&peer)
-            .cloned()
+            .get(peer)
             .ok_or_else(|| Error::NotFound(Missing::Peer(peer.to_string())))?;
         Ok(session::Session::open(&self.shared, desc, None))
     }

@@ -196,6 +196,7 @@ impl Session {
             let peer = self.peer();
             if sessions.get(&peer).is_some_and(|s| Arc::ptr_eq(&s.inner, &self.inner)) {
                 sessions.remove(&peer);
+                lock(&e.peers).remove(peer);
             }
         }
         let _connecting = self.inner.connecting.lock().await; // none opens behind the clear

@@ -50,14 +50,91 @@ async fn wrong_secret_is_refused_both_ways_and_learns_nothing() {
     assert!(matches!(e, Error::AccessDenied(_)), "{e}");
 }
 
+/// On loopback an engine without a secret proves this user's loopback secret, so an engine
+/// with another secret (a cluster's, or another user's loopback secret) refuses it both ways.
+/// (Between hosts the same pair is refused for the secret on one side only: the proto crate's
+/// handshake tests.)
 #[tokio::test]
 async fn a_secret_on_one_side_only_is_refused() {
     let (with, without) = (engine(Some(b"k")).await, engine(None).await);
     let e = without.connect(with.local_addr()).await.unwrap_err();
-    assert!(e.to_string().contains("requires a cluster secret"), "{e}");
+    assert!(e.to_string().contains("wrong cluster secret"), "{e}");
     let e = with.connect(without.local_addr()).await.unwrap_err();
-    assert!(e.to_string().contains("has no cluster secret"), "{e}");
+    assert!(e.to_string().contains("wrong cluster secret"), "{e}");
     assert!(matches!(with.session(without.id()), Err(Error::NotFound(_))));
+}
+
+/// The loopback default: engines with no secret prove the user's loopback secret (an honest
+/// hand client proving it gets in), and a client that knows the port but not the secret (what
+/// another local user is) gets a refusal, never the descriptor with its region keys.
+#[tokio::test]
+async fn on_loopback_a_stranger_without_the_users_secret_learns_nothing() {
+    let b = engine(None).await;
+    let _visible = b.alloc(64, Permissions::READ_WRITE).await.unwrap();
+    let x = engine(None).await;
+    let hello = x.descriptor().encode();
+    let mine = tensorwire_proto::loopback_secret::loopback_secret().unwrap();
+    let honest: Cheat = |k, t, _| Some(k.proof(Side::Client, t));
+    let theirs = hand_client(&b, &mine, honest, &hello).await.unwrap();
+    assert_eq!(EngineDescriptor::decode(&theirs).unwrap().engine, b.id());
+    let other_user = ClusterSecret::new(b"another user's loopback secret");
+    let y = engine(None).await;
+    let e = hand_client(&b, &other_user, honest, &y.descriptor().encode()).await.unwrap_err();
+    assert!(matches!(e, Error::AccessDenied(_)), "{e}");
+    let e = hand_client(&b, &mine, |_, _, _| None, &y.descriptor().encode()).await.unwrap_err();
+    assert!(matches!(e, Error::AccessDenied(_)), "no proof: {e}");
+    assert!(matches!(b.session(y.id()), Err(Error::NotFound(_))));
+}
+
+fn fake_descriptor(id: u128, pad: usize) -> EngineDescriptor {
+    let blob = bytes::Bytes::from(vec![7u8; 4096]);
+    EngineDescriptor {
+        engine: tensorwire_core::EngineId(id),
+        host: "h".into(),
+        backends: (0..pad.div_ceil(4096).min(16))
+            .map(|i| (format!("b{i}"), blob.clone()))
+            .collect(),
+        regions: vec![],
+    }
+}
+
+/// A peer's descriptor larger than the engine's bound is refused at the handshake, and what the
+/// engine keeps of its peers stays within its bounds however many shake hands (the least
+/// recently used go; a closed session takes its peer's descriptor with it).
+#[tokio::test]
+async fn descriptors_are_bounded_in_size_and_in_number() {
+    let config = EngineConfig {
+        max_peer_descriptor: 32 << 10,
+        max_peers: 8,
+        max_peer_bytes: 1 << 20,
+        ..EngineConfig::default()
+    };
+    let b = Engine::builder()
+        .backend(tensorwire_core::backend::MemBackend::new())
+        .config(config)
+        .start()
+        .await
+        .unwrap();
+    let mine = tensorwire_proto::loopback_secret::loopback_secret().unwrap();
+    let honest: Cheat = |k, t, _| Some(k.proof(Side::Client, t));
+    let big = fake_descriptor(1, 64 << 10).encode();
+    let e = hand_client(&b, &mine, honest, &big).await.unwrap_err();
+    assert!(e.to_string().contains("max_peer_descriptor"), "{e}");
+    assert_eq!(b.known_peers().0, 0);
+    for id in 100..300u128 {
+        hand_client(&b, &mine, honest, &fake_descriptor(id, 20 << 10).encode()).await.unwrap();
+        let (n, bytes) = b.known_peers();
+        assert!(n <= 8 && bytes <= 1 << 20, "{n} peers, {bytes} bytes");
+    }
+    assert!(matches!(b.session(tensorwire_core::EngineId(100)), Err(Error::NotFound(_))));
+    assert!(b.session(tensorwire_core::EngineId(299)).is_ok());
+    // A real peer's session closed takes its descriptor along.
+    let a = engine(None).await;
+    a.connect(b.local_addr()).await.unwrap();
+    let s = b.session(a.id()).unwrap();
+    s.close().await;
+    let e = b.session(a.id()).unwrap_err();
+    assert!(matches!(e, Error::NotFound(Missing::Peer(_))), "{e}");
 }
 
 #[tokio::test]

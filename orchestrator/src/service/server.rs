@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorwire_core::Error;
+use tensorwire_proto::admission::{Admission, Limits, Pending};
 use tensorwire_proto::auth::{ClusterSecret, check_listener};
 use tensorwire_proto::handshake::Handshake;
 use tokio::io::AsyncWriteExt;
@@ -201,13 +202,17 @@ impl OrchestratorService {
         tasks.spawn(async move {
             // The connections live in here: stopping the service closes every one of them.
             let mut conns = JoinSet::new();
+            // Connections before their Hello are bounded in time and number (the oldest goes;
+            // tensorwire_proto::admission); the accept loop backs off when out of descriptors.
+            let admission = Admission::new("orchestrator service", Limits::handshake(hs));
             loop {
                 while conns.try_join_next().is_some() {}
-                let Ok((sock, peer)) = l.accept().await else { continue };
+                let (sock, peer) = tensorwire_proto::accept::accept(&l, "orchestrator").await;
                 let _ = sock.set_nodelay(true);
                 let (tx, secret) = (tx.clone(), secret.clone());
+                let pending = admission.admit(peer.ip());
                 conns.spawn(async move {
-                    if let Err(e) = connection(sock, peer, tx, secret, hs).await {
+                    if let Err(e) = connection(sock, peer, tx, secret, pending).await {
                         tracing::debug!(error = %e, "orchestrator: connection ended");
                     }
                 });
@@ -248,17 +253,20 @@ async fn connection(
     peer: SocketAddr,
     events: mpsc::Sender<Event>,
     secret: Option<Arc<ClusterSecret>>,
-    hs: Duration,
+    mut pending: Pending,
 ) -> Result<()> {
-    let role = tokio::time::timeout(hs, async {
+    let hello = async {
         Handshake { framing: &FRAMING, secret: secret.as_deref(), peer }.server(&mut sock).await?;
         match read_msg(&mut sock).await? {
             Some(Msg::Hello { role }) => Ok(role),
             _ => Err(Error::protocol("orchestrator: expected Hello")),
         }
-    })
-    .await
-    .map_err(|_| Error::timeout("orchestrator handshake", hs))??;
+    };
+    let role = pending
+        .prove(hello)
+        .await
+        .map_err(|closed| closed.error("orchestrator handshake", pending.deadline()))??;
+    pending.proved();
     let (mut rd, mut wr) = sock.into_split();
     let (out_tx, out_rx) = mpsc::channel::<Msg>(1024);
     let (reply, id) = tokio::sync::oneshot::channel();

@@ -5,7 +5,7 @@ Mooncake connectors and its adapter use it), and how this connector keeps it:
 
 - ``put(from_stage, to_stage, put_key, data) -> (ok, size, metadata)``. Never raises: a failure
   is ``(False, 0, None)`` and a log line. ``size`` is the bytes the payload holds (its tensors'
-  bytes and the pickled rest); ``metadata`` is a small dict for the adapter's queue message. A
+  bytes and the encoded rest); ``metadata`` is a small dict for the adapter's queue message. A
   second put under the same key replaces the first (its payload is released).
 - ``get(from_stage, to_stage, get_key, metadata=None) -> (data, size) | None``. Never raises and
   never waits for data that is not there: ``None`` when nothing was put under the key (yet),
@@ -27,6 +27,12 @@ Mooncake connectors and its adapter use it), and how this connector keeps it:
   holds in its own memory and stops its engine (payloads in a store stay for their consumers);
   later puts and gets fail as above.
 - ``health()``, ``supports_raw_data = True``, ``_make_key(key, from, to)`` (``key@from_to``).
+
+Records carry data, never code: the rest of ``data`` (everything but its tensors' bytes) travels
+as a JSON skeleton (:mod:`tensorwire.omni.skeleton`: None, bools, numbers, strings, bytes, lists,
+tuples, sets, dicts, numpy scalars and dtypes), and a ``get`` builds nothing else whatever a
+record holds; a ``put`` of another kind of object (a dataclass, an enum, a function) fails and
+says which. Records of the pickled format before (``tensorwire: 1``) are refused, not read.
 
 Tensors: torch in, torch out (same dtype, any torch has; same device where it exists); numpy
 in, numpy out; anywhere in dicts, lists and tuples (see :mod:`tensorwire.omni.packing`). Their
@@ -54,7 +60,6 @@ deployments). vLLM-Omni's own keys (``stage_id``, ``extra``, ...) are ignored.
 
 import base64
 import logging
-import pickle
 import threading
 import time
 import uuid
@@ -79,7 +84,7 @@ __all__ = ["TensorwireConnector"]
 
 log = logging.getLogger("tensorwire.omni")
 
-_VERSION = 1
+_VERSION = 2  # 1: the skeleton was a pickle (refused now: unpickling ran the writer's code)
 _SLICE = 0.1  # seconds between checks for an abandoned get
 _LOST = (ProducerGoneError, PayloadMissingError, LeaseEndedError, KeyNotFoundError)
 
@@ -335,8 +340,18 @@ class TensorwireConnector:
     def _fetch(self, record: Dict[str, Any], get_key: str, deadline: Optional[float]) -> Optional[Tuple[Any, int]]:
         """Every buffer of ``record`` landed in fresh tensors, then reported consumed; None if
         abandoned or past the deadline (nothing consumed then)."""
-        skeleton = pickle.loads(base64.b64decode(record["skeleton"]))
-        slots = packing.slots(skeleton)
+        if record.get("tensorwire") != _VERSION:
+            raise InvalidArgumentError(
+                f"record of {record.get('key')!r} is of format {record.get('tensorwire')!r}, this connector reads "
+                f"{_VERSION} (format 1 held a pickle, which is never read)")
+        raw = record.get("skeleton")
+        if not isinstance(raw, str):
+            raise InvalidArgumentError("record without a skeleton")
+        try:
+            skeleton = packing.load(base64.b64decode(raw.encode("ascii"), validate=True))
+            slots = packing.slots(skeleton)
+        except (ValueError, UnicodeEncodeError) as e:
+            raise InvalidArgumentError(f"record of {record.get('key')!r}: {e}") from None
         handles = [PayloadHandle.from_str(h) for h in record["handles"]]
         if len(slots) != len(handles):
             raise InvalidArgumentError(f"record of {record['key']}: {len(handles)} payloads for {len(slots)} tensors")

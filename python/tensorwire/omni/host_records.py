@@ -17,8 +17,12 @@ producer's memory until they are read.
 - Records of producers that died (same PID namespace, PID gone) and records past their TTL are
   swept when seen.
 
-The directory trusts the processes of its user, as vLLM-Omni's shared-memory connector trusts
-``/dev/shm``: a record's skeleton is pickled.
+The directory is private to its user (mode 0700, no group or other bit on it; a record file
+0600), and a record holds data only (its skeleton is JSON, :mod:`tensorwire.omni.skeleton`):
+reading one runs nothing of its writer's. When another user made ``tensorwire-omni-UID`` first
+under the default root (a squatter: the folder is not ours, or is open to others), the records
+go to this user's runtime folder (``$XDG_RUNTIME_DIR``, else ``~/.cache``) instead; a root given
+explicitly (``registry_dir``) is never replaced: a squatted one is an error.
 """
 
 import contextlib
@@ -28,6 +32,7 @@ import glob
 import hashlib
 import itertools
 import json
+import logging
 import os
 import stat
 import tempfile
@@ -57,17 +62,44 @@ def _pid_namespace() -> Optional[str]:
 
 
 def _private_dir(path: str) -> None:
-    """Creates ``path`` (mode 0700) or checks that it is a directory of this user that nobody
-    else can write; raises ``PermissionError`` otherwise."""
+    """Creates ``path`` (mode 0700) or checks that it is a directory of this user with no group
+    or other permission bit; raises ``PermissionError`` otherwise."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except FileExistsError:
         pass
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(
-            f"{path} must be a directory of uid {os.getuid()} that only it can write "
+            f"{path} must be a directory of uid {os.getuid()} that only it can open "
             f"(found uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+
+
+def fallback_root() -> str:
+    """This user's own runtime folder: ``$XDG_RUNTIME_DIR``, else ``~/.cache``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return runtime
+    return os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def user_base(root: Optional[str]) -> str:
+    """The user's records folder under ``root`` (the default root when None), made private; in
+    the default root, a folder another user took first sends the records to
+    :func:`fallback_root` instead (logged)."""
+    name = f"tensorwire-omni-{os.getuid()}"
+    base = os.path.join(root or default_root(), name)
+    try:
+        _private_dir(base)
+        return base
+    except PermissionError as e:
+        if root is not None:
+            raise
+        other = os.path.join(fallback_root(), name)
+        logging.getLogger("tensorwire.omni").warning(
+            "tensorwire omni records: %s; using %s instead", e, other)
+        _private_dir(other)
+        return other
 
 
 class HostRecords:
@@ -80,8 +112,7 @@ class HostRecords:
     """
 
     def __init__(self, root: Optional[str] = None, scope: str = "default"):
-        base = os.path.join(root or default_root(), f"tensorwire-omni-{os.getuid()}")
-        _private_dir(base)
+        base = user_base(root)
         self.dir = os.path.join(base, _h(scope))
         _private_dir(self.dir)
         self._pidns = _pid_namespace()

@@ -1,21 +1,25 @@
-"""Nested Python data with tensors inside, cut into raw byte buffers (the tensors) and a pickled
-skeleton (everything else, with a :class:`Slot` where each tensor was).
+"""Nested Python data with tensors inside, cut into raw byte buffers (the tensors) and a skeleton
+(everything else, with a :class:`Slot` where each tensor was), which travels as data
+(:mod:`tensorwire.omni.skeleton`: JSON, never a pickle).
 
 A torch tensor or a numpy array travels as its bytes (a flat ``uint8`` view, no copy when it is
 already contiguous host memory) plus a :class:`Slot` naming its framework, dtype, shape and
 device, so :func:`restore` gives back the same framework, dtype (every dtype the framework has:
 bfloat16, the float8 kinds, bool, complex, ...), shape and device. A non-contiguous tensor is
 made contiguous here (one copy, at put); a device tensor is copied to host memory (this package
-moves host memory) and back to its device at :func:`restore` where that device exists. Tensors
-that cannot be viewed as bytes (sparse, quantized, empty, numpy object arrays) stay in the
-skeleton and are pickled with it.
+moves host memory) and back to its device at :func:`restore` where that device exists. Empty
+tensors and numpy arrays of Python objects stay in the skeleton (as their dtype and shape, and
+the objects as data); tensors that cannot be viewed as bytes (sparse, quantized, sub-byte kinds)
+are refused.
 """
 
-import pickle
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
-__all__ = ["Slot", "buffer_for", "pack", "restore", "slots", "unpack"]
+from . import skeleton as _skeleton
+from .skeleton import SkeletonError
+
+__all__ = ["Slot", "buffer_for", "load", "pack", "restore", "slots", "unpack"]
 
 
 class Slot:
@@ -30,11 +34,27 @@ class Slot:
         self.shape = shape
         self.device = device
 
-    def __getstate__(self) -> tuple:
-        return (self.index, self.framework, self.dtype, self.shape, self.device)
+    def fields(self) -> list:
+        """The slot as skeleton data (its dtype by name or ``.npy`` description)."""
+        dtype = (_skeleton.torch_dtype_name(self.dtype) if self.framework == "torch"
+                 else _skeleton.numpy_descr(self.dtype))
+        return [self.index, self.framework, dtype, list(self.shape), self.device]
 
-    def __setstate__(self, state: tuple) -> None:
-        self.index, self.framework, self.dtype, self.shape, self.device = state
+    @staticmethod
+    def from_fields(f: Any) -> "Slot":
+        """The slot of skeleton data ``f``, checked (a dtype that may view raw bytes)."""
+        if not isinstance(f, list) or len(f) != 5:
+            raise SkeletonError("bad slot")
+        index, framework, dtype, shape, device = f
+        if type(index) is not int or not 0 <= index < (1 << 20) or not isinstance(device, str):
+            raise SkeletonError("bad slot")
+        if framework == "torch":
+            dt = _skeleton.torch_dtype(dtype)
+        elif framework == "numpy":
+            dt = _skeleton.numpy_dtype(dtype, raw=True)
+        else:
+            raise SkeletonError(f"bad slot framework {framework!r}")
+        return Slot(index, framework, dt, _skeleton.shape_of(shape), device)
 
     def __repr__(self) -> str:
         return f"Slot({self.index}, {self.framework}, {self.dtype}, {self.shape}, {self.device})"
@@ -49,8 +69,11 @@ def _as_bytes(x: Any) -> Optional[Tuple[Any, str, Any, Tuple[int, ...], str]]:
     not one that moves as raw bytes."""
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
-        if x.layout != torch.strided or x.is_quantized or x.numel() == 0:
-            return None
+        if x.numel() == 0 and x.layout == torch.strided and not x.is_quantized:
+            return None  # empty: its dtype and shape go in the skeleton
+        if x.layout != torch.strided or x.is_quantized:
+            raise SkeletonError(f"a {x.layout} / quantized torch tensor cannot move as bytes: make it "
+                                "dense first")
         t = x.detach()
         device = str(t.device)
         if t.device.type != "cpu":
@@ -58,8 +81,8 @@ def _as_bytes(x: Any) -> Optional[Tuple[Any, str, Any, Tuple[int, ...], str]]:
         t = t.resolve_conj().resolve_neg().contiguous()
         try:
             flat = t.reshape(-1).view(torch.uint8)
-        except RuntimeError:  # a dtype torch cannot view as bytes (sub-byte kinds): pickled
-            return None
+        except RuntimeError:  # a dtype torch cannot view as bytes (sub-byte kinds)
+            raise SkeletonError(f"a torch tensor of {x.dtype} cannot move as bytes") from None
         return flat, "torch", x.dtype, tuple(x.shape), device
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(x, numpy.ndarray):
@@ -76,7 +99,7 @@ def _walk(data: Any, leaf: Callable[[Any], Any]) -> Any:
     out = leaf(data)
     if out is not data:
         return out
-    kind = type(data)  # exactly these: subclasses (OrderedDict, named tuples) stay pickled whole
+    kind = type(data)  # exactly these: subclasses (OrderedDict, named tuples) are refused whole
     if kind is dict:
         return {k: _walk(v, leaf) for k, v in data.items()}
     if kind is list:
@@ -87,7 +110,8 @@ def _walk(data: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def pack(data: Any) -> Tuple[bytes, List[Any]]:
-    """The pickled skeleton of ``data`` and the byte buffers of its tensors, in slot order."""
+    """The skeleton of ``data`` (bytes, see :mod:`tensorwire.omni.skeleton`) and the byte buffers
+    of its tensors, in slot order. Raises :class:`SkeletonError` for what cannot be carried."""
     buffers: List[Any] = []
     seen: dict = {}  # id(tensor) -> its slot: a tensor found twice moves once, and comes back once
 
@@ -104,11 +128,16 @@ def pack(data: Any) -> Tuple[bytes, List[Any]]:
         return slot
 
     skeleton = _walk(data, take)
-    return pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), buffers
+    return _skeleton.encode(skeleton, Slot, Slot.fields), buffers
+
+
+def load(raw: bytes) -> Any:
+    """The skeleton that ``raw`` holds (slots checked); :class:`SkeletonError` otherwise."""
+    return _skeleton.decode(raw, Slot.from_fields)
 
 
 def slots(skeleton: Any) -> List[Slot]:
-    """The slots of an unpickled skeleton, one per buffer, by index."""
+    """The slots of a loaded skeleton, one per buffer, by index (each index once, from 0)."""
     found: dict = {}
 
     def see(x: Any) -> Any:
@@ -117,6 +146,8 @@ def slots(skeleton: Any) -> List[Slot]:
         return x
 
     _walk(skeleton, see)
+    if sorted(found) != list(range(len(found))):
+        raise SkeletonError("the skeleton's slots are not numbered 0..n")
     return [found[i] for i in sorted(found)]
 
 
@@ -138,18 +169,10 @@ def restore(slot: Slot, buffer: Any) -> Any:
         import torch
 
         t = buffer.view(slot.dtype).reshape(slot.shape)
-        if slot.device != "cpu" and _device_exists(torch, slot.device):
+        if slot.device != "cpu" and _skeleton.device_exists(torch, slot.device):
             t = t.to(slot.device)
         return t
     return buffer.view(slot.dtype).reshape(slot.shape)
-
-
-def _device_exists(torch: Any, device: str) -> bool:
-    try:
-        d = torch.device(device)
-        return d.type == "cuda" and torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
-    except (RuntimeError, ValueError):
-        return False
 
 
 def unpack(skeleton: Any, tensors: List[Any]) -> Any:

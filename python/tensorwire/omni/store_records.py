@@ -5,7 +5,8 @@ small store object per published payload.
 A record is stored pinned (never evicted) with the store's lease: ``consumers`` consumers
 (each a ``consumed`` report) or its TTL remove it. Two limits of a store against a directory:
 a consumer counts itself without checking the record's generation (a re-put between a
-consumer's read and its report is counted once too early), and a store cannot list keys, so
+consumer's read and its report is counted once too early), and the Python ``Store`` does not
+list keys (the store RPC can since its version 3; the binding does not offer it yet), so
 :meth:`StoreRecords.records_of` knows only the keys this process wrote or read.
 """
 

@@ -44,11 +44,11 @@ pub struct DataFrame {
     pub payload: Vec<u8>,
 }
 
-/// The frames of one direction of a tcp data stream (after its preamble), in order, up to the
-/// first incomplete or malformed one.
-pub fn data_frames(stream: &[u8]) -> Vec<DataFrame> {
+/// The frames of one direction of a tcp data stream (after its `opening`: the preamble, and
+/// from the client the ticket too), in order, up to the first incomplete or malformed one.
+pub fn data_frames(stream: &[u8], opening: usize) -> Vec<DataFrame> {
     let mut out = Vec::new();
-    let mut at = tcp::PREAMBLE.len();
+    let mut at = opening;
     while let Some(h) = stream.get(at..at + tcp::HEADER_LEN) {
         let Ok(decoded) = DataHeader::decode(h) else { break };
         let end = at + tcp::HEADER_LEN + decoded.payload_len() as usize;

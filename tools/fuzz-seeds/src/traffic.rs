@@ -144,10 +144,11 @@ fn framed(
 /// Headers to `tcp_data_header`; notification bodies to `envelope` (and connector messages in
 /// them to `connector_control`); refusals to `error_body`.
 fn data_channel(c: &mut Corpus, convs: &[Conversation]) {
-    use tensorwire_tcp::wire::Kind;
+    use tensorwire_tcp::wire::{Kind, PREAMBLE, TICKET_LEN};
     for conv in convs {
-        for stream in [&conv.to_server, &conv.to_client] {
-            for f in data_frames(stream) {
+        let client = PREAMBLE.len() + TICKET_LEN;
+        for (stream, opening) in [(&conv.to_server, client), (&conv.to_client, PREAMBLE.len())] {
+            for f in data_frames(stream, opening) {
                 c.add("tcp_data_header", f.header.clone());
                 let h = f.decoded;
                 if h.kind == Kind::Notify {

@@ -120,17 +120,18 @@ async fn corrupted_read_is_reported() {
 const OP: u64 = 1 << 20;
 const PIECE: u64 = 64 << 10;
 
-/// Copies one stream's frames, flipping a byte in the payload of the frame that carries the
-/// op's last piece. `reads` maps the ids of ReadReqs (seen going to the server) to the end of
+/// Copies one stream's frames (after its `opening` bytes: the preamble, and from the client the
+/// ticket too), flipping a byte in the payload of the frame that carries the op's last piece. `reads` maps the ids of ReadReqs (seen going to the server) to the end of
 /// the range they ask for.
 async fn frames(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     flip: bool,
+    opening: usize,
     reads: Arc<std::sync::Mutex<std::collections::HashMap<u64, u64>>>,
 ) {
-    use tensorwire_tcp::wire::{DataHeader, HEADER_LEN, Kind, PREAMBLE};
-    let mut pre = [0u8; PREAMBLE.len()];
+    use tensorwire_tcp::wire::{DataHeader, HEADER_LEN, Kind};
+    let mut pre = vec![0u8; opening];
     if from.read_exact(&mut pre).await.is_err() || to.write_all(&pre).await.is_err() {
         return;
     }
@@ -173,8 +174,10 @@ async fn striped(flip: Flip, checksum: bool) -> (Result<(), Error>, Vec<u8>, Vec
             let (cr, cw) = client.into_split();
             let (sr, sw) = server.into_split();
             let reads = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-            tokio::spawn(frames(cr, sw, matches!(flip, Flip::ToServer), reads.clone()));
-            tokio::spawn(frames(sr, cw, matches!(flip, Flip::ToClient), reads));
+            use tensorwire_tcp::wire::{PREAMBLE, TICKET_LEN};
+            let (to_server, to_client) = (PREAMBLE.len() + TICKET_LEN, PREAMBLE.len());
+            tokio::spawn(frames(cr, sw, matches!(flip, Flip::ToServer), to_server, reads.clone()));
+            tokio::spawn(frames(sr, cw, matches!(flip, Flip::ToClient), to_client, reads));
         }
     });
     let b = Engine::builder().backend(b_tcp).start().await.unwrap();

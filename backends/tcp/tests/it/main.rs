@@ -8,6 +8,7 @@ mod faults;
 mod notify_order;
 mod read_notice;
 mod send_now;
+mod strangers;
 mod striping;
 mod two_process;
 
