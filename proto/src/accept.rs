@@ -43,7 +43,7 @@ async fn retrying<T, F: std::future::Future<Output = io::Result<T>>>(
             Ok(c) => return c,
             Err(e) => {
                 let pause = pause_after(&e);
-                if is_exhaustion(&e) && once_a_second(&LAST_WARNING) {
+                if is_exhaustion(&e) && due(&LAST_WARNING, since_start_ms()) {
                     tracing::warn!(listener = what, error = %e, ?pause,
                         "accept failed: out of descriptors or memory; backing off");
                 } else {
@@ -55,13 +55,18 @@ async fn retrying<T, F: std::future::Future<Output = io::Result<T>>>(
     }
 }
 
-/// True at most once a second (per `last`, which holds milliseconds since the first call).
-fn once_a_second(last: &AtomicU64) -> bool {
+/// Milliseconds since this process first asked, plus one (so never 0).
+fn since_start_ms() -> u64 {
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1000;
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
+
+/// Whether a warning is due at `now_ms` (never 0): the first time, then at most once a second
+/// (`last` holds when the last one was, 0 for never).
+fn due(last: &AtomicU64, now_ms: u64) -> bool {
     let before = last.load(Ordering::Relaxed);
-    now >= before + 1000
-        && last.compare_exchange(before, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    (before == 0 || now_ms >= before + 1000)
+        && last.compare_exchange(before, now_ms, Ordering::Relaxed, Ordering::Relaxed).is_ok()
 }
 
 #[cfg(test)]
@@ -84,8 +89,13 @@ mod tests {
     #[test]
     fn the_warning_is_rate_limited() {
         let last = AtomicU64::new(0);
-        assert!(once_a_second(&last));
-        assert!(!once_a_second(&last));
+        assert!(due(&last, 5));
+        assert!(!due(&last, 5));
+        assert!(!due(&last, 1004));
+        assert!(due(&last, 1005));
+        assert!(!due(&last, 2004));
+        assert!(due(&last, 2005));
+        assert!(since_start_ms() >= 1);
     }
 
     /// Out of descriptors, the loop pauses between tries instead of spinning: 30 failures

@@ -254,7 +254,9 @@ mod tests {
     #[test]
     fn the_oldest_of_a_full_source_goes_first_then_the_oldest_of_all() {
         let mut l = Ledger::default();
+        assert!(l.is_empty());
         assert_eq!(l.admit(ip(1), &L), (0, None));
+        assert!(!l.is_empty());
         assert_eq!(l.admit(ip(1), &L), (1, None));
         // Source 1 is at its bound: its oldest goes, not anybody else's.
         assert_eq!(l.admit(ip(2), &L), (2, None));
@@ -310,6 +312,7 @@ mod tests {
             "test",
             Limits { pending: 1, per_source: 1, deadline: Duration::from_secs(30) },
         );
+        assert_eq!(a.evicted(), 0);
         let mut first = a.admit(ip(1));
         let mut second = a.admit(ip(1)); // evicts the first
         let r = first.prove(std::future::pending::<()>()).await;
@@ -328,9 +331,12 @@ mod tests {
             Limits { pending: 4, per_source: 4, deadline: Duration::from_millis(20) },
         );
         let mut p = quick.admit(ip(2));
+        assert_eq!(p.deadline(), Duration::from_millis(20));
         assert_eq!(p.prove(std::future::pending::<()>()).await, Err(Closed::Deadline));
         drop(p);
         assert_eq!(quick.pending(None), 0);
-        assert_eq!(a.evicted(), 1);
+        assert_eq!((a.evicted(), quick.evicted()), (1, 0));
+        let _fourth = a.admit(ip(1)); // evicts the third
+        assert_eq!(a.evicted(), 2);
     }
 }

@@ -6,9 +6,11 @@
 //!
 //! Where it lives, first that applies:
 //! 1. `$TENSORWIRE_LOOPBACK_SECRET` (a file path);
-//! 2. `$XDG_CONFIG_HOME/tensorwire/loopback-secret`, else `$HOME/.config/tensorwire/loopback-secret`
-//!    (kept across logins: a server started before a logout still matches clients started after);
-//! 3. `$XDG_RUNTIME_DIR/tensorwire/loopback-secret` (where there is no writable home).
+//! 2. `$XDG_CONFIG_HOME/tensorwire/loopback-secret`, else `~/.config/tensorwire/loopback-secret`
+//!    (`~` is `$HOME`, else the user's home in the password database; kept across logins: a
+//!    server started before a logout still matches clients started after);
+//! 3. `$XDG_RUNTIME_DIR/tensorwire/loopback-secret` where there is no writable home;
+//! 4. `/tmp/tensorwire-UID/loopback-secret` where there is neither.
 //!
 //! Its folder is made with mode 0700 and must belong to the user with no group or other write
 //! bit; the file must belong to the user with mode 0600 (the checks of
@@ -52,17 +54,35 @@ pub(crate) fn default_path() -> Result<PathBuf> {
     if let Some(p) = var(ENV) {
         return Ok(p);
     }
-    let config = var("XDG_CONFIG_HOME").or_else(|| var("HOME").map(|h| h.join(".config")));
+    let home = var("HOME").or_else(home_of_user);
+    let config = var("XDG_CONFIG_HOME").or_else(|| home.map(|h| h.join(".config")));
     let runtime = var("XDG_RUNTIME_DIR");
     let file = |d: PathBuf| d.join("tensorwire").join("loopback-secret");
-    match (config, runtime) {
-        (Some(c), Some(r)) if !writable_or_creatable(&c) => Ok(file(r)),
-        (Some(c), _) => Ok(file(c)),
-        (None, Some(r)) => Ok(file(r)),
-        (None, None) => Err(Error::InvalidArgument(
-            "neither HOME, XDG_CONFIG_HOME nor XDG_RUNTIME_DIR is set".into(),
-        )),
+    Ok(match (config, runtime) {
+        (Some(c), _) if writable_or_creatable(&c) => file(c),
+        (_, Some(r)) => file(r),
+        _ => PathBuf::from(format!("/tmp/tensorwire-{}", uid())).join("loopback-secret"),
+    })
+}
+
+/// This user's home folder in the password database.
+fn home_of_user() -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: a zeroed passwd is a valid value for getpwuid_r to overwrite.
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call: `pw` and `found` are locals, `buf` is
+    // writable for its length; getpwuid_r writes the strings into `buf`.
+    let rc =
+        unsafe { libc::getpwuid_r(uid(), &mut pw, buf.as_mut_ptr().cast(), buf.len(), &mut found) };
+    if rc != 0 || found.is_null() || pw.pw_dir.is_null() {
+        return None;
     }
+    // SAFETY: on success `pw_dir` points at a NUL-terminated string inside `buf`, alive here.
+    let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+    let dir = std::path::Path::new(std::ffi::OsStr::from_bytes(dir.to_bytes()));
+    (!dir.as_os_str().is_empty()).then(|| dir.to_path_buf())
 }
 
 /// Whether `dir` exists and is writable, or can be made (its nearest existing ancestor is
@@ -214,6 +234,13 @@ mod tests {
         let left: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert!(left.iter().all(|n| !n.to_string_lossy().starts_with(".loopback")), "{left:?}");
         std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn the_users_home_is_found_without_home_set() {
+        let home = home_of_user().expect("this user has a home in the password database");
+        assert!(home.is_absolute(), "{home:?}");
+        assert!(default_path().unwrap().ends_with("loopback-secret"));
     }
 
     #[test]
