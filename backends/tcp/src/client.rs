@@ -371,6 +371,30 @@ impl Drop for TcpConnection {
     }
 }
 
+/// Tries to open a stream a few times (with short pauses) when the server closes it during its
+/// setup: a listener whose bound of pending streams is full closes its oldest pending stream to
+/// admit a new one, so under a flood of strangers' streams a peer's stream may go before its
+/// ticket was read. Any other failure is returned at once.
+async fn open_stream_retrying(
+    addr: SocketAddr,
+    ticket: &Ticket,
+    stall: Duration,
+) -> Result<TcpStream> {
+    const TRIES: u32 = 4;
+    let mut pause = Duration::from_millis(5);
+    for _ in 1..TRIES {
+        match open_stream(addr, ticket, stall).await {
+            Err(Error::PeerClosed(why)) => {
+                tracing::debug!(%addr, %why, "tcp: the stream closed at setup; trying again")
+            }
+            other => return other,
+        }
+        tokio::time::sleep(pause).await;
+        pause *= 4;
+    }
+    open_stream(addr, ticket, stall).await
+}
+
 async fn open_stream(addr: SocketAddr, ticket: &Ticket, stall: Duration) -> Result<TcpStream> {
     let sock = TcpStream::connect(addr).await?;
     sock.set_nodelay(true)?;
@@ -398,7 +422,7 @@ impl TcpConnection {
     ) -> Result<(Self, Arc<ConnShared>)> {
         let mut socks = Vec::with_capacity(streams);
         for _ in 0..streams.max(1) {
-            socks.push(open_stream(addr, &ticket, cfg.stall).await?);
+            socks.push(open_stream_retrying(addr, &ticket, cfg.stall).await?);
         }
         let shared = Arc::new(ConnShared {
             peer: addr,

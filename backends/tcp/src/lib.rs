@@ -239,6 +239,8 @@ async fn accept_loop(listener: tokio::net::TcpListener, inner: Weak<Inner>, cfg:
             max_streams: cfg.max_streams,
         };
         inner.serving.spawn(server::serve(sock, host, cfg.stall_timeout, stream));
+        // Let the streams just accepted read their tickets before more are accepted.
+        tokio::task::yield_now().await;
     }
 }
 

@@ -46,6 +46,8 @@ pub(crate) async fn serve(listener: TcpListener, engine: Weak<EngineShared>) {
                 Err(closed) => tracing::debug!(%peer, ?closed, "handshake ended unfinished"),
             }
         });
+        // Let the connections just accepted run their handshakes before more are accepted.
+        tokio::task::yield_now().await;
     }
 }
 
@@ -77,16 +79,41 @@ async fn answer(mut sock: TcpStream, addr: SocketAddr, engine: Weak<EngineShared
     CONTROL.write(&mut sock, HELLO, &own).await
 }
 
-async fn dial(addr: SocketAddr, engine: &Arc<EngineShared>) -> Result<(EngineDescriptor, usize)> {
-    let mut sock = TcpStream::connect(addr)
+async fn connect(addr: SocketAddr) -> Result<TcpStream> {
+    let sock = TcpStream::connect(addr)
         .await
         .map_err(|e| Error::PeerClosed(format!("cannot reach control endpoint {addr}: {e}")))?;
     sock.set_nodelay(true)?;
+    Ok(sock)
+}
+
+async fn exchange(
+    mut sock: TcpStream,
+    addr: SocketAddr,
+    engine: &Arc<EngineShared>,
+) -> Result<(EngineDescriptor, usize)> {
     let secret = engine.config.cluster_secret.as_ref();
     Handshake { framing: &CONTROL, secret, peer: addr }.client(&mut sock).await?;
     CONTROL.write(&mut sock, HELLO, &engine.descriptor().encode()).await?;
     let hello = expect(&mut sock, &CONTROL, HELLO).await?;
     Ok((descriptor_of(&hello, engine)?, hello.len()))
+}
+
+/// Dials and shakes hands; dials again (twice at most, after 5 and 20 ms) when the peer closed
+/// the connection during the handshake: a listener at its bound of pending connections closes
+/// its oldest one to admit a newcomer, so under a flood of strangers' connections a peer's may
+/// go before it proved itself. Any other failure (one to connect included) is returned at once.
+async fn dial(addr: SocketAddr, engine: &Arc<EngineShared>) -> Result<(EngineDescriptor, usize)> {
+    for pause in [5, 20] {
+        match exchange(connect(addr).await?, addr, engine).await {
+            Err(Error::PeerClosed(why)) => {
+                tracing::debug!(%addr, %why, "handshake: the peer closed; dialing again");
+            }
+            other => return other,
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+    }
+    exchange(connect(addr).await?, addr, engine).await
 }
 
 /// Client side of the handshake, bounded by the engine's handshake timeout.

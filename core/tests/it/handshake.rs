@@ -246,3 +246,38 @@ async fn the_control_address_is_free_once_shutdown_returns() {
     let again = std::net::TcpListener::bind(addr);
     assert!(again.is_ok(), "{addr} still taken after shutdown: {:?}", again.err());
 }
+
+/// The control endpoint under strangers that keep opening idle connections (about one a
+/// millisecond, holding up to 300: past its bound of 64 pending per source): each newcomer
+/// closes the oldest pending one, and a peer still shakes hands, every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_shakes_hands_through_a_flood_of_idle_connections() {
+    let b = engine(None).await;
+    let at = b.local_addr();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut held = std::collections::VecDeque::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(s) = tokio::net::TcpStream::connect(at).await {
+                    held.push_back(s);
+                }
+                if held.len() > 300 {
+                    held.pop_front();
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            held.len()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await; // the bound is full by now
+    let a = engine(None).await;
+    for _ in 0..10 {
+        let s = a.connect(at).await.unwrap();
+        assert_eq!(s.peer(), b.id());
+        s.close().await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(flood.await.unwrap() > 64, "the flood held too few connections to fill the bound");
+}
