@@ -2,7 +2,7 @@
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed here (CI does not install it)")
+torch = pytest.importorskip("torch", reason="torch is not installed in this venv (python/venv installs it when TW_PIP_EXTRA names it, as .ci/run does)")
 
 from tensorwire.diffusion import DiffusionConnector, StagePayload  # noqa: E402
 
