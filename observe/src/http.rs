@@ -1,9 +1,9 @@
 //! The HTTP listener of `/metrics`, `/healthz` and `/readyz`.
 //!
 //! What a client can hold: a connection must send its first byte within [`Limits::first_byte`]
-//! and its whole head (at most [`MAX_HEAD`] bytes) within [`Limits::head`]; until its head is in,
-//! it is one of at most [`Limits::pending`] pending connections, and a new connection when that
-//! many are pending closes the *oldest* (`tensorwire_proto::admission`), so a client that keeps
+//! and its whole head (at most [`MAX_HEAD`] bytes) within [`Limits::head`]; until its answer is
+//! written, it is one of at most [`Limits::pending`] connections, and a new connection when that
+//! many are held closes the *oldest* (`tensorwire_proto::admission`), so a client that keeps
 //! re-opening idle connections cannot crowd out a scrape, which sends its head at once. The
 //! accept loop backs off when the process runs out of descriptors.
 
@@ -109,45 +109,53 @@ impl Endpoint {
 
 async fn accept(l: TcpListener, health: Health, limits: Limits) {
     // One bound for all sources: a scraper and an attacker on the same host share an address.
+    // A connection holds its place until its answer is written (a client that sends a head and
+    // never reads the answer holds no more than one that sends nothing).
     let room = Admission::new(
         "metrics endpoint",
         admission::Limits {
             pending: limits.pending,
             per_source: limits.pending,
-            deadline: limits.head,
+            deadline: limits.head + WRITE_TIMEOUT + LINGER,
         },
     );
     loop {
         let (s, peer) = tensorwire_proto::accept::accept(&l, "metrics endpoint").await;
-        let mut pending = room.admit(peer.ip());
+        let mut place = room.admit(peer.ip());
         let health = health.clone();
         tokio::spawn(async move {
-            let head = pending.prove(read_head(s, limits.first_byte)).await;
-            pending.proved();
-            if let Ok(Some((mut s, head))) = head {
-                let answer = match parse_request(&head) {
-                    Ok((method, path)) => route(method, path, &health),
-                    Err(status) => Answer::text(status, "bad request\n"),
-                };
-                let _ = tokio::time::timeout(WRITE_TIMEOUT, answer.write(&mut s)).await;
-                if answer.status == 400 {
-                    // A lingering close: what the client still sends is read (a little, for a
-                    // short while) so that closing does not reset the connection before the
-                    // client read the answer.
-                    let mut sink = [0u8; 4096];
-                    let drain = async {
-                        for _ in 0..256 {
-                            if !matches!(s.read(&mut sink).await, Ok(n) if n > 0) {
-                                break;
-                            }
-                        }
-                    };
-                    let _ = tokio::time::timeout(Duration::from_millis(500), drain).await;
-                }
-            }
+            let _ = place.prove(serve_one(s, &health, limits)).await;
         });
         // Let the connections just accepted read their heads before more are accepted.
         tokio::task::yield_now().await;
+    }
+}
+
+/// How long a connection answered 400 is read from before it is closed.
+const LINGER: Duration = Duration::from_millis(500);
+
+/// Reads one request head (within `limits`) and answers it; nothing when the client closed,
+/// failed or was too slow.
+async fn serve_one(s: TcpStream, health: &Health, limits: Limits) {
+    let head = tokio::time::timeout(limits.head, read_head(s, limits.first_byte)).await;
+    let Ok(Some((mut s, head))) = head else { return };
+    let answer = match parse_request(&head) {
+        Ok((method, path)) => route(method, path, health),
+        Err(status) => Answer::text(status, "bad request\n"),
+    };
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, answer.write(&mut s)).await;
+    if answer.status == 400 {
+        // A lingering close: what the client still sends is read (a little, for a short while)
+        // so that closing does not reset the connection before the client read the answer.
+        let mut sink = [0u8; 4096];
+        let drain = async {
+            for _ in 0..256 {
+                if !matches!(s.read(&mut sink).await, Ok(n) if n > 0) {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER, drain).await;
     }
 }
 
