@@ -13,9 +13,12 @@ lands) and saves the result. Prints per-stage compute time, handoff time per pay
 to the first frame; ``--check`` also runs the monolithic pipeline here and prints one JSON line,
 ``{"identical": true|false, ...}`` (exit status 1 when not identical).
 
-``--device cuda`` runs the models on the GPU; the stage tensors cross between processes through
-host memory (copied to the host before publish and back after consume): the Python connector
-does not take device tensors yet.
+``--device cuda`` runs the models on the GPU and the stage tensors stay there: each stage
+publishes its CUDA tensors and the next consumes them into CUDA tensors it allocated (the cuda
+backend between the processes, CUDA IPC, where a tensor is a whole allocation: run with
+``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` for that; else tcp through pinned staging). ``--check``'s JSON
+says how often a stage tensor went through host memory (``host_staged``, the workers' engines'
+counter: 0 when none did) and which backends moved the bytes.
 """
 
 import argparse
@@ -63,12 +66,10 @@ def worker(args: argparse.Namespace) -> None:
     conn = DiffusionConnector(role=args.stage, transfer_mode=args.mode, store_config=store)
     kept = []  # p2p: a stage's tensors serve its consumer from here until consumed
     log = open(os.path.join(args.out, f"timing-{args.stage}.jsonl"), "a", buffering=1)
-    host = (lambda t: t.to("cpu")) if args.device != "cpu" else (lambda t: t)
-    there = (lambda t: t.to(args.device)) if args.device != "cpu" else (lambda t: t)
     knobs = sizes(args)
 
     def send(request: int, kind: str, tensors: dict, chunked=None) -> bytes:
-        p = handoff.publish(conn, request, kind, {k: host(v).contiguous() for k, v in tensors.items()},
+        p = handoff.publish(conn, request, kind, {k: v.contiguous() for k, v in tensors.items()},
                             chunked=chunked, consumer_credit=1 if args.mode == "p2p" else None)
         for name, (_, count) in (chunked or {}).items():
             for i in range(count):
@@ -79,10 +80,12 @@ def worker(args: argparse.Namespace) -> None:
 
     def receive(a) -> tuple:
         t0 = time.perf_counter()
-        got = handoff.consume(conn, a.inputs, hold=True)
-        return {k: there(v) for k, v in got.items()}, time.perf_counter() - t0
+        got = handoff.consume(conn, a.inputs, hold=True, device=args.device)
+        return got, time.perf_counter() - t0
 
     def record(request: int, **fields) -> None:
+        stats = conn.engine.stats()
+        fields.update(host_staged=stats["host_staged"], by_backend=stats["by_backend"])
         log.write(json.dumps({"request": request, **fields}) + "\n")
 
     def encode(a) -> bytes:
@@ -103,18 +106,18 @@ def worker(args: argparse.Namespace) -> None:
     def decode(a) -> bytes:
         t0 = time.perf_counter()
         (h,) = handoff.handles(a.inputs).values()
-        dst = handoff.destination(h)
+        dst = handoff.destination(h, device=args.device)
         first = None
         if args.model == "video":
             d = m.ChunkedDecode(pipe)
             for start, chunk in handoff.stream(conn, h, dst, hold=True):  # in any order
-                if d.feed(there(chunk), start) and first is None:
+                if d.feed(chunk, start) and first is None:
                     first = time.time()  # frame 0 decoded
             out = d.finish()
         else:
             for _ in handoff.stream(conn, h, dst, hold=True):
                 pass
-            out = m.decode(pipe, there(dst))
+            out = m.decode(pipe, dst)
             first = time.time()
         total = time.perf_counter() - t0
         torch.save(out.cpu(), os.path.join(args.out, f"out-{a.request}.pt"))
@@ -229,8 +232,16 @@ def main() -> int:
         ref = m.generate(pipe, prompt(r), seed=r, **knobs).cpu()
         same = same and torch.equal(got, ref)
         worst = max(worst, float((got - ref).abs().max()))
+    # Each stage's engine's counters after its last request (cumulative).
+    last = [t[max(t)] for t in (enc, den, dec) if t]
+    staged = sum(t.get("host_staged", 0) for t in last)
+    moved = {}
+    for t in last:
+        for b, n in t.get("by_backend", {}).items():
+            moved[b] = moved.get(b, 0) + n
     print(json.dumps({"identical": same, "model": args.model, "mode": args.mode, "device": args.device,
-                      "requests": len(submitted), "max_abs_diff": worst}))
+                      "requests": len(submitted), "max_abs_diff": worst, "host_staged": staged,
+                      "moved_by_backend": moved}))
     return 0 if same else 1
 
 

@@ -2,45 +2,53 @@
 //! jax) is read as a data pointer and a `TensorMeta`, and registered with the engine together
 //! with the object and its capsule, which keep the memory alive until the engine lets go of the
 //! region (the last transfer that used it included).
+//!
+//! Device types: CPU and CUDA-host (pinned) memory, and CUDA device memory, which the engine
+//! checks with the process's GPU driver (`crate::gpu`) before registering it; any other device
+//! (ROCm, Metal, Vulkan, ...) is refused with its name. A torch CUDA tensor's producing work is
+//! waited for first (its device's current stream is synchronized): the engine's copies run on
+//! their own streams.
 
 use std::ffi::c_void;
 
 use pyo3::prelude::*;
-use tensorwire_core::{DlDataType, DlTensorFields, Engine, Permissions, Region, TensorMeta};
+use tensorwire_core::{
+    DlDataType, DlTensorFields, Engine, MemoryKind, Permissions, Region, TensorMeta,
+};
 
 use crate::errors::{Failure, Res};
 
 #[repr(C)]
-struct DlDevice {
-    device_type: i32,
-    device_id: i32,
+pub(crate) struct DlDevice {
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
 }
 
 #[repr(C)]
-struct DlType {
-    code: u8,
-    bits: u8,
-    lanes: u16,
+pub(crate) struct DlType {
+    pub(crate) code: u8,
+    pub(crate) bits: u8,
+    pub(crate) lanes: u16,
 }
 
 #[repr(C)]
-struct DlTensor {
-    data: *mut c_void,
-    device: DlDevice,
-    ndim: i32,
-    dtype: DlType,
-    shape: *const i64,
-    strides: *const i64,
-    byte_offset: u64,
+pub(crate) struct DlTensor {
+    pub(crate) data: *mut c_void,
+    pub(crate) device: DlDevice,
+    pub(crate) ndim: i32,
+    pub(crate) dtype: DlType,
+    pub(crate) shape: *mut i64,
+    pub(crate) strides: *mut i64,
+    pub(crate) byte_offset: u64,
 }
 
-/// The managed tensor's layout; only `dl_tensor` is read (the capsule owns the rest).
+/// The managed tensor's layout; an imported one has only `dl_tensor` read (the capsule owns the
+/// rest); the fake CUDA device makes its own (`crate::fake_cuda`).
 #[repr(C)]
-#[allow(dead_code)]
-struct DlManagedTensor {
-    dl_tensor: DlTensor,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+pub(crate) struct DlManagedTensor {
+    pub(crate) dl_tensor: DlTensor,
+    pub(crate) manager_ctx: *mut c_void,
+    pub(crate) deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
 }
 
 /// A framework tensor seen through DLPack: where its bytes are and what they hold. `meta` has
@@ -63,6 +71,7 @@ impl Tensor {
             ))
             .into_py(py));
         }
+        refuse_foreign_device(obj)?;
         let capsule = obj.call_method0("__dlpack__")?;
         // SAFETY: `capsule` is a live Python object; PyCapsule_GetPointer checks that it is a
         // capsule named "dltensor" (a legacy DLPack capsule not yet consumed) and returns null
@@ -87,23 +96,32 @@ impl Tensor {
         Ok(Tensor { owner: (obj.clone().unbind(), capsule.unbind()), addr, meta })
     }
 
+    /// The address of the tensor's first byte.
+    pub(crate) fn addr(&self) -> usize {
+        self.addr
+    }
+
     /// Bytes from the first element to one past the last.
     pub(crate) fn span(&self) -> u64 {
         self.meta.end_bytes().unwrap_or(0)
     }
 
-    /// Registers the tensor's bytes with `engine`; the region keeps the tensor alive.
+    /// Registers the tensor's bytes with `engine`; the region keeps the tensor alive. Device
+    /// memory is checked by the process's GPU driver first (an error without one).
     pub(crate) async fn register(self, engine: &Engine, perms: Permissions) -> Res<Region> {
-        if !self.meta.device.is_host() {
-            return Err(Failure::new(
-                "UnsupportedError",
-                format!(
-                    "a {:?} tensor: only host memory moves without the GPU backend",
-                    self.meta.device
-                ),
-            ));
-        }
         let (len, kind) = (self.span(), self.meta.device);
+        if let MemoryKind::Device { ordinal } = kind {
+            crate::gpu::driver()
+                .map_err(|f| f.prefixed(&format!("a CUDA tensor on device {ordinal}")))?;
+            // SAFETY: `addr..addr+len` is the tensor's device memory as its DLPack capsule
+            // describes it; the framework keeps it allocated while the tensor object and its
+            // capsule live, and the engine holds both (`owner`) until it has let go of the region
+            // and of every transfer that used it. The GPU driver checks it is device memory.
+            let r = unsafe {
+                engine.register_device_owned(self.owner, self.addr as u64, len, ordinal, perms)
+            };
+            return Ok(r.await?);
+        }
         // SAFETY: `addr..addr+len` is the tensor's memory as its DLPack capsule describes it
         // (span checked against u64 by `TensorMeta::check`); the framework keeps it valid while
         // the tensor object and its capsule live, and the engine holds both (`owner`) until it
@@ -114,12 +132,71 @@ impl Tensor {
     }
 }
 
+/// DLPack device types (`DLDeviceType`) by number, for errors.
+fn device_type_name(t: i32) -> &'static str {
+    match t {
+        1 => "CPU",
+        2 => "CUDA",
+        3 => "CUDA-host",
+        4 => "OpenCL",
+        7 => "Vulkan",
+        8 => "Metal",
+        9 => "VPI",
+        10 => "ROCm",
+        11 => "ROCm-host",
+        12 => "ext_dev",
+        13 => "CUDA-managed",
+        14 => "oneAPI",
+        15 => "WebGPU",
+        16 => "Hexagon",
+        17 => "MAIA",
+        _ => "unknown",
+    }
+}
+
+/// Refuses a tensor on a device tensorwire cannot move, by `__dlpack_device__` when the object
+/// has it (before `__dlpack__`, which may synchronize or fail on such a device); for a torch
+/// CUDA tensor, waits for the work queued on its device's current stream.
+fn refuse_foreign_device(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    let py = obj.py();
+    if !obj.hasattr("__dlpack_device__")? {
+        return Ok(());
+    }
+    let (t, id): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+    match t {
+        1 | 3 => Ok(()),
+        2 => {
+            if obj.hasattr("is_cuda")? && obj.getattr("is_cuda")?.is_truthy()? {
+                let torch = py.import("torch")?;
+                let stream = torch
+                    .getattr("cuda")?
+                    .call_method1("current_stream", (obj.getattr("device")?,))?;
+                stream.call_method0("synchronize")?;
+            }
+            Ok(())
+        }
+        _ => Err(foreign(t, id).into_py(py)),
+    }
+}
+
+/// The error of a tensor on device type `t`.
+fn foreign(t: i32, id: i32) -> Failure {
+    Failure::new(
+        "UnsupportedError",
+        format!(
+            "a {} tensor (DLPack device type {t}, id {id}): tensorwire moves host memory (CPU, \
+             CUDA-host) and CUDA device memory only",
+            device_type_name(t)
+        ),
+    )
+}
+
 /// The DLPack fields of `t` and its data pointer; every pointer read is bounds-checked by ndim.
 fn fields_of(t: &DlTensor) -> Res<(DlTensorFields, *mut c_void)> {
     let n = usize::try_from(t.ndim).ok().filter(|&n| n <= 16).ok_or_else(|| {
         Failure::new("InvalidTensorError", format!("ndim {} is not 0..=16", t.ndim))
     })?;
-    let read = |p: *const i64| -> Vec<i64> {
+    let read = |p: *mut i64| -> Vec<i64> {
         if p.is_null() || n == 0 {
             return Vec::new();
         }
@@ -129,6 +206,9 @@ fn fields_of(t: &DlTensor) -> Res<(DlTensorFields, *mut c_void)> {
     };
     if n > 0 && t.shape.is_null() {
         return Err(Failure::new("InvalidTensorError", "DLPack tensor without a shape"));
+    }
+    if !matches!(t.device.device_type, 1..=3) {
+        return Err(foreign(t.device.device_type, t.device.device_id));
     }
     let strides = (!t.strides.is_null()).then(|| read(t.strides));
     let fields = DlTensorFields {

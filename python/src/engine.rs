@@ -38,7 +38,17 @@ pub(crate) fn secret(file: Option<PathBuf>) -> Res<Option<ClusterSecret>> {
 }
 
 /// The backends this package can build, in the order an engine prefers them.
-const BACKENDS: &[&str] = &["shm", "rdma", "ucx", "tcp"];
+const BACKENDS: &[&str] = &["cuda", "shm", "rdma", "ucx", "tcp"];
+
+/// An engine's backends when none are named: the cuda backend first where the process has a GPU
+/// driver (it moves device regions between engines of one host and nothing else), then tcp.
+fn default_backends() -> Vec<String> {
+    let mut names = vec!["tcp".to_string()];
+    if crate::gpu::present() {
+        names.insert(0, "cuda".to_string());
+    }
+    names
+}
 
 /// Builds the backend `name` for an engine listening on `ip`. "rdma" needs a device and this
 /// package built with the `verbs` feature, "ucx" the `ucx` feature; without, they are
@@ -47,6 +57,7 @@ fn backend(name: &str, ip: IpAddr, tcp: &TcpConfig, insecure: bool) -> Res<Arc<d
     Ok(match name {
         "tcp" => TcpBackend::new(tcp.clone())?,
         "shm" => tensorwire_shm::ShmBackend::new()?,
+        "cuda" => crate::gpu::cuda_backend()?,
         "ucx" => tensorwire_ucx::new_backend(tensorwire_ucx::UcxConfig::default())?,
         "rdma" => {
             if !tensorwire_rdma::host_has_rdma_device() {
@@ -84,10 +95,12 @@ impl Engine {
     /// Starts an engine whose control endpoint listens on `listen` ("host:port"; port 0 or no
     /// port picks a free one). On an address other hosts can reach it needs `secret_file` (see
     /// `tensorwire secret new`) or `insecure=True`. `checksum` adds a crc32c to every piece.
-    /// `backends` names the transports ("tcp", "shm", "rdma", "ucx"), preferred in that list's
-    /// order; one that cannot run here raises `UnsupportedError` saying why.
+    /// `backends` names the transports ("cuda", "tcp", "shm", "rdma", "ucx"), preferred in that
+    /// list's order; one that cannot run here raises `UnsupportedError` saying why. By default:
+    /// "cuda" then "tcp" in a process with a GPU driver, else "tcp". The engine gets the
+    /// process's GPU driver, if any, for device tensors (see `tensorwire.gpu`).
     #[new]
-    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, checksum = false, streams = 0, backends = vec!["tcp".to_string()], timeout = 30.0))]
+    #[pyo3(signature = (listen = "127.0.0.1:0", *, secret_file = None, insecure = false, checksum = false, streams = 0, backends = None, timeout = 30.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -96,9 +109,10 @@ impl Engine {
         insecure: bool,
         checksum: bool,
         streams: usize,
-        backends: Vec<String>,
+        backends: Option<Vec<String>>,
         timeout: f64,
     ) -> PyResult<Engine> {
+        let backends = backends.unwrap_or_else(default_backends);
         let listen = addr(listen).raise(py)?;
         let cluster_secret = secret(secret_file).raise(py)?;
         let data = SocketAddr::new(listen.ip(), 0);
@@ -112,7 +126,7 @@ impl Engine {
         let config = EngineConfig { listen, cluster_secret, insecure, ..EngineConfig::default() };
         let t = seconds(timeout).raise(py)?;
         let inner = wait(py, t, "starting the engine", async move {
-            let mut b = tensorwire_core::Engine::builder();
+            let mut b = crate::gpu::equip(tensorwire_core::Engine::builder());
             for name in &backends {
                 b = b.backend(backend(name, listen.ip(), &tcp, insecure)?);
             }
@@ -132,6 +146,23 @@ impl Engine {
         self.moved.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
+    /// What this engine moved as initiator: "bytes_read", "bytes_written", "ops_ok",
+    /// "ops_failed", "host_staged" (times device memory went through a host staging buffer, on
+    /// this engine's side, for its own ops or a peer's: 0 while every device byte moved device
+    /// to device) and "by_backend" (bytes of completed ops by the backend that moved them).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let s = self.inner.stats();
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("bytes_read", s.bytes_read)?;
+        d.set_item("bytes_written", s.bytes_written)?;
+        d.set_item("ops_ok", s.ops_ok)?;
+        d.set_item("ops_failed", s.ops_failed)?;
+        d.set_item("host_staged", s.host_staged)?;
+        let by: BTreeMap<&'static str, u64> = self.inner.bytes_by_backend().into_iter().collect();
+        d.set_item("by_backend", by)?;
+        Ok(d)
+    }
+
     /// The control address peers connect to ("ip:port").
     #[getter]
     fn address(&self) -> String {
@@ -145,8 +176,9 @@ impl Engine {
     }
 
     /// Registers memory for transfers, without copying it: a `tensor` (anything with
-    /// `__dlpack__`, host memory; the region keeps it alive), or `length` bytes of host memory at
-    /// `address` (Mooncake's `register_memory`: the caller keeps that memory valid until
+    /// `__dlpack__`: host memory, or CUDA device memory with a GPU driver; the region keeps it
+    /// alive), or `length` bytes at `address` (Mooncake's `register_memory`: device memory if the
+    /// GPU driver says the address is, else host memory; the caller keeps that memory valid until
     /// `Region.close()` returned, since the engine cannot hold a raw address). Peers may read the
     /// region if `readable`, write it if `writable`.
     #[pyo3(signature = (tensor = None, *, address = None, length = None, readable = true, writable = true, timeout = 30.0))]
@@ -173,6 +205,13 @@ impl Engine {
                 )?
             }
             (None, Some(address), Some(length)) => wait(py, t, "registering memory", async move {
+                if let Some(ordinal) = crate::gpu::device_of(address as u64) {
+                    // SAFETY: the Python caller guarantees `address..address+length` stays
+                    // allocated until the region is closed (documented above); the GPU driver
+                    // checks it is device memory of `ordinal`.
+                    let r = unsafe { engine.register_device(address as u64, length, ordinal, p) };
+                    return Ok(r.await?);
+                }
                 let ptr = address as *mut u8;
                 // SAFETY: the Python caller guarantees `address..address+length` is host memory
                 // that stays valid until the region is closed (documented above: the raw-address

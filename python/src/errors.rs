@@ -29,6 +29,11 @@ impl Failure {
         Failure::new("InvalidArgumentError", message)
     }
 
+    /// The same failure, its message after `what: `.
+    pub(crate) fn prefixed(self, what: &str) -> Failure {
+        Failure { class: self.class, message: format!("{what}: {}", self.message) }
+    }
+
     /// The Python exception.
     pub(crate) fn into_py(self, py: Python<'_>) -> PyErr {
         let class = py

@@ -5,6 +5,8 @@ mod connector;
 mod dlpack;
 mod engine;
 mod errors;
+mod fake_cuda;
+mod gpu;
 mod linger;
 mod orchestrator;
 mod runtime;
@@ -27,6 +29,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::Consumption>()?;
     m.add_function(wrap_pyfunction!(connector::describe_handle, m)?)?;
     m.add_function(wrap_pyfunction!(linger::set_linger, m)?)?;
+    m.add_class::<fake_cuda::FakeCudaMemory>()?;
+    m.add_function(wrap_pyfunction!(fake_cuda::fake_cuda_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_driver, m)?)?;
     m.add_class::<orchestrator::Service>()?;
     m.add_class::<orchestrator::Worker>()?;
     m.add_class::<orchestrator::Assignment>()?;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use tensorwire_core::{DType, Permissions, TensorMeta};
+use tensorwire_core::{DType, MemoryKind, Permissions, TensorMeta};
 use tensorwire_store::{
     ClusterConfig, ClusterStore, EmbeddedStore, GetInto, PutFrom, RemoteStore, Retention,
     StoreConfig,
@@ -432,7 +432,9 @@ impl Store {
             // deregistration).
             let (mut regions, mut slices, mut metas) = (Vec::new(), Vec::new(), Vec::new());
             for t in tensors {
-                metas.push(t.meta.clone());
+                // The stored value's layout; it lives in the store's host memory wherever it
+                // came from (a device tensor is read out of device memory).
+                metas.push(TensorMeta { device: MemoryKind::Host, ..t.meta.clone() });
                 let span = t.span();
                 let region = t.register(&e, Permissions::NONE).await?;
                 slices.push(region.slice(0, span)?);

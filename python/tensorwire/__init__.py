@@ -9,7 +9,8 @@
 - The native classes (``Engine``, ``Region``, ``Session``, ``Store``, ``StoreNode``,
   ``Connector``, ...) and every exception class (``tensorwire.errors``).
 
-Tensors move zero-copy through DLPack (host memory: numpy, torch CPU tensors, ...). Every call
+Tensors move zero-copy through DLPack (host memory: numpy, torch CPU tensors, ...; CUDA tensors
+where the process has the CUDA driver, and ``tensorwire.testing``'s fake CUDA device in tests). Every call
 that waits takes ``timeout`` (seconds) and releases the GIL. From the start of such a call and
 after it the runtime's workers stay awake for a moment (1 ms, so neither the call's transfer nor
 the next call waits for a parked one): ``set_linger(seconds)`` or ``TENSORWIRE_LINGER_US``

@@ -14,7 +14,8 @@ queue message, consume it chunk by chunk into a destination tensor.
     for chunk in consumer.consume(handle.to_bytes(), dst=dst):
         vae.decode_chunk(chunk)                # a view of dst, not a copy
 
-Tensors are anything with ``__dlpack__`` in host memory (numpy, torch CPU tensors, ...). Nothing is
+Tensors are anything with ``__dlpack__`` (numpy, torch, ...): host memory, or CUDA device memory where
+the process has the CUDA driver (device in, device out; see the book's "GPU tensors"). Nothing is
 copied on either side: the producer's tensor is read where it is (do not change it until the
 payload is consumed; in store mode, until ``handle.wait_stored()`` returned), and the consumer's
 chunks land straight in ``dst``. Every wait takes a ``timeout`` in seconds and releases the GIL;

@@ -138,6 +138,18 @@ impl CudaGpu {
         check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
     }
 
+    /// The ordinal of the device whose memory holds `addr`, or `None` for memory that is not
+    /// device memory (host memory the driver does not know, pinned or managed memory): what a
+    /// caller handing a raw address is asked, as Mooncake's engine asks the CUDA runtime.
+    pub fn device_of(&self, addr: u64) -> Option<u32> {
+        match self.placement(addr) {
+            Ok((t, o)) if t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => {
+                u32::try_from(o).ok()
+            }
+            _ => None,
+        }
+    }
+
     /// Where `addr` lives: (CUDA memory type, device ordinal).
     pub(crate) fn placement(&self, addr: u64) -> Result<(u32, i32)> {
         self.inner.enter(0)?;

@@ -19,6 +19,8 @@
 //! ```
 
 mod driver;
+#[cfg(feature = "fake")]
+pub mod fake;
 mod gpu;
 pub mod ipc;
 mod medium;

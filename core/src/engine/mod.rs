@@ -111,6 +111,11 @@ pub struct EngineStats {
     pub ops_ok: u64,
     /// Ops that failed.
     pub ops_failed: u64,
+    /// Times a host staging buffer was taken for device memory: by an op of this engine on its
+    /// own device memory, or by a backend serving a peer's op on this engine's device memory.
+    /// 0 while every device byte moved device to device (the cuda backend): the counter that
+    /// shows no host copy happened.
+    pub host_staged: u64,
 }
 
 #[derive(Debug, Default)]
@@ -119,6 +124,9 @@ pub(crate) struct Counters {
     pub(crate) bytes_written: AtomicU64,
     pub(crate) ops_ok: AtomicU64,
     pub(crate) ops_failed: AtomicU64,
+    pub(crate) host_staged: AtomicU64,
+    /// Bytes of completed ops, by the backend that moved them.
+    pub(crate) by_backend: Mutex<Vec<(&'static str, u64)>>,
 }
 
 /// What a [`NotificationHandler`] decided about an inbound notification.
@@ -310,10 +318,22 @@ impl EngineShared {
         })
     }
 
-    pub(crate) fn record(&self, dir: crate::backend::Direction, bytes: u64, ok: bool) {
+    pub(crate) fn record(
+        &self,
+        backend: &'static str,
+        dir: crate::backend::Direction,
+        bytes: u64,
+        ok: bool,
+    ) {
         let c = &self.counters;
         if ok {
             c.ops_ok.fetch_add(1, Ordering::Relaxed);
+            let mut by = lock(&c.by_backend);
+            match by.iter_mut().find(|(b, _)| *b == backend) {
+                Some((_, n)) => *n += bytes,
+                None => by.push((backend, bytes)),
+            }
+            drop(by);
             let field = match dir {
                 crate::backend::Direction::Read => &c.bytes_read,
                 crate::backend::Direction::Write => &c.bytes_written,
@@ -487,7 +507,14 @@ impl Engine {
             bytes_written: c.bytes_written.load(Ordering::Relaxed),
             ops_ok: c.ops_ok.load(Ordering::Relaxed),
             ops_failed: c.ops_failed.load(Ordering::Relaxed),
+            host_staged: c.host_staged.load(Ordering::Relaxed),
         }
+    }
+
+    /// Bytes of this engine's completed ops (as initiator), by the backend that moved them, in
+    /// the order each backend first moved something: which path the bytes took.
+    pub fn bytes_by_backend(&self) -> Vec<(&'static str, u64)> {
+        lock(&self.shared.counters.by_backend).clone()
     }
 
     /// Each backend's own counters ([`Backend::stats`]: per NIC or rail, for instance), by
@@ -571,6 +598,28 @@ impl Engine {
             Error::InvalidArgument(format!("device address {ptr:#x} exceeds usize"))
         })?;
         self.register_caller(Storage::Raw(addr), len, MemoryKind::Device { ordinal }, perms).await
+    }
+
+    /// [`Engine::register_device`] for memory that `owner` keeps allocated (a framework's
+    /// tensor and its DLPack capsule): the engine holds `owner` until the region is
+    /// deregistered and no transfer uses the memory any more.
+    ///
+    /// # Safety
+    /// As [`Engine::register_owned`]: `[ptr, ptr + len)` stays allocated while `owner` lives.
+    pub async unsafe fn register_device_owned<O: std::any::Any + Send + Sync>(
+        &self,
+        owner: O,
+        ptr: u64,
+        len: u64,
+        ordinal: u32,
+        perms: Permissions,
+    ) -> Result<Region> {
+        self.gpu("registering device memory")?.check_device(ptr, len, ordinal)?;
+        let addr = usize::try_from(ptr).map_err(|_| {
+            Error::InvalidArgument(format!("device address {ptr:#x} exceeds usize"))
+        })?;
+        let storage = Storage::Kept { addr, _owner: crate::region::Owner::new(owner) };
+        self.register_caller(storage, len, MemoryKind::Device { ordinal }, perms).await
     }
 
     /// Registers caller memory (a framework tensor, a DLPack capsule's data, a GPU buffer).

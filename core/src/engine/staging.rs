@@ -68,6 +68,9 @@ impl StagingPool {
             .acquire_owned()
             .await
             .map_err(|_| Error::PeerClosed("staging pool closed".into()))?;
+        if let Some(e) = self.engine.upgrade() {
+            e.counters.host_staged.fetch_add(1, Ordering::Relaxed);
+        }
         let reused = lock(&self.free).pop();
         let region = match reused {
             Some(r) => r,

@@ -180,7 +180,7 @@ pub(super) fn counted(
     res: &Result<()>,
 ) {
     if let Some(e) = engine {
-        e.record(dir, len, res.is_ok());
+        e.record(backend, dir, len, res.is_ok());
     }
     super::telemetry::op_ended(backend, dir.name(), len, took, res);
 }

@@ -83,11 +83,12 @@ def stream(conn: DiffusionConnector, handle: PayloadHandle, dst: Any, *, hold: b
         yield start, chunk
 
 
-def consume(conn: DiffusionConnector, message: bytes, *, hold: bool = False, timeout: float = 30.0) -> Dict[str, Any]:
-    """Every tensor of a stage's message, each in a tensor allocated here."""
+def consume(conn: DiffusionConnector, message: bytes, *, hold: bool = False, timeout: float = 30.0,
+            device: str = "cpu") -> Dict[str, Any]:
+    """Every tensor of a stage's message, each in a tensor allocated here on ``device``."""
     out = {}
     for name, h in handles(message).items():
-        dst = destination(h)
+        dst = destination(h, device=device)
         for _ in stream(conn, h, dst, hold=hold, timeout=timeout):
             pass
         out[name] = dst

@@ -2,7 +2,7 @@
 //! backend the engine picks, and that openings of a peer's memory close when the peer
 //! deregisters it.
 
-use crate::fake;
+use tensorwire_cuda::fake;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,7 +49,7 @@ async fn eventually(what: &str, f: impl Fn() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_regions_move_over_ipc_and_openings_close_on_deregister() {
     let ipc = FakeIpc::new(FakeGpu::new());
-    let (a, b, s) = pair(&ipc, || vec![fake::cuda(&ipc), tcp()]).await;
+    let (a, b, s) = pair(&ipc, || vec![fake::cuda(&ipc).expect("a cuda backend"), tcp()]).await;
     let n = 3 << 20;
     let src = a.alloc_device(0, n, Permissions::NONE).await.unwrap();
     let dst = b.alloc_device(1, n, Permissions::READ_WRITE).await.unwrap();
@@ -66,6 +66,9 @@ async fn device_regions_move_over_ipc_and_openings_close_on_deregister() {
     assert!(dst.to_vec(0, n).unwrap() == data, "bytes moved over IPC differ");
     assert_eq!(ipc.opened(), 1, "one opening of the peer's allocation, leased for later ops");
     assert_eq!(ipc.closed(), 0);
+    // The counters that show it: every byte by the cuda backend, no staging buffer on either side.
+    assert_eq!(a.bytes_by_backend(), vec![("cuda", n + 4096)]);
+    assert_eq!((a.stats().host_staged, b.stats().host_staged), (0, 0));
     // Deregistering the region makes the peer drop its opening (Forget, then Released).
     dst.deregister().await.unwrap();
     eventually("the opening closed", || ipc.closed() == 1).await;
@@ -75,7 +78,11 @@ async fn device_regions_move_over_ipc_and_openings_close_on_deregister() {
 async fn host_memory_and_part_of_an_allocation_go_to_the_next_backend() {
     let ipc = FakeIpc::new(FakeGpu::new());
     let (a, b, s) = pair(&ipc, || {
-        vec![fake::cuda(&ipc), ShmBackend::new().expect("shm") as Arc<dyn Backend>, tcp()]
+        vec![
+            fake::cuda(&ipc).expect("a cuda backend"),
+            ShmBackend::new().expect("shm") as Arc<dyn Backend>,
+            tcp(),
+        ]
     })
     .await;
     let src = a.alloc(8192, Permissions::NONE).await.unwrap();
@@ -92,8 +99,12 @@ async fn host_memory_and_part_of_an_allocation_go_to_the_next_backend() {
     let part = unsafe { b.register_device(base + 4096, 8192, 0, Permissions::WRITE) }.await;
     let part = part.unwrap();
     assert_eq!(ipc.exported(), exported, "part of an allocation was exported");
+    let staged = b.stats().host_staged;
     let r = s.transfer(TransferOp::write(&src, 0, &part.remote(), 0, 8192)).await.unwrap();
     assert_eq!(r.backend, "tcp");
+    assert!(b.stats().host_staged > staged, "the peer staged the write into its device memory");
+    assert_eq!(a.stats().host_staged, 0, "the writer's memory is host memory: nothing staged");
+    assert_eq!(a.bytes_by_backend(), vec![("shm", 8192), ("tcp", 8192)]);
     assert!(whole.to_vec(4096, 8192).unwrap() == pattern(8192, 1));
     assert_eq!(ipc.opened(), 0, "nothing was opened over IPC");
     part.deregister().await.unwrap();
@@ -102,7 +113,7 @@ async fn host_memory_and_part_of_an_allocation_go_to_the_next_backend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_another_backend_a_part_of_an_allocation_is_refused() {
     let ipc = FakeIpc::new(FakeGpu::new());
-    let (a, b, s) = pair(&ipc, || vec![fake::cuda(&ipc)]).await;
+    let (a, b, s) = pair(&ipc, || vec![fake::cuda(&ipc).expect("a cuda backend")]).await;
     let src = a.alloc_device(0, 4096, Permissions::NONE).await.unwrap();
     let whole = b.alloc_device(0, 1 << 20, Permissions::NONE).await.unwrap();
     let base = whole.slice(0, 1).unwrap().ptr() as u64;
@@ -116,7 +127,7 @@ async fn without_another_backend_a_part_of_an_allocation_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_region_the_driver_cannot_export_still_registers_for_the_next_backend() {
     let ipc = FakeIpc::new(FakeGpu::new());
-    let (a, b, s) = pair(&ipc, || vec![fake::cuda(&ipc), tcp()]).await;
+    let (a, b, s) = pair(&ipc, || vec![fake::cuda(&ipc).expect("a cuda backend"), tcp()]).await;
     ipc.counts.refuse.store(true, std::sync::atomic::Ordering::Relaxed);
     let src = a.alloc(4096, Permissions::NONE).await.unwrap();
     src.write_bytes(0, &pattern(4096, 3)).unwrap();
@@ -132,7 +143,7 @@ async fn a_grant_that_does_not_match_its_handle_is_refused() {
     use tensorwire_cuda::ipc::IpcShare;
     use tensorwire_shm::{Grant, Medium};
     let ipc = FakeIpc::new(FakeGpu::new());
-    let (_a, b, _s) = pair(&ipc, || vec![fake::cuda(&ipc)]).await;
+    let (_a, b, _s) = pair(&ipc, || vec![fake::cuda(&ipc).expect("a cuda backend")]).await;
     let region = b.alloc_device(0, 1 << 20, Permissions::READ).await.unwrap();
     let base = region.slice(0, 1).unwrap().ptr() as u64;
     let medium = CudaIpc::new(ipc.clone());

@@ -1,50 +1,62 @@
-//! A fake CUDA IPC driver over the conformance suite's fake GPU (device memory the CPU cannot
-//! touch): handles are random tokens a table of exports resolves, openings and closings are
-//! counted, and copies go through the fake GPU. Both engines of a test share one, as two
-//! processes share one GPU driver.
-#![allow(dead_code)] // each test file uses a part
+//! A fake CUDA IPC driver over the testkit's fake GPU (device memory the CPU cannot touch), for
+//! tests without a GPU (feature `fake`: this crate's tests and the Python package's fake CUDA
+//! device): handles are random tokens a table of exports resolves, openings and closings are
+//! counted, and copies go through the fake GPU. Engines of one process share one, as processes
+//! share one GPU driver; a handle opens only in the process that made it.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::IpcDriver;
+use crate::ipc::IpcShare;
+use tensorwire_core::backend::kit::lock;
 use tensorwire_core::{Error, Result, backend::Backend};
-use tensorwire_cuda::IpcDriver;
-use tensorwire_cuda::ipc::IpcShare;
 use tensorwire_testkit::fake_gpu::FakeGpu;
 
+/// What a [`FakeIpc`] did, and a switch to make its exports fail.
 #[derive(Debug, Default)]
-pub(crate) struct Counts {
-    pub(crate) exported: AtomicUsize,
-    pub(crate) opened: AtomicUsize,
-    pub(crate) closed: AtomicUsize,
+pub struct Counts {
+    /// Allocations exported.
+    pub exported: AtomicUsize,
+    /// Handles opened.
+    pub opened: AtomicUsize,
+    /// Openings closed.
+    pub closed: AtomicUsize,
     /// Exports fail (as `cuIpcGetMemHandle` does on memory from `cuMemCreate`).
-    pub(crate) refuse: std::sync::atomic::AtomicBool,
+    pub refuse: std::sync::atomic::AtomicBool,
 }
 
+/// The fake driver (see the module docs).
 #[derive(Debug)]
-pub(crate) struct FakeIpc {
-    pub(crate) gpu: Arc<FakeGpu>,
+pub struct FakeIpc {
+    /// The fake GPU whose memory it shares and copies.
+    pub gpu: Arc<FakeGpu>,
     /// Handle -> (base, length) of the allocation it opens.
     exports: Mutex<HashMap<[u8; 64], (u64, u64)>>,
-    pub(crate) counts: Arc<Counts>,
+    /// What it did.
+    pub counts: Arc<Counts>,
 }
 
 impl FakeIpc {
-    pub(crate) fn new(gpu: Arc<FakeGpu>) -> Arc<FakeIpc> {
+    /// A driver over `gpu`.
+    pub fn new(gpu: Arc<FakeGpu>) -> Arc<FakeIpc> {
         Arc::new(FakeIpc { gpu, exports: Mutex::default(), counts: Arc::default() })
     }
 
-    pub(crate) fn opened(&self) -> usize {
+    /// Handles opened so far.
+    pub fn opened(&self) -> usize {
         self.counts.opened.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn closed(&self) -> usize {
+    /// Openings closed so far.
+    pub fn closed(&self) -> usize {
         self.counts.closed.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn exported(&self) -> usize {
+    /// Allocations exported so far.
+    pub fn exported(&self) -> usize {
         self.counts.exported.load(Ordering::Relaxed)
     }
 }
@@ -77,7 +89,7 @@ impl IpcDriver for FakeIpc {
         let mut handle = [0u8; 64];
         handle[..32].copy_from_slice(&rand::random::<[u8; 32]>());
         handle[32..].copy_from_slice(&rand::random::<[u8; 32]>());
-        self.exports.lock().unwrap().insert(handle, (base, len));
+        lock(&self.exports).insert(handle, (base, len));
         self.counts.exported.fetch_add(1, Ordering::Relaxed);
         Ok(handle)
     }
@@ -85,7 +97,7 @@ impl IpcDriver for FakeIpc {
     fn open(&self, share: &IpcShare, _here: bool) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
         // Always through the table (a real driver shortcuts its own exports): the handle must
         // be one the driver made, for the allocation the share names.
-        match self.exports.lock().unwrap().get(&share.handle) {
+        match lock(&self.exports).get(&share.handle) {
             Some(&(base, len)) if base == share.addr && len == share.len => {}
             other => {
                 return Err(Error::InvalidArgument(format!(
@@ -111,6 +123,6 @@ impl IpcDriver for FakeIpc {
 }
 
 /// A cuda backend over `ipc`.
-pub(crate) fn cuda(ipc: &Arc<FakeIpc>) -> Arc<dyn Backend> {
-    tensorwire_cuda::backend(ipc.clone(), Default::default()).expect("a cuda backend")
+pub fn cuda(ipc: &Arc<FakeIpc>) -> Result<Arc<dyn Backend>> {
+    Ok(crate::backend(ipc.clone(), Default::default())?)
 }
