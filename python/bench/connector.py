@@ -33,7 +33,8 @@ import tensorwire as tw  # noqa: E402
 from tensorwire.diffusion import DiffusionConnector, StagePayload  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-XFER = ROOT / "target" / "release" / "xfer"
+# The Rust harness: this checkout's release build, or TW_XFER (scripts/gpu-check carries its own).
+XFER = pathlib.Path(os.environ.get("TW_XFER", ROOT / "target" / "release" / "xfer"))
 
 
 def size_of(s: str) -> int:

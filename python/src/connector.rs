@@ -126,7 +126,11 @@ impl Connector {
 
     /// Publishes `tensor` (no copy: peers read it where it is, so do not change it until the
     /// payload is consumed). Returns a `Publication`; its `handle` goes to the consumer.
-    #[pyo3(signature = (request, kind, tensor, *, chunk_dim = None, num_chunks = None, lease = "delete_on_consume", consumers = 1, ttl = None, step = 0, consumer_credit = None, timeout = 30.0))]
+    /// `stream`: the producer's CUDA stream (see `crate::stream`): the bytes are read only after
+    /// the work queued on it before the call (an unchunked payload is then announced as one
+    /// chunk along dimension 0, made ready when that work has ended); a chunked payload's
+    /// `mark_ready` uses it unless given its own.
+    #[pyo3(signature = (request, kind, tensor, *, chunk_dim = None, num_chunks = None, lease = "delete_on_consume", consumers = 1, ttl = None, step = 0, consumer_credit = None, timeout = 30.0, stream = None))]
     fn publish(
         &self,
         py: Python<'_>,
@@ -141,10 +145,12 @@ impl Connector {
         step: u32,
         consumer_credit: Option<u32>,
         timeout: f64,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Publication> {
         let kind = self::kind(kind, step).raise(py)?;
         let lease = self::lease(lease, consumers, ttl).raise(py)?;
-        let chunking = match (chunk_dim, num_chunks) {
+        let handle = stream.map(crate::stream::handle).transpose()?;
+        let mut chunking = match (chunk_dim, num_chunks) {
             (None, None) => None,
             (Some(dim), Some(count)) => Some(Chunking { dim, count }),
             (Some(dim), None) => Some(Chunking { dim, count: 1 }),
@@ -152,23 +158,46 @@ impl Connector {
                 return Err(Failure::invalid("num_chunks needs chunk_dim").into_py(py));
             }
         };
-        let t = Tensor::import(tensor)?;
+        let t = Tensor::import_on(tensor, handle)?;
         let meta = t.meta.clone();
+        let stream = handle.map(|h| (h, ordinal(&meta)));
+        // The work queued on the stream so far: an unchunked payload waits for it as one chunk;
+        // a 0-d tensor (which has no dimension to chunk) waits for it before it is published.
+        let event = stream.map(|(h, o)| crate::stream::record(h, o)).transpose().raise(py)?;
+        let (mut event, mut first) = (event, None);
+        if chunking.is_none() && event.is_some() {
+            match meta.shape.is_empty() {
+                true => first = event.take(),
+                false => chunking = Some(Chunking { dim: 0, count: 1 }),
+            }
+        }
         let conn = self.inner.clone();
         let hint = consumer_credit.map(|credit| ConsumerHint { credit });
-        let p = wait(py, seconds(timeout).raise(py)?, "publishing", async move {
+        let t_limit = seconds(timeout).raise(py)?;
+        let p = wait(py, t_limit, "publishing", async move {
+            if let Some(e) = first {
+                e.reached(t_limit, "publishing").await?;
+            }
             let region = Arc::new(t.register(conn.engine(), Permissions::READ).await?);
             let payload = StagePayload { request, kind, region, offset: 0, meta, chunking, lease };
             Ok(conn.publish(payload, hint)?)
         })?;
-        Ok(Publication { conn: self.inner.clone(), inner: Mutex::new(Some(p)) })
+        let publication =
+            Publication { conn: self.inner.clone(), inner: Arc::new(Mutex::new(Some(p))), stream };
+        if let Some(e) = event {
+            publication.ready_after(py, 0, e, t_limit)?;
+        }
+        Ok(publication)
     }
 
     /// Consumes the payload of `handle` into `dst` (a writable, contiguous tensor of the
     /// payload's dtype and shape, host memory). Returns a `Consumption` yielding the chunks as
     /// they land. With `hold`, the payload is not reported consumed (it stays for a retry)
-    /// until `release(handle)`.
-    #[pyo3(signature = (handle, dst, *, hold = false, timeout = 30.0))]
+    /// until `release(handle)`. `stream`: the consumer's CUDA stream (see `crate::stream`):
+    /// nothing lands in `dst` before the work queued on it before the call has ended, and each
+    /// chunk is yielded once its bytes are in `dst`, so work queued on the stream after that
+    /// sees them.
+    #[pyo3(signature = (handle, dst, *, hold = false, timeout = 30.0, stream = None))]
     fn consume(
         &self,
         py: Python<'_>,
@@ -176,9 +205,12 @@ impl Connector {
         dst: &Bound<'_, PyAny>,
         hold: bool,
         timeout: f64,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Consumption> {
         let r = self::handle(handle).raise(py)?;
-        let t = Tensor::import(dst)?;
+        let h = stream.map(crate::stream::handle).transpose()?;
+        let t = Tensor::import_on(dst, h)?;
+        let event = h.map(|h| crate::stream::record(h, ordinal(&t.meta))).transpose().raise(py)?;
         if !t.meta.is_contiguous() {
             return Err(Failure::new(
                 "InvalidTensorError",
@@ -191,14 +223,30 @@ impl Connector {
         let chunks = r.chunking.map_or(1, |c| c.count);
         let chunk_bytes = t.span() / u64::from(chunks.max(1));
         let dim = r.chunking.map(|c| c.dim);
-        let inner = wait(py, seconds(timeout).raise(py)?, "starting a consume", async move {
-            let region = Arc::new(t.register(conn.engine(), Permissions::NONE).await?);
+        let limit = seconds(timeout).raise(py)?;
+        let engine = conn.engine().clone();
+        let start = move |region| -> Res<tensorwire_diffusion::Consumption> {
             Ok(match hold {
                 true => conn.consume_held(&r, region, 0, Some(&expect))?,
                 false => conn.consume(&r, region, 0, Some(&expect))?,
             })
+        };
+        let c = wait(py, limit, "starting a consume", async move {
+            let region = Arc::new(t.register(&engine, Permissions::NONE).await?);
+            let Some(event) = event else { return Ok(Started::Running(start(region)?)) };
+            // Started once the stream's earlier work has ended, in the background: the call
+            // returns now, and `next` waits for the start.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                let started = match event.reached(limit, "a consume's stream").await {
+                    Ok(()) => start(region),
+                    Err(e) => Err(e),
+                };
+                let _ = tx.send(started);
+            });
+            Ok(Started::Waiting(rx))
         })?;
-        Ok(Consumption { inner: tokio::sync::Mutex::new(inner), chunks, dim, chunk_bytes })
+        Ok(Consumption { inner: tokio::sync::Mutex::new(c), chunks, dim, chunk_bytes })
     }
 
     /// Reports the payload of `handle` consumed (the end of a `hold` consume, once the work
@@ -236,19 +284,63 @@ impl Connector {
     }
 }
 
+/// The device ordinal of a tensor's memory (0 for host memory).
+fn ordinal(meta: &tensorwire_core::TensorMeta) -> u32 {
+    match meta.device {
+        tensorwire_core::MemoryKind::Device { ordinal } => ordinal,
+        _ => 0,
+    }
+}
+
 /// A published payload: hand `handle` to the consumer; mark chunks ready as they are produced.
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct Publication {
     conn: Arc<DiffusionConnector>,
-    inner: Mutex<Option<tensorwire_diffusion::Publication>>,
+    inner: Arc<Mutex<Option<tensorwire_diffusion::Publication>>>,
+    /// The producer's stream given to `publish` (handle, device ordinal), for `mark_ready`.
+    stream: Option<(u64, u32)>,
 }
 
 impl Publication {
     fn with<T>(&self, f: impl FnOnce(&mut tensorwire_diffusion::Publication) -> Res<T>) -> Res<T> {
-        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        let p = g.as_mut().ok_or_else(|| Failure::invalid("the publication was released"))?;
-        f(p)
+        with(&self.inner, f)
     }
+
+    /// Marks chunk `index` ready once `event` (the producer's stream's work) has ended, in the
+    /// background; a failure then (the wait timed out, the publication was released) is logged.
+    fn ready_after(
+        &self,
+        py: Python<'_>,
+        index: u32,
+        event: crate::stream::Event,
+        limit: std::time::Duration,
+    ) -> PyResult<()> {
+        let chunks = self.with(|p| Ok(p.reference.chunking.map_or(1, |c| c.count))).raise(py)?;
+        if index >= chunks {
+            let e = Failure::invalid(format!("chunk {index} of a payload of {chunks} chunks"));
+            return Err(e.into_py(py));
+        }
+        let inner = self.inner.clone();
+        runtime().raise(py)?.spawn(async move {
+            let marked = match event.reached(limit, "marking a chunk ready").await {
+                Ok(()) => with(&inner, |p| Ok(p.mark_ready(index)?)),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = marked {
+                tracing::warn!(chunk = index, error = ?e, "a chunk marked on a stream was not made ready");
+            }
+        });
+        Ok(())
+    }
+}
+
+fn with<T>(
+    inner: &Mutex<Option<tensorwire_diffusion::Publication>>,
+    f: impl FnOnce(&mut tensorwire_diffusion::Publication) -> Res<T>,
+) -> Res<T> {
+    let mut g = inner.lock().unwrap_or_else(PoisonError::into_inner);
+    let p = g.as_mut().ok_or_else(|| Failure::invalid("the publication was released"))?;
+    f(p)
 }
 
 #[pymethods]
@@ -260,10 +352,31 @@ impl Publication {
         Ok(PyBytes::new(py, &b))
     }
 
-    /// Chunk `index` is produced: consumers may fetch it.
-    fn mark_ready(&self, py: Python<'_>, index: u32) -> PyResult<()> {
+    /// Chunk `index` is produced: consumers may fetch it. With a stream (this call's, else the
+    /// one given to `publish`), once the work queued on it before this call has ended: the
+    /// call returns at once, and a failure then is logged (see `crate::stream`).
+    #[pyo3(signature = (index, *, stream = None, timeout = 30.0))]
+    fn mark_ready(
+        &self,
+        py: Python<'_>,
+        index: u32,
+        stream: Option<&Bound<'_, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<()> {
         let _entered = runtime().raise(py)?.enter();
-        self.with(|p| Ok(p.mark_ready(index)?)).raise(py)
+        let given = stream.map(crate::stream::handle).transpose()?;
+        let on = match (given, self.stream) {
+            (Some(h), Some((_, o))) => Some((h, o)),
+            (Some(h), None) => Some((h, 0)),
+            (None, s) => s,
+        };
+        match on {
+            Some((h, o)) => {
+                let event = crate::stream::record(h, o).raise(py)?;
+                self.ready_after(py, index, event, seconds(timeout).raise(py)?)
+            }
+            None => self.with(|p| Ok(p.mark_ready(index)?)).raise(py),
+        }
     }
 
     /// Every chunk is produced.
@@ -307,10 +420,16 @@ impl Publication {
     }
 }
 
+/// A consume, started, or waiting for its stream's earlier work before it starts.
+enum Started {
+    Waiting(tokio::sync::oneshot::Receiver<Res<tensorwire_diffusion::Consumption>>),
+    Running(tensorwire_diffusion::Consumption),
+}
+
 /// Chunks of a payload landing in the destination.
 #[pyclass(module = "tensorwire._native", frozen)]
 pub(crate) struct Consumption {
-    inner: tokio::sync::Mutex<tensorwire_diffusion::Consumption>,
+    inner: tokio::sync::Mutex<Started>,
     chunks: u32,
     dim: Option<u32>,
     /// About how many bytes each chunk is (how long a wait for one is).
@@ -326,7 +445,16 @@ impl Consumption {
         let t = seconds(timeout).raise(py)?;
         wait_sized(py, t, "the next chunk", self.chunk_bytes, async {
             let mut c = self.inner.lock().await;
-            Ok(c.next().await?.map(|v| (v.index, v.start, v.end)))
+            if let Started::Waiting(rx) = &mut *c {
+                let started = rx
+                    .await
+                    .map_err(|_| Failure::new("InternalError", "a consume's start was dropped"))?;
+                *c = Started::Running(started?);
+            }
+            match &mut *c {
+                Started::Running(c) => Ok(c.next().await?.map(|v| (v.index, v.start, v.end))),
+                Started::Waiting(_) => Err(Failure::new("InternalError", "a consume not started")),
+            }
         })
     }
 

@@ -5,9 +5,10 @@
 //!
 //! Device types: CPU and CUDA-host (pinned) memory, and CUDA device memory, which the engine
 //! checks with the process's GPU driver (`crate::gpu`) before registering it; any other device
-//! (ROCm, Metal, Vulkan, ...) is refused with its name. A torch CUDA tensor's producing work is
-//! waited for first (its device's current stream is synchronized): the engine's copies run on
-//! their own streams.
+//! (ROCm, Metal, Vulkan, ...) is refused with its name. A CUDA tensor handed with the caller's
+//! stream goes through DLPack's `__dlpack__(stream=...)`; a torch CUDA tensor handed without one
+//! has its device's current stream synchronized first (the engine's copies run on their own
+//! streams).
 
 use std::ffi::c_void;
 
@@ -63,6 +64,14 @@ pub(crate) struct Tensor {
 impl Tensor {
     /// Reads `obj.__dlpack__()`.
     pub(crate) fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+        Tensor::import_on(obj, None)
+    }
+
+    /// Reads `obj.__dlpack__()`, for use on the caller's stream `stream` (a raw handle; see
+    /// `crate::stream`): a CUDA tensor's `__dlpack__(stream=...)` is called with it, so the
+    /// framework orders that stream after the tensor's own work. Without a stream, a torch CUDA
+    /// tensor's device's current stream is synchronized instead.
+    pub(crate) fn import_on(obj: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<Tensor> {
         let py = obj.py();
         if !obj.hasattr("__dlpack__")? {
             let t = obj.get_type().name()?;
@@ -71,8 +80,20 @@ impl Tensor {
             ))
             .into_py(py));
         }
-        refuse_foreign_device(obj)?;
-        let capsule = obj.call_method0("__dlpack__")?;
+        let cuda = on_cuda(obj)?;
+        let capsule = match (cuda, stream) {
+            (true, Some(h)) => {
+                // DLPack: 0 is not a stream; 1 names the legacy default stream (handle 0).
+                let kw = pyo3::types::PyDict::new(py);
+                kw.set_item("stream", if h == 0 { 1 } else { h })?;
+                obj.call_method("__dlpack__", (), Some(&kw))?
+            }
+            (true, None) => {
+                synchronize_torch(obj)?;
+                obj.call_method0("__dlpack__")?
+            }
+            (false, _) => obj.call_method0("__dlpack__")?,
+        };
         // SAFETY: `capsule` is a live Python object; PyCapsule_GetPointer checks that it is a
         // capsule named "dltensor" (a legacy DLPack capsule not yet consumed) and returns null
         // with a Python error set otherwise.
@@ -154,29 +175,31 @@ fn device_type_name(t: i32) -> &'static str {
     }
 }
 
-/// Refuses a tensor on a device tensorwire cannot move, by `__dlpack_device__` when the object
-/// has it (before `__dlpack__`, which may synchronize or fail on such a device); for a torch
-/// CUDA tensor, waits for the work queued on its device's current stream.
-fn refuse_foreign_device(obj: &Bound<'_, PyAny>) -> PyResult<()> {
-    let py = obj.py();
+/// Whether `obj` is a CUDA tensor by `__dlpack_device__`, when it has one; a tensor on a device
+/// tensorwire cannot move is refused here, before `__dlpack__` (which may synchronize or fail on
+/// such a device).
+fn on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     if !obj.hasattr("__dlpack_device__")? {
-        return Ok(());
+        return Ok(false);
     }
     let (t, id): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
     match t {
-        1 | 3 => Ok(()),
-        2 => {
-            if obj.hasattr("is_cuda")? && obj.getattr("is_cuda")?.is_truthy()? {
-                let torch = py.import("torch")?;
-                let stream = torch
-                    .getattr("cuda")?
-                    .call_method1("current_stream", (obj.getattr("device")?,))?;
-                stream.call_method0("synchronize")?;
-            }
-            Ok(())
-        }
-        _ => Err(foreign(t, id).into_py(py)),
+        1 | 3 => Ok(false),
+        2 => Ok(true),
+        _ => Err(foreign(t, id).into_py(obj.py())),
     }
+}
+
+/// For a torch CUDA tensor handed without a stream: waits for the work queued on its device's
+/// current stream, so the engine's copies (on their own streams) see its bytes.
+fn synchronize_torch(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    if obj.hasattr("is_cuda")? && obj.getattr("is_cuda")?.is_truthy()? {
+        let torch = obj.py().import("torch")?;
+        let cuda = torch.getattr("cuda")?;
+        cuda.call_method1("current_stream", (obj.getattr("device")?,))?
+            .call_method0("synchronize")?;
+    }
+    Ok(())
 }
 
 /// The error of a tensor on device type `t`.

@@ -206,3 +206,18 @@ pub(crate) fn fake_cuda_counts(
     .into_iter()
     .collect())
 }
+
+/// A new fake stream: its id (what `stream=` takes, as a torch stream's `cuda_stream`).
+#[pyfunction]
+pub(crate) fn fake_cuda_stream(py: Python<'_>) -> PyResult<u64> {
+    Ok(crate::gpu::fake().raise(py)?.0.stream())
+}
+
+/// Holds fake stream `id` back (`hold=True`: as if a kernel queued on it had not run yet) or
+/// releases it (`hold=False`: the events recorded while it was held complete).
+#[pyfunction]
+pub(crate) fn fake_cuda_hold(py: Python<'_>, id: u64, hold: bool) -> PyResult<()> {
+    let (gpu, _) = crate::gpu::fake().raise(py)?;
+    let r = if hold { gpu.hold_stream(id) } else { gpu.release_stream(id) };
+    r.map_err(|e| Failure::from(e).into_py(py))
+}

@@ -11,6 +11,7 @@ mod linger;
 mod orchestrator;
 mod runtime;
 mod store;
+mod stream;
 
 use pyo3::prelude::*;
 
@@ -31,6 +32,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linger::set_linger, m)?)?;
     m.add_class::<fake_cuda::FakeCudaMemory>()?;
     m.add_function(wrap_pyfunction!(fake_cuda::fake_cuda_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(fake_cuda::fake_cuda_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(fake_cuda::fake_cuda_hold, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_driver, m)?)?;
     m.add_class::<orchestrator::Service>()?;
     m.add_class::<orchestrator::Worker>()?;

@@ -116,9 +116,11 @@ class PayloadHandle:
             raise _errors().InvalidArgumentError("only the producer's handle controls its payload")
         return self._publication
 
-    def mark_ready(self, index: int) -> None:
-        """Chunk ``index`` is produced: consumers may fetch it now."""
-        self._controls().mark_ready(index)
+    def mark_ready(self, index: int, stream: Any = None) -> None:
+        """Chunk ``index`` is produced: consumers may fetch it now. With a CUDA ``stream`` (this
+        call's, else the one given to ``publish``): once the work queued on it so far has ended
+        (the call returns at once)."""
+        self._controls().mark_ready(index, stream=stream)
 
     def mark_all_ready(self) -> None:
         """Every chunk is produced."""
@@ -192,29 +194,36 @@ class DiffusionConnector:
         return self._conn.held
 
     def publish(self, payload: StagePayload, consumer_credit: Optional[int] = None,
-                timeout: float = 30.0) -> PayloadHandle:
+                timeout: float = 30.0, stream: Any = None) -> PayloadHandle:
         """Publishes ``payload`` and returns its handle at once. An unchunked payload is ready
-        immediately; a chunked one waits for ``handle.mark_ready(i)`` per chunk."""
+        immediately; a chunked one waits for ``handle.mark_ready(i)`` per chunk. ``stream``: the
+        producer's CUDA stream (a torch stream or a raw handle): the tensor is read only after the
+        work queued on it before this call (an unchunked payload is then one chunk along
+        dimension 0, ready when that work has ended; nothing waits on this thread)."""
         p = self._conn.publish(payload.request_id, payload.kind, payload.tensor, chunk_dim=payload.chunk_dim,
                                num_chunks=payload.num_chunks, lease=payload.lease,
                                consumers=payload.consumers, ttl=payload.ttl, step=payload.step,
-                               consumer_credit=consumer_credit, timeout=timeout)
+                               consumer_credit=consumer_credit, timeout=timeout, stream=stream)
         return PayloadHandle(p.handle, p)
 
-    def consume(self, handle: Handle, dst: Any, timeout: float = 30.0, hold: bool = False) -> Iterator[Any]:
+    def consume(self, handle: Handle, dst: Any, timeout: float = 30.0, hold: bool = False,
+                stream: Any = None) -> Iterator[Any]:
         """Fetches the payload into ``dst`` (contiguous, the payload's dtype and shape) and yields
         each chunk as it lands (in any order), as a view of ``dst``; the payload is consumed when the iteration
         ends. ``timeout`` bounds each wait for a chunk. With ``hold``, the payload is not reported
         consumed: it stays (for a retry of this stage, should this worker die) until
-        ``release(handle)``, called once the work that used it is committed."""
-        c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout)
+        ``release(handle)``, called once the work that used it is committed. ``stream``: the
+        consumer's CUDA stream: nothing lands in ``dst`` before the work queued on it before this
+        call has ended, and a chunk is yielded once its bytes are in ``dst``, so what is queued
+        on the stream after that sees them."""
+        c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout, stream=stream)
         return _chunks(c, dst, timeout)
 
     def consume_ranges(self, handle: Handle, dst: Any, timeout: float = 30.0,
-                       hold: bool = False) -> Iterator[Tuple[int, int, Any]]:
+                       hold: bool = False, stream: Any = None) -> Iterator[Tuple[int, int, Any]]:
         """``consume``, yielding ``(start, end, view)`` per chunk: chunks land in any order, and
         ``[start, end)`` says where along the chunk dimension this one is."""
-        c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout)
+        c = self._conn.consume(_handle_bytes(handle), dst, hold=hold, timeout=timeout, stream=stream)
         return _ranges(c, dst, timeout)
 
     def release(self, handle: Handle, timeout: float = 30.0, wait: bool = True) -> None:
@@ -223,9 +232,11 @@ class DiffusionConnector:
         (a report that fails is dropped: the payload's lease ends it then)."""
         self._conn.release(_handle_bytes(handle), wait=wait, timeout=timeout)
 
-    async def consume_async(self, handle: Handle, dst: Any, timeout: float = 30.0) -> AsyncIterator[Any]:
+    async def consume_async(self, handle: Handle, dst: Any, timeout: float = 30.0,
+                            stream: Any = None) -> AsyncIterator[Any]:
         """``consume`` for asyncio: each wait runs in a worker thread (the GIL is released)."""
-        c = await asyncio.to_thread(self._conn.consume, _handle_bytes(handle), dst, timeout=timeout)
+        c = await asyncio.to_thread(self._conn.consume, _handle_bytes(handle), dst, timeout=timeout,
+                                    stream=stream)
         dim = c.chunk_dim
         while True:
             landed = await asyncio.to_thread(c.next, timeout=timeout)

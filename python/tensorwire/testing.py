@@ -18,6 +18,9 @@ serving: the fake moves bytes with the CPU.
     ...                                                          # publish src, consume into dst
     assert (dst.numpy() == np.arange(1 << 20, dtype=np.float32)).all()
 
+``FakeCudaStream`` fakes a framework's stream: held back, it keeps the engine from reading a tensor
+published on it (or writing a destination consumed on it) until it is released.
+
 The fake is in-process: engines of one process share it, as processes of one host share a GPU
 driver; a fake IPC handle does not open in another process.
 """
@@ -27,8 +30,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from . import _native
 
-__all__ = ["FAKE_CUDA_SWITCH", "FakeCudaTensor", "fake_cuda_counts", "fake_cuda_empty", "fake_cuda_tensor",
-           "gpu_driver"]
+__all__ = ["FAKE_CUDA_SWITCH", "FakeCudaStream", "FakeCudaTensor", "fake_cuda_counts", "fake_cuda_empty",
+           "fake_cuda_tensor", "gpu_driver"]
 
 FAKE_CUDA_SWITCH = "TENSORWIRE_TESTING_FAKE_CUDA"
 
@@ -124,6 +127,22 @@ def fake_cuda_tensor(array: Any, device: int = 0) -> FakeCudaTensor:
     if a.nbytes:
         t.memory.write(0, a.reshape(-1))
     return t
+
+
+class FakeCudaStream:
+    """A stream of the fake device, for ``stream=`` (like a torch stream, it has ``cuda_stream``).
+    ``hold()`` holds it back, as if a kernel queued on it had not run yet: an event recorded on it
+    meanwhile (by ``publish``, ``mark_ready`` or ``consume`` given this stream) completes only at
+    ``release()``."""
+
+    def __init__(self):
+        self.cuda_stream = _native.fake_cuda_stream()
+
+    def hold(self) -> None:
+        _native.fake_cuda_hold(self.cuda_stream, True)
+
+    def release(self) -> None:
+        _native.fake_cuda_hold(self.cuda_stream, False)
 
 
 def fake_cuda_counts() -> Dict[str, int]:

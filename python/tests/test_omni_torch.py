@@ -106,7 +106,7 @@ def test_a_contiguous_tensor_is_published_without_a_copy():
 
 def test_a_device_tensor_comes_back_on_its_device(pair):
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device here (a device tensor crosses as a host copy; see tensorwire/omni/packing.py)")
+        pytest.skip("no CUDA device here (the device path runs in python/tests_device on a GPU: scripts/gpu-check)")
     t = torch.arange(10, device="cuda", dtype=torch.float32)
     got = _round_trip(pair, {"t": t})["t"]
     assert got.device == t.device and torch.equal(got, t)

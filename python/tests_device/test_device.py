@@ -180,3 +180,28 @@ def test_store_put_from_and_get_into_device_tensors(dev, where):
         e.shutdown()
         if node_engine is not None:
             node_engine.shutdown()
+
+
+def test_omni_connector_puts_and_gets_cuda_tensors_on_their_device(dev, tmp_path):
+    """vLLM-Omni's connector: a torch CUDA tensor in, a torch CUDA tensor out on the same device,
+    moved as device memory (the bytes never staged on the cuda path)."""
+    if dev.name != "cuda":
+        pytest.skip("vLLM-Omni's connector takes torch tensors: the fake device has none (scripts/gpu-check)")
+    import torch
+    from tensorwire.omni import TensorwireConnector
+
+    prod = TensorwireConnector({"registry_dir": str(tmp_path)})
+    cons = TensorwireConnector({"registry_dir": str(tmp_path)})
+    try:
+        t = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0").reshape(1024, 1024)
+        ok, size, meta = prod.put("dit", "vae", "req-1", {"latent": t, "step": 3})
+        assert ok and size > 0
+        got, n = cons.get("dit", "vae", "req-1", meta)
+        assert n == size and got["step"] == 3
+        assert got["latent"].device == t.device and torch.equal(got["latent"], t)
+        if dev.whole_allocations:
+            assert cons._conn.engine.stats()["host_staged"] == 0
+            assert prod._conn.engine.stats()["host_staged"] == 0
+    finally:
+        prod.close()
+        cons.close()

@@ -9,6 +9,11 @@
 //! let engine = Engine::builder().backend(b).gpu(gpu.clone()).start().await?;
 //! let dev = engine.alloc_device(0, 1 << 20, Permissions::READ_WRITE).await?;
 //! ```
+//!
+//! It also fakes a framework's streams ([`FakeGpu::stream`]): a test holds one back (as if a
+//! kernel queued on it had not run yet) and releases it, and an event recorded on it while it is
+//! held completes only at the release ([`FakeEvent`]), so a test can check that nothing reads a
+//! tensor before its producer's event, nor writes one before its consumer's.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -50,6 +55,8 @@ struct Inner {
     /// so copies of different ops run side by side, as a GPU's copy engines do.
     copying: Mutex<BTreeMap<usize, usize>>,
     copies: AtomicUsize,
+    /// Fake streams by id: (held back now, releases so far).
+    streams: Mutex<BTreeMap<u64, (bool, u64)>>,
     pins: AtomicUsize,
     unpins: AtomicUsize,
     freed: AtomicUsize,
@@ -92,6 +99,48 @@ impl FakeGpu {
             freed: i.freed.load(Ordering::Relaxed),
             live: lock(&i.allocs).len(),
         }
+    }
+
+    /// A new fake stream (its id, never 0: 0 is the legacy default stream, which is never held).
+    pub fn stream(&self) -> u64 {
+        let mut streams = lock(&self.inner.streams);
+        let id = streams.keys().next_back().map_or(1, |k| k + 1);
+        streams.insert(id, (false, 0));
+        id
+    }
+
+    /// Holds stream `id` back: events recorded on it from now on complete at its release.
+    pub fn hold_stream(&self, id: u64) -> Result<()> {
+        self.with_stream(id, |s| s.0 = true)
+    }
+
+    /// Releases stream `id`: the events recorded while it was held complete.
+    pub fn release_stream(&self, id: u64) -> Result<()> {
+        self.with_stream(id, |s| {
+            if s.0 {
+                *s = (false, s.1 + 1);
+            }
+        })
+    }
+
+    /// Records an event on stream `id`: done at once if the stream is not held, else at its
+    /// next release.
+    pub fn record_event(&self, id: u64) -> Result<FakeEvent> {
+        if id == 0 {
+            return Ok(FakeEvent { gpu: self.inner.clone(), stream: 0, after: None });
+        }
+        let mut after = None;
+        self.with_stream(id, |s| after = s.0.then_some(s.1))?;
+        Ok(FakeEvent { gpu: self.inner.clone(), stream: id, after })
+    }
+
+    fn with_stream(&self, id: u64, f: impl FnOnce(&mut (bool, u64))) -> Result<()> {
+        let mut streams = lock(&self.inner.streams);
+        let s = streams
+            .get_mut(&id)
+            .ok_or_else(|| Error::InvalidArgument(format!("fake gpu: no stream {id}")))?;
+        f(s);
+        Ok(())
     }
 
     /// The allocation containing `[addr, addr + len)`, if any.
@@ -150,6 +199,23 @@ impl FakeGpu {
         // SAFETY: changing the protection of one of our own mappings.
         let r = unsafe { libc::mprotect(base as *mut libc::c_void, len, prot) };
         assert_eq!(r, 0, "fake gpu: mprotect failed");
+    }
+}
+
+/// An event recorded on a fake stream ([`FakeGpu::record_event`]).
+#[derive(Debug)]
+pub struct FakeEvent {
+    gpu: Arc<Inner>,
+    stream: u64,
+    /// The stream's release count when it was recorded on a held stream.
+    after: Option<u64>,
+}
+
+impl FakeEvent {
+    /// Whether the work it marks has run (the stream was released since it was recorded).
+    pub fn done(&self) -> bool {
+        let Some(after) = self.after else { return true };
+        lock(&self.gpu.streams).get(&self.stream).is_none_or(|&(_, releases)| releases > after)
     }
 }
 

@@ -19,6 +19,7 @@
 //! ```
 
 mod driver;
+mod event;
 #[cfg(feature = "fake")]
 pub mod fake;
 mod gpu;
@@ -27,6 +28,7 @@ mod medium;
 
 use std::sync::Arc;
 
+pub use event::CudaEvent;
 pub use gpu::{CudaGpu, driver_present};
 pub use medium::{CudaIpc, IpcDriver};
 use tensorwire_core::Result;

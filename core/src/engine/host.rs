@@ -44,6 +44,7 @@ impl BackendHost for HostAdapter {
                     what: "staging device memory: this engine has no GPU driver".into(),
                 });
             }
+            super::telemetry::bounced("serve");
             engine.staging().take().await
         })
     }

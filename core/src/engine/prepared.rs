@@ -122,7 +122,10 @@ impl PreparedTransfer {
         }
         let bytes: u64 = self.ops[..ran].iter().map(TransferOp::len).sum();
         if ran == self.ops.len() {
-            return TransferHandle::ended(backend, Ok(TransferReport { backend, bytes, elapsed }));
+            return TransferHandle::ended(
+                backend,
+                Ok(TransferReport { backend, bytes, elapsed, host_staged: false }),
+            );
         }
         let rest = self.session.submit(self.ops[ran..].to_vec()).await;
         TransferHandle::from_future(backend, async move {
@@ -130,7 +133,7 @@ impl PreparedTransfer {
             for h in rest {
                 bytes += h.await?.bytes;
             }
-            Ok(TransferReport { backend, bytes, elapsed: start.elapsed() })
+            Ok(TransferReport { backend, bytes, elapsed: start.elapsed(), host_staged: false })
         })
     }
 

@@ -562,7 +562,7 @@ impl Session {
                         backend.name(),
                         &ops[i],
                         vec![done],
-                        start,
+                        (start, true),
                     ));
                     continue;
                 }
@@ -588,8 +588,9 @@ impl Session {
                     handles[i] = Some(TransferHandle::failed(e));
                     continue;
                 }
+                let how = (start, false);
                 handles[i] =
-                    Some(TransferHandle::running(&engine, backend.name(), &ops[i], pieces, start));
+                    Some(TransferHandle::running(&engine, backend.name(), &ops[i], pieces, how));
             }
         }
         handles
@@ -624,7 +625,12 @@ impl Session {
         super::transfer::counted(Some(engine), name, (op.dir, op.len), elapsed, &res);
         Some(TransferHandle::ended(
             name,
-            res.map(|()| TransferReport { backend: name, bytes: op.len, elapsed }),
+            res.map(|()| TransferReport {
+                backend: name,
+                bytes: op.len,
+                elapsed,
+                host_staged: false,
+            }),
         ))
     }
 

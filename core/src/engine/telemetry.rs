@@ -107,7 +107,8 @@ pub(crate) fn connected(backend: &'static str) {
     metrics::counter!("tensorwire_connections_total", "backend" => backend).increment(1);
 }
 
-/// An op went through a host staging buffer (`dir`: "read" or "write").
+/// An op went through a host staging buffer: this engine's own (`dir`: "read" or "write"), or a
+/// peer's op on this engine's device memory ("serve").
 pub(crate) fn bounced(dir: &'static str) {
     metrics::counter!("tensorwire_staging_bounces_total", "direction" => dir).increment(1);
 }

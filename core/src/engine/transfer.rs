@@ -90,6 +90,10 @@ pub struct TransferReport {
     pub bytes: u64,
     /// Time from submission to completion.
     pub elapsed: Duration,
+    /// Whether this op's local memory went through a host staging buffer (device memory over a
+    /// backend that moves host memory). A peer staging its own device region for the op counts
+    /// it in its [`crate::EngineStats::host_staged`].
+    pub host_staged: bool,
 }
 
 /// Resolves when one transfer is done. Dropping it cancels the transfer: no more bytes of it land in
@@ -136,13 +140,14 @@ impl TransferHandle {
     }
 
     /// The handle of `op`, which `backend` runs as `pieces` since `start` (read before the
-    /// backend's `submit`, which may have copied the op already).
+    /// backend's `submit`, which may have copied the op already); `host_staged`: through a host
+    /// staging buffer.
     pub(crate) fn running(
         engine: &Arc<EngineShared>,
         backend: &'static str,
         op: &TransferOp,
         pieces: Vec<Completion>,
-        start: Instant,
+        (start, host_staged): (Instant, bool),
     ) -> Self {
         let limit = engine.config.transfer_timeout;
         let engine: Weak<EngineShared> = Arc::downgrade(engine);
@@ -164,7 +169,7 @@ impl TransferHandle {
             });
             let elapsed = start.elapsed();
             counted(engine.upgrade().as_deref(), backend, (dir, len), elapsed, &res);
-            res.map(|()| TransferReport { backend, bytes: len, elapsed })
+            res.map(|()| TransferReport { backend, bytes: len, elapsed, host_staged })
         };
         TransferHandle::from_future(backend, fut)
     }
@@ -215,7 +220,12 @@ mod tests {
     #[tokio::test]
     async fn an_ended_handle_resolves_at_once_and_only_once() {
         use futures::FutureExt;
-        let report = TransferReport { backend: "mem", bytes: 3, elapsed: Duration::ZERO };
+        let report = TransferReport {
+            backend: "mem",
+            bytes: 3,
+            elapsed: Duration::ZERO,
+            host_staged: false,
+        };
         let mut h = TransferHandle::ended("mem", Ok(report.clone()));
         assert_eq!(h.backend(), "mem");
         assert_eq!((&mut h).now_or_never().map(|r| r.unwrap()), Some(report));

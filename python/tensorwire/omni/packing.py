@@ -6,8 +6,10 @@ A torch tensor or a numpy array travels as its bytes (a flat ``uint8`` view, no 
 already contiguous host memory) plus a :class:`Slot` naming its framework, dtype, shape and
 device, so :func:`restore` gives back the same framework, dtype (every dtype the framework has:
 bfloat16, the float8 kinds, bool, complex, ...), shape and device. A non-contiguous tensor is
-made contiguous here (one copy, at put); a device tensor is copied to host memory (this package
-moves host memory) and back to its device at :func:`restore` where that device exists. Empty
+made contiguous here (one copy, at put). A CUDA tensor stays on its device where the process has
+the CUDA driver (tensorwire moves device memory: the consumer's buffer is allocated on the slot's
+device, see :func:`buffer_for`); without one it is copied to host memory, and back to its device
+at :func:`restore` where that device exists. Empty
 tensors and numpy arrays of Python objects stay in the skeleton (as their dtype and shape, and
 the objects as data); tensors that cannot be viewed as bytes (sparse, quantized, sub-byte kinds)
 are refused.
@@ -76,7 +78,7 @@ def _as_bytes(x: Any) -> Optional[Tuple[Any, str, Any, Tuple[int, ...], str]]:
                                 "dense first")
         t = x.detach()
         device = str(t.device)
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" and not (t.device.type == "cuda" and _moves_device_memory()):
             t = t.to("cpu")
         t = t.resolve_conj().resolve_neg().contiguous()
         try:
@@ -151,11 +153,21 @@ def slots(skeleton: Any) -> List[Slot]:
     return [found[i] for i in sorted(found)]
 
 
+def _moves_device_memory() -> bool:
+    """Whether this process's engines move CUDA memory (they have the CUDA driver)."""
+    from .._native import gpu_driver
+
+    return gpu_driver()[0] == "cuda"
+
+
 def buffer_for(slot: Slot, nbytes: int) -> Any:
-    """A fresh ``uint8`` host buffer of ``nbytes`` for ``slot``, of the slot's framework."""
+    """A fresh ``uint8`` buffer of ``nbytes`` for ``slot``, of the slot's framework: on the slot's
+    CUDA device where it exists here and the engines move device memory, else in host memory."""
     if slot.framework == "torch":
         import torch
 
+        if slot.device != "cpu" and _moves_device_memory() and _skeleton.device_exists(torch, slot.device):
+            return torch.empty(nbytes, dtype=torch.uint8, device=slot.device)
         return torch.empty(nbytes, dtype=torch.uint8)
     import numpy
 
@@ -164,7 +176,7 @@ def buffer_for(slot: Slot, nbytes: int) -> Any:
 
 def restore(slot: Slot, buffer: Any) -> Any:
     """The tensor of ``slot`` over ``buffer`` (a view, no copy; on its device again where the
-    slot's device exists here, else left in host memory)."""
+    slot's device exists here, else left in host memory; a buffer already there stays)."""
     if slot.framework == "torch":
         import torch
 

@@ -62,12 +62,17 @@ async fn every_combination_of_host_and_device_moves_the_exact_bytes() {
                 .await
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(w.backend, "tcp");
+            assert_eq!(w.host_staged, local_dev, "{what}: the report says whether it staged");
+            let served = b.stats().host_staged;
             assert!(get(&b, &r, 11, len).await == data, "{what}: WRITE bytes differ");
             let back = pattern(len as usize, 0x5a);
             put(&b, &r, 3, &back).await;
-            bounded("read", s.transfer(TransferOp::read(&l, 1, &r.remote(), 3, len)))
+            let rd = bounded("read", s.transfer(TransferOp::read(&l, 1, &r.remote(), 3, len)))
                 .await
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(rd.host_staged, local_dev, "{what}");
+            // The peer counts a staging buffer for every op it serves on its device memory.
+            assert_eq!(b.stats().host_staged > served, remote_dev, "{what}: the peer's count");
             assert!(get(&a, &l, 1, len).await == back, "{what}: READ bytes differ");
         }
     }
