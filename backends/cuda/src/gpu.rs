@@ -23,11 +23,13 @@ pub(crate) fn check(r: sys::CUresult, call: &str) -> Result<()> {
     })
 }
 
-/// A device and its retained primary context.
+/// A device and its primary context, retained on first use: a context holds device memory, so
+/// one is made only on a device this process works with (a process that never touches GPU 3
+/// leaves no context there).
 #[derive(Debug)]
 pub(crate) struct Device {
     pub(crate) dev: sys::CUdevice,
-    ctx: sys::CUcontext,
+    ctx: std::sync::Mutex<Option<sys::CUcontext>>,
 }
 
 #[derive(Debug)]
@@ -44,9 +46,11 @@ unsafe impl Sync for Inner {}
 impl Drop for Inner {
     fn drop(&mut self) {
         for d in &self.devices {
-            // SAFETY: releasing the primary context retained in `CudaGpu::new` for this device,
-            // once; every allocation of ours holds `Inner`, so none is left.
-            let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(d.dev) };
+            if lock(&d.ctx).is_some() {
+                // SAFETY: releasing the primary context retained in `enter` for this device,
+                // once; every allocation of ours holds `Inner`, so none is left.
+                let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(d.dev) };
+            }
         }
     }
 }
@@ -60,9 +64,44 @@ impl Inner {
                 self.devices.len()
             ))
         })?;
-        // SAFETY: `d.ctx` is a primary context retained for the life of `self`.
-        check(unsafe { sys::cuCtxSetCurrent(d.ctx) }, "cuCtxSetCurrent")
+        let ctx = {
+            let mut ctx = lock(&d.ctx);
+            match *ctx {
+                Some(c) => c,
+                None => {
+                    let mut c = std::ptr::null_mut();
+                    // SAFETY: writes one context handle for a valid device; released in
+                    // `Inner::drop` (recorded as retained below).
+                    let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut c, d.dev) };
+                    check(r, "cuDevicePrimaryCtxRetain")?;
+                    *ctx = Some(c);
+                    c
+                }
+            }
+        };
+        // SAFETY: `ctx` is a primary context retained for the life of `self`.
+        check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
     }
+
+    /// Makes some device's context current, for calls about host memory or unified addresses
+    /// (pinning, pointer queries): one this process already retained, else one a framework of
+    /// the process has made active (torch's), else device 0's.
+    pub(crate) fn enter_any(&self) -> Result<()> {
+        if let Some(i) = self.devices.iter().position(|d| lock(&d.ctx).is_some()) {
+            return self.enter(i as u32);
+        }
+        let active = self.devices.iter().position(|d| {
+            let (mut flags, mut on) = (0u32, 0i32);
+            // SAFETY: writes the flags and state of a valid device's primary context.
+            let r = unsafe { sys::cuDevicePrimaryCtxGetState(d.dev, &mut flags, &mut on) };
+            r == sys::CUresult::CUDA_SUCCESS && on != 0
+        });
+        self.enter(active.unwrap_or(0) as u32)
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The engine's GPU over the CUDA driver (see the crate docs). Cheap to clone.
@@ -72,8 +111,8 @@ pub struct CudaGpu {
 }
 
 impl CudaGpu {
-    /// Loads the driver, initialises it and retains every device's primary context.
-    /// `Unsupported` without libcuda or without a device.
+    /// Loads the driver and initialises it; each device's primary context is retained when
+    /// first used. `Unsupported` without libcuda or without a device.
     pub fn new() -> Result<Arc<CudaGpu>> {
         if !driver_present() {
             return Err(Error::Unsupported {
@@ -96,11 +135,7 @@ impl CudaGpu {
             let mut dev = 0;
             // SAFETY: writes one device handle; `i` is below the device count.
             check(unsafe { sys::cuDeviceGet(&mut dev, i) }, "cuDeviceGet")?;
-            let mut ctx = std::ptr::null_mut();
-            // SAFETY: writes one context handle for a valid device; released in `Inner::drop`.
-            let r = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) };
-            check(r, "cuDevicePrimaryCtxRetain")?;
-            devices.push(Device { dev, ctx });
+            devices.push(Device { dev, ctx: std::sync::Mutex::new(None) });
         }
         Ok(Arc::new(CudaGpu { inner: Arc::new(Inner { devices }) }))
     }
@@ -152,7 +187,7 @@ impl CudaGpu {
 
     /// Where `addr` lives: (CUDA memory type, device ordinal).
     pub(crate) fn placement(&self, addr: u64) -> Result<(u32, i32)> {
-        self.inner.enter(0)?;
+        self.inner.enter_any()?;
         let (mut mem_type, mut ordinal): (u32, i32) = (0, -1);
         use sys::CUpointer_attribute::*;
         // SAFETY: each out-pointer is a local of its attribute's type (memory type: u32,
@@ -280,7 +315,7 @@ struct Pinned {
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        if self.inner.enter(0).is_ok() {
+        if self.inner.enter_any().is_ok() {
             // SAFETY: unregistering exactly the range registered in `pin`, once, while it is
             // still mapped (the region drops the pin before its mapping).
             let _ = unsafe { sys::cuMemHostUnregister(self.addr as *mut std::ffi::c_void) };
@@ -327,7 +362,7 @@ impl Gpu for CudaGpu {
     }
 
     unsafe fn pin(&self, addr: usize, len: u64) -> Result<Box<dyn std::any::Any + Send + Sync>> {
-        self.inner.enter(0)?;
+        self.inner.enter_any()?;
         let n = usize::try_from(len)
             .map_err(|_| Error::InvalidArgument("cuda: pin larger than usize".into()))?;
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE;
