@@ -9,8 +9,8 @@ use std::sync::{Arc, OnceLock};
 use tensorwire_core::EngineBuilder;
 use tensorwire_core::backend::Backend;
 use tensorwire_cuda::CudaGpu;
-use tensorwire_cuda::fake::FakeIpc;
 use tensorwire_testkit::fake_gpu::FakeGpu;
+use tensorwire_testkit::fake_ipc::FakeIpc;
 
 use crate::errors::{Failure, Res};
 

@@ -20,8 +20,6 @@
 
 mod driver;
 mod event;
-#[cfg(feature = "fake")]
-pub mod fake;
 mod gpu;
 pub mod ipc;
 mod medium;

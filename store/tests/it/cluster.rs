@@ -53,11 +53,18 @@ struct Cluster {
     cfg: StoreConfig,
 }
 
+/// Node `i`'s configuration: `cfg` with a spill folder of its own under `cfg`'s.
+fn node_cfg(cfg: &StoreConfig, i: usize) -> StoreConfig {
+    let spill_dir = cfg.spill_dir.as_ref().map(|d| d.join(format!("node-{i}")));
+    StoreConfig { spill_dir, ..cfg.clone() }
+}
+
 impl Cluster {
     async fn start(n: usize, node_cfg: StoreConfig, cfg: ClusterConfig) -> Cluster {
         let mut nodes = Vec::new();
-        for _ in 0..n {
-            nodes.push(Some(Node::start("127.0.0.1:0".parse().unwrap(), &node_cfg).await));
+        for i in 0..n {
+            let at = "127.0.0.1:0".parse().unwrap();
+            nodes.push(Some(Node::start(at, &self::node_cfg(&node_cfg, i)).await));
         }
         let addrs: Vec<SocketAddr> = nodes.iter().flatten().map(|n| n.server.addr()).collect();
         let client = engine().await;
@@ -102,7 +109,7 @@ impl Cluster {
 
     /// Starts node `i` again, empty, at its old address.
     async fn restart(&mut self, i: usize) {
-        self.nodes[i] = Some(Node::start(self.addrs[i], &self.cfg).await);
+        self.nodes[i] = Some(Node::start(self.addrs[i], &node_cfg(&self.cfg, i)).await);
     }
 }
 
@@ -204,6 +211,51 @@ async fn a_put_lands_on_its_placement_and_a_get_survives_its_first_replica_dying
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_spill_file_on_the_first_replica_is_read_from_the_next() {
+    let dir = std::env::temp_dir().join(format!("tw-cluster-spill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = StoreConfig {
+        capacity: 4 << 20,
+        high_watermark: 0.75,
+        low_watermark: 0.5,
+        spill_dir: Some(dir.clone()),
+        ..StoreConfig::default()
+    };
+    let c = Cluster::start(3, cfg, ClusterConfig::default()).await;
+    let key = b"spilled/1";
+    let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i * 13 + 5) as u8).collect();
+    c.store.put(key, &meta(data.len() as u64), &data, Retention::Normal).await.unwrap();
+    for i in 0..12 {
+        let filler = format!("filler/{i}");
+        c.store
+            .put(filler.as_bytes(), &meta(1 << 20), &vec![1; 1 << 20], Retention::Normal)
+            .await
+            .unwrap();
+    }
+    // The first replica's copy went to its spill folder: one flipped byte in its bytes.
+    let first = c.placement(key)[0];
+    let folder = dir.join(format!("node-{first}"));
+    let file = std::fs::read_dir(&folder)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            let head = std::fs::read(p).unwrap_or_default();
+            head.len() > 4096 && head[..4096].windows(key.len()).any(|w| w == key)
+        })
+        .unwrap_or_else(|| panic!("{key:?} was not spilled on its first replica ({folder:?})"));
+    let mut b = std::fs::read(&file).unwrap();
+    b[4096 + 1000] ^= 0x40;
+    std::fs::write(&file, &b).unwrap();
+    let e = c.nodes[first].as_ref().unwrap().store.get(key).await.unwrap_err();
+    assert!(matches!(e, tensorwire_store::StoreError::Corrupt(_)), "{e}");
+    // The cluster reads it from the next replica instead of failing.
+    let (m, got) = c.store.get(key).await.unwrap();
+    assert_eq!(m, meta(data.len() as u64));
+    assert!(got == data, "the bytes read past the corrupt replica differ");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_count_each_consumer_once_per_object_and_reach_every_replica() {
     let c = Cluster::start(3, pool(), ClusterConfig::default()).await;
     let s = &c.store;
@@ -233,6 +285,15 @@ async fn leases_count_each_consumer_once_per_object_and_reach_every_replica() {
     assert!(!s.consumed(b"missed").await.unwrap());
     assert!(s.consumed(b"missed").await.unwrap());
     assert!(c.holders(b"missed").await.is_empty(), "a replica outlived the last consumer");
+
+    // Replicas with different counts (a report one of them missed, no repair yet): when one
+    // says a report was the last, every copy goes, the one whose count was higher too.
+    s.put(b"uneven", &meta(8), &[6; 8], Retention::Pinned).await.unwrap();
+    s.set_lease(b"uneven", 2, None).await.unwrap();
+    let second = c.placement(b"uneven")[1];
+    assert!(!c.nodes[second].as_ref().unwrap().store.consumed(b"uneven").await.unwrap());
+    assert!(s.consumed(b"uneven").await.unwrap(), "the second replica's count reached zero");
+    assert!(c.holders(b"uneven").await.is_empty(), "a replica outlived the report that was last");
 
     // A TTL applies on every replica.
     s.put(b"ttl", &meta(8), &[2; 8], Retention::Normal).await.unwrap();

@@ -2,7 +2,7 @@
 //! backend the engine picks, and that openings of a peer's memory close when the peer
 //! deregisters it.
 
-use tensorwire_cuda::fake;
+use tensorwire_testkit::fake_ipc as fake;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,6 @@
-//! A fake CUDA IPC driver over the testkit's fake GPU (device memory the CPU cannot touch), for
-//! tests without a GPU (feature `fake`: this crate's tests and the Python package's fake CUDA
-//! device): handles are random tokens a table of exports resolves, openings and closings are
+//! A fake CUDA IPC driver over the fake GPU ([`crate::fake_gpu`], device memory the CPU cannot
+//! touch), for tests without a GPU (feature `cuda`: `tensorwire-cuda`'s tests and the Python
+//! package's fake CUDA device): handles are random tokens a table of exports resolves, openings and closings are
 //! counted, and copies go through the fake GPU. Engines of one process share one, as processes
 //! share one GPU driver; a handle opens only in the process that made it.
 
@@ -9,11 +9,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::IpcDriver;
-use crate::ipc::IpcShare;
+use crate::fake_gpu::FakeGpu;
 use tensorwire_core::backend::kit::lock;
 use tensorwire_core::{Error, Result, backend::Backend};
-use tensorwire_testkit::fake_gpu::FakeGpu;
+use tensorwire_cuda::IpcDriver;
+use tensorwire_cuda::ipc::IpcShare;
 
 /// What a [`FakeIpc`] did, and a switch to make its exports fail.
 #[derive(Debug, Default)]
@@ -124,5 +124,5 @@ impl IpcDriver for FakeIpc {
 
 /// A cuda backend over `ipc`.
 pub fn cuda(ipc: &Arc<FakeIpc>) -> Result<Arc<dyn Backend>> {
-    Ok(crate::backend(ipc.clone(), Default::default())?)
+    tensorwire_cuda::backend(ipc.clone(), Default::default()).map(|b| b as Arc<dyn Backend>)
 }
