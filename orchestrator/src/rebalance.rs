@@ -462,6 +462,25 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_with_work_keeps_its_last_worker_before_its_service_time_is_known() {
+        // A new service: encode has items queued but none has ended, so its service time (and
+        // with it its demand and load) reads zero; denoise is short. Moving encode's only
+        // worker would lower the largest load, and leave the queued items with nobody.
+        let cfg = RebalanceConfig { min_workers: 0, ..RebalanceConfig::default() };
+        let ms = pools(1, 1, 0);
+        let l = loads([0.0, 1.0, 0.0], [0, 4000, 0], [5, 10, 0]);
+        assert!(plan(&cfg, secs(100), &l, &ms).is_empty(), "a pool with work was emptied");
+        // Arrivals alone are work too.
+        let l = loads([1.0, 1.0, 0.0], [0, 4000, 0], [0, 10, 0]);
+        assert!(plan(&cfg, secs(100), &l, &ms).is_empty(), "a pool with arrivals was emptied");
+        // With nothing to do, its worker goes where it is needed.
+        let l = loads([0.0, 1.0, 0.0], [0, 4000, 0], [0, 10, 0]);
+        let moves = plan(&cfg, secs(100), &l, &ms);
+        assert_eq!(moves.len(), 1, "{moves:?}");
+        assert_eq!((moves[0].from, moves[0].to), (Stage::Encode, Stage::Denoise));
+    }
+
+    #[test]
     fn a_switch_that_costs_more_than_it_saves_is_not_made() {
         let ms = pools(1, 1, 2);
         // Denoise is 10% short; a decoder is free to take it, and halves denoise's load. Over
