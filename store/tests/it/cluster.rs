@@ -384,6 +384,30 @@ async fn repair_restores_replicas_after_a_loss_and_rebalances_after_a_restart() 
     assert_eq!(c.store.stats().await.unwrap().objects, 0, "objects left after the last consumer");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repair_copy_carries_the_objects_pins_and_lease() {
+    let mut c = Cluster::start(3, pool(), ClusterConfig::default()).await;
+    let key = b"pinned/1";
+    c.store.put(key, &meta(64), &[8; 64], Retention::Normal).await.unwrap();
+    c.store.pin(key).await.unwrap();
+    c.store.pin(key).await.unwrap();
+    c.store.set_lease(key, 3, None).await.unwrap();
+    let order = c.placement(key);
+    c.kill(order[0]).await;
+    for round in 0.. {
+        let r = c.store.repair().await.unwrap();
+        if r.idle() && round > 0 {
+            break;
+        }
+        assert!(round < 10, "repair does not converge: {r:?}");
+    }
+    // The stand-in (the next node of the placement) holds the copy, as pinned as the original.
+    let stand_in = order[2];
+    let node = c.nodes[stand_in].as_ref().unwrap();
+    let info = node.store.list(b"", 100).into_iter().find(|i| i.key == key).expect("no copy");
+    assert_eq!((info.pins, info.consumers), (2, 3), "the copy lost its pins or lease: {info:?}");
+}
+
 /// A registry a test changes by hand.
 #[derive(Debug, Default)]
 struct Registry(parking_lot::Mutex<Vec<SocketAddr>>);
