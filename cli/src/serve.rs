@@ -129,6 +129,14 @@ pub(crate) async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         metrics_expose: a.metrics.metrics_expose || f.metrics_expose.unwrap_or(false),
     };
     let _endpoint = metrics.start("serve", health.clone()).await?;
+    // Every family this process records, from its start (at zero): its engine moves bytes over
+    // tcp, it serves a store and an orchestrator.
+    use tensorwire_observe::Layer;
+    tensorwire_observe::export_at_zero(&[
+        Layer::Engine(&["tcp"]),
+        Layer::Store,
+        Layer::Orchestrator,
+    ]);
     let listen = a.listen.or(f.listen).unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7000)));
     let data = a.data_listen.or(f.data_listen).unwrap_or_else(|| SocketAddr::new(listen.ip(), 0));
     let store_listen =
@@ -386,6 +394,9 @@ pub(crate) async fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         (None, _) => None,
     };
     if let Some(store) = store {
+        // A payload worker: an engine over tcp and a connector, exported from the start.
+        use tensorwire_observe::Layer;
+        tensorwire_observe::export_at_zero(&[Layer::Engine(&["tcp"]), Layer::Connector]);
         let names = if a.models.is_empty() { vec![a.model.clone()] } else { a.models.clone() };
         let mix: Vec<tensorwire_sim::profiles::Model> =
             profiles::pick(&all, &names)?.into_iter().cloned().collect();

@@ -61,7 +61,8 @@ pub const FAMILIES: &[Family] = &[
     f("tensorwire_registered_bytes", Gauge, "", "engine", "Bytes of the registered regions."),
     f("tensorwire_staging_bounces_total", Counter, "direction", "engine",
       "Transfers that went through a host staging buffer because the backend cannot reach \
-       the device memory directly."),
+       the device memory directly (read, write: this engine's ops; serve: a peer's op on its \
+       device memory)."),
     // The store (a store node, or an embedded store).
     f("tensorwire_store_objects", Gauge, "", "store", "Objects in the store's pool."),
     f("tensorwire_store_bytes", Gauge, "", "store",

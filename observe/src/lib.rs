@@ -29,9 +29,11 @@ mod families;
 mod health;
 mod http;
 mod scrape;
+mod zeros;
 
 pub use exporter::{install, render};
 pub use families::{FAMILIES, Family, Kind};
 pub use health::{Health, Target};
 pub use http::{Endpoint, Limits as EndpointLimits, MAX_HEAD};
 pub use scrape::{Sample, Samples, get};
+pub use zeros::{Layer, export_at_zero};

@@ -5,7 +5,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tensorwire_observe::{Endpoint, FAMILIES, Health, Kind};
+use tensorwire_observe::{Endpoint, FAMILIES, Health, Kind, Layer};
 
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -58,6 +58,37 @@ async fn the_endpoint_serves_metrics_health_and_readiness() {
     let (code, _) = tokio::task::spawn_blocking(move || get(addr, "/healthz")).await.unwrap();
     assert_eq!(code, 200);
     drop(idle);
+}
+
+#[test]
+fn every_family_of_a_process_is_exported_from_its_start() {
+    tensorwire_observe::install("test").unwrap();
+    let layers = [Layer::Engine(&["tcp"]), Layer::Store, Layer::Connector, Layer::Orchestrator];
+    tensorwire_observe::export_at_zero(&layers);
+    let text = tensorwire_observe::render().unwrap();
+    let series = |name: &str| {
+        text.lines().filter(|l| !l.starts_with('#')).filter(|l| l.starts_with(name)).count()
+    };
+    for fam in FAMILIES.iter().filter(|f| !matches!(f.recorded_by, "caches" | "every process")) {
+        assert!(series(fam.name) > 0, "{} is not exported: {text}", fam.name);
+    }
+    // Counters and gauges at zero for each known label value; histograms empty.
+    for want in [
+        r#"tensorwire_requests_total{class="batch",outcome="failed"} 0"#,
+        r#"tensorwire_transfer_errors_total{backend="tcp",kind="peer_closed"} 0"#,
+        r#"tensorwire_switches_total{from="decode",to="encode"} 0"#,
+        r#"tensorwire_workers{stage="denoise",state="draining"} 0"#,
+        r#"tensorwire_store_gets_total{result="miss"} 0"#,
+        r#"tensorwire_ttff_seconds_count{class="interactive"} 0"#,
+    ] {
+        assert!(text.contains(want), "{want} missing: {text}");
+    }
+    assert!(!text.contains(r#"from="encode",to="encode""#), "a switch to the same stage: {text}");
+    // Twice is harmless, and a value recorded before stays.
+    metrics::counter!("tensorwire_dispatched_total", "stage" => "encode").increment(2);
+    tensorwire_observe::export_at_zero(&layers);
+    let text = tensorwire_observe::render().unwrap();
+    assert!(text.contains(r#"tensorwire_dispatched_total{stage="encode"} 2"#), "{text}");
 }
 
 #[tokio::test]

@@ -123,6 +123,23 @@ pub enum Error {
 }
 
 impl Error {
+    /// Every value [`Error::kind`] returns.
+    pub const KINDS: &'static [&'static str] = &[
+        "not_found",
+        "unsupported",
+        "out_of_bounds",
+        "access_denied",
+        "peer_closed",
+        "timeout",
+        "capacity",
+        "invalid_tensor",
+        "checksum",
+        "protocol",
+        "internal",
+        "invalid_argument",
+        "backend",
+    ];
+
     /// The error's kind, as a metric label value (`tensorwire_transfer_errors_total{kind}`).
     pub fn kind(&self) -> &'static str {
         match self {
@@ -168,5 +185,32 @@ impl From<std::io::Error> for Error {
             TimedOut => Error::timeout(e.to_string(), Duration::ZERO),
             _ => Error::Backend { backend: "io", source: Arc::new(e) },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_lists_the_kind_of_every_variant_once() {
+        let s = String::new;
+        let all = [
+            Error::NotFound(Missing::Other(s())),
+            Error::Unsupported { backend: "b", what: s() },
+            Error::OutOfBounds { what: s(), offset: 0, len: 0, limit: 0 },
+            Error::AccessDenied(s()),
+            Error::PeerClosed(s()),
+            Error::timeout("t", Duration::ZERO),
+            Error::Capacity { what: s(), requested: 0, limit: 0 },
+            Error::InvalidTensor(s()),
+            Error::Checksum { what: s(), expected: 0, actual: 0 },
+            Error::Protocol(s()),
+            Error::Internal(s()),
+            Error::InvalidArgument(s()),
+            Error::Backend { backend: "b", source: Arc::new(std::io::Error::other("x")) },
+        ];
+        let kinds: Vec<&str> = all.iter().map(Error::kind).collect();
+        assert_eq!(kinds, Error::KINDS);
     }
 }

@@ -152,7 +152,10 @@ impl Service {
                         .collect()
                 });
                 let ep = metrics_endpoint(metrics_listen, metrics_expose, "orchestrator", health);
-                Ok((inner, ep.await?))
+                let ep = ep.await?;
+                // The orchestrator's families, from its start (at zero).
+                tensorwire_observe::export_at_zero(&[tensorwire_observe::Layer::Orchestrator]);
+                Ok((inner, ep))
             })?;
         Ok(Service { inner, metrics })
     }

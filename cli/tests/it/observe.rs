@@ -5,6 +5,8 @@
 //!   request in it, and bytes moved by the workers' engines. `promtool check metrics` passes on
 //!   each process's exposition. Skipped, with the reason, where `prometheus`/`promtool` are
 //!   not installed.
+//! - an idle `serve` and an idle payload worker expose, from their start, every family they
+//!   record (at zero) and none they do not.
 //! - `tensorwire top` under tmux shows a running `demo --processes` cluster: its pools and a
 //!   non-zero throughput; `q` quits it. Skipped where tmux is not installed.
 
@@ -13,7 +15,7 @@ use std::net::SocketAddr;
 use std::process::{ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tensorwire_observe::{Samples, get};
+use tensorwire_observe::{FAMILIES, Samples, get};
 use tensorwire_orchestrator::Priority;
 use tensorwire_orchestrator::service::SubmitClient;
 
@@ -232,6 +234,87 @@ async fn prometheus_scrapes_serve_and_the_workers_it_lists() {
     let text = get(worker, "/metrics", Duration::from_secs(5)).await.unwrap();
     promtool_check(&text, "a worker");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The families of the table that `text` (an exposition) has a series of.
+fn exposed(text: &str) -> Vec<&'static str> {
+    let series: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    let has = |name: &str| {
+        let with = |suffix: &str| {
+            let n = format!("{name}{suffix}");
+            series
+                .iter()
+                .any(|l| l.starts_with(&format!("{n}{{")) || l.starts_with(&format!("{n} ")))
+        };
+        with("") || with("_count")
+    };
+    FAMILIES.iter().map(|f| f.name).filter(|n| has(n)).collect()
+}
+
+/// The families recorded by `layers` (the table's `recorded_by`), and the build info.
+fn families_of(layers: &[&str]) -> Vec<&'static str> {
+    let of = |f: &&tensorwire_observe::Family| {
+        layers.contains(&f.recorded_by) || f.recorded_by == "every process"
+    };
+    FAMILIES.iter().filter(of).map(|f| f.name).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_serve_and_worker_expose_every_family_they_record_from_the_start() {
+    let (_serve, mut out) = start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--store-listen",
+        "127.0.0.1:0",
+        "--orchestrator-listen",
+        "127.0.0.1:0",
+        "--store-mib",
+        "16",
+        "--for-secs",
+        "120",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let serve_metrics = metrics_addr(&mut out);
+    let engine = line_after(&mut out, "engine ");
+    let engine = engine.split(" control ").nth(1).unwrap().to_string();
+    let node = line_after(&mut out, "store node ");
+    let node = node.split(' ').next().unwrap().to_string();
+    let orch = line_after(&mut out, "orchestrator ");
+    let text = get(serve_metrics, "/metrics", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(exposed(&text), families_of(&["engine", "store", "orchestrator"]), "{text}");
+
+    // A payload worker that joined and did nothing.
+    let (_worker, mut wout) = start(&[
+        "worker",
+        "--role",
+        "decode",
+        "--connect",
+        &orch,
+        "--store-engine",
+        &engine,
+        "--store",
+        &node,
+        "--time-scale",
+        "0.002",
+        "--models",
+        "flux.1-dev-1024",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let worker_metrics = metrics_addr(&mut wout);
+    let want = families_of(&["engine", "connector"]);
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = get(worker_metrics, "/metrics", Duration::from_secs(5)).await.unwrap();
+        let got = exposed(&text);
+        if got == want {
+            break;
+        }
+        assert!(Instant::now() < until, "an idle worker exposes {got:?}, not {want:?}: {text}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 fn tmux(args: &[&str]) -> String {

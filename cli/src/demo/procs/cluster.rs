@@ -120,6 +120,10 @@ impl Cluster {
         .await?;
         let health = tensorwire_observe::Health::new();
         let endpoint = a.metrics.start("orchestrator", health.clone()).await?;
+        // This process runs the orchestrator and the store nodes (engines over tcp).
+        use tensorwire_observe::Layer;
+        let layers = [Layer::Engine(&["tcp"]), Layer::Store, Layer::Orchestrator];
+        tensorwire_observe::export_at_zero(&layers);
         let mut worker_metrics: Vec<String> = Vec::new();
         if endpoint.is_some() {
             worker_metrics = vec!["--metrics-listen".into(), "127.0.0.1:0".into()];
