@@ -19,7 +19,9 @@ use crate::handoff::{Fetch, FetchStep, Next};
 use crate::payload::LeasePolicy;
 use crate::reference::{PayloadRef, Source};
 
-use super::state::*;
+use super::state::{
+    ChunkView, DiffusionConnector, Inner, ToFetch, WINDOW, crc_of, fits, hold_for, hold_ms, plan_of,
+};
 use super::turn::Turn;
 
 impl DiffusionConnector {

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use crate::control::Control;
 
 use super::publish::act;
-use super::state::*;
+use super::state::{ConnectorConfig, DiffusionConnector, Inner, SWEEP};
 
 /// The connector's notification handler: acts on each connector message as it arrives, on the
 /// backend's task (no queue, no wake-up of another task), and answers a subscription with its

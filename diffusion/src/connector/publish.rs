@@ -13,7 +13,9 @@ use crate::lease::Lease;
 use crate::payload::{LeasePolicy, StagePayload};
 use crate::reference::{PayloadRef, Source};
 
-use super::state::*;
+use super::state::{
+    Buffer, ConsumerHint, DiffusionConnector, Inner, Mode, crc_of, fits, plan_of, store_key, tell,
+};
 
 impl DiffusionConnector {
     /// Publishes a payload; returns at once. An unchunked payload is ready now; a chunked one

@@ -31,9 +31,9 @@ use crate::region::unregistered;
 use crate::shared::lock;
 use crate::wire::Msg;
 
+use self::state::{After, LeaseKey, OpCtx, Place};
 pub(crate) use setup::connect;
 pub(crate) use state::ConnShared;
-use state::*;
 
 /// The connection as the engine holds it; dropping it ends the connection.
 #[derive(Debug)]

@@ -16,7 +16,7 @@ use crate::shared::Shared;
 use crate::verbs::{Cq, QpCaps};
 use crate::wire::{Msg, RailOffer};
 
-use super::state::*;
+use super::state::{ConnShared, RailIo, State, verbs};
 use super::tasks::{poll_cq, reader, timer};
 
 /// NIC pairs: each local NIC with a reachable peer NIC (spread over the reachable ones).

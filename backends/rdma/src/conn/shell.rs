@@ -13,8 +13,8 @@ use crate::shared::lock;
 use crate::verbs::{Cq, Sge, Wc, WcStatus, Wr, WrOp};
 use crate::wire::Msg;
 
-use super::state::*;
-use super::tasks::*;
+use super::state::{After, ConnShared, Handed, LeaseKey, OpCtx, Place, State};
+use super::tasks::{ask_lease, handed, rebuild};
 
 impl ConnShared {
     /// Carries out the dispatcher's actions under the lock; what must wait for the lock to be

@@ -18,7 +18,7 @@ use crate::shared::lock;
 use crate::verbs::{Cq, Qp};
 use crate::wire::{Msg, RailOffer};
 
-use super::state::*;
+use super::state::{After, ConnShared, Handed, LeaseData, LeaseKey, verbs};
 
 /// Drives an op another backend took over, and delivers its result.
 pub(super) async fn handed(
