@@ -139,7 +139,7 @@ impl Tensor {
             // capsule live, and the engine holds both (`owner`) until it has let go of the region
             // and of every transfer that used it. The GPU driver checks it is device memory.
             let r = unsafe {
-                engine.register_device_owned(self.owner, self.addr as u64, len, ordinal, perms)
+                engine.register_device_owned(self.addr as u64, len, ordinal, perms, self.owner)
             };
             return Ok(r.await?);
         }

@@ -112,17 +112,12 @@ impl FakeCudaMemory {
         Ok(())
     }
 
-    /// `length` bytes from `offset`, copied to host memory through the fake GPU.
-    fn read<'py>(
-        &self,
-        py: Python<'py>,
-        offset: u64,
-        length: u64,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let src = self.range(offset, length).raise(py)?;
+    /// `len` bytes from `offset`, copied to host memory through the fake GPU.
+    fn read<'py>(&self, py: Python<'py>, offset: u64, len: u64) -> PyResult<Bound<'py, PyBytes>> {
+        let src = self.range(offset, len).raise(py)?;
         let (gpu, _) = crate::gpu::fake().raise(py)?;
-        PyBytes::new_with(py, length as usize, |buf| {
-            // SAFETY: `buf` is `length` writable bytes; the source is inside this allocation.
+        PyBytes::new_with(py, len as usize, |buf| {
+            // SAFETY: `buf` is `len` writable bytes; the source is inside this allocation.
             unsafe { gpu.copy_raw(src as usize, buf.as_mut_ptr() as usize, buf.len()) };
             Ok(())
         })

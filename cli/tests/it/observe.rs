@@ -118,27 +118,9 @@ async fn prometheus_scrapes_serve_and_the_workers_it_lists() {
     let dir = std::env::temp_dir().join(format!("tw-prom-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (_serve, mut out) = start(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--store-listen",
-        "127.0.0.1:0",
-        "--orchestrator-listen",
-        "127.0.0.1:0",
-        "--store-mib",
-        "64",
-        "--for-secs",
-        "300",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let serve_metrics = metrics_addr(&mut out);
-    let engine = line_after(&mut out, "engine ");
-    let engine = engine.split(" control ").nth(1).unwrap().to_string();
-    let node = line_after(&mut out, "store node ");
-    let node = node.split(' ').next().unwrap().to_string();
-    let orch = line_after(&mut out, "orchestrator ");
+    let served = serve_with_metrics("64", "300");
+    let (serve_metrics, engine, node, orch) =
+        (served.metrics, served.engine, served.node, served.orch);
     assert_eq!(get(serve_metrics, "/healthz", Duration::from_secs(5)).await.unwrap(), "ok\n");
     let mut workers = Vec::new();
     for role in ["encode", "denoise", "decode"] {
@@ -236,6 +218,36 @@ async fn prometheus_scrapes_serve_and_the_workers_it_lists() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `tensorwire serve` on loopback with a metrics endpoint: the process and what it printed.
+struct Served {
+    _process: Kill,
+    metrics: SocketAddr,
+    /// The engine's control address.
+    engine: String,
+    /// The store node's RPC address.
+    node: String,
+    /// The orchestrator's address.
+    orch: String,
+}
+
+/// Starts `serve` on loopback (every listener on a free port) with a store of `store_mib` MiB,
+/// for `secs` seconds.
+fn serve_with_metrics(store_mib: &str, secs: &str) -> Served {
+    let a = "127.0.0.1:0";
+    let args = format!(
+        "serve --listen {a} --store-listen {a} --orchestrator-listen {a} --store-mib {store_mib} \
+         --for-secs {secs} --metrics-listen {a}"
+    );
+    let (process, mut out) = start(&args.split_whitespace().collect::<Vec<_>>());
+    let metrics = metrics_addr(&mut out);
+    let engine = line_after(&mut out, "engine ");
+    let engine = engine.split(" control ").nth(1).unwrap().to_string();
+    let node = line_after(&mut out, "store node ");
+    let node = node.split(' ').next().unwrap().to_string();
+    let orch = line_after(&mut out, "orchestrator ");
+    Served { _process: process, metrics, engine, node, orch }
+}
+
 /// The families of the table that `text` (an exposition) has a series of.
 fn exposed(text: &str) -> Vec<&'static str> {
     let series: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
@@ -261,27 +273,9 @@ fn families_of(layers: &[&str]) -> Vec<&'static str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_serve_and_worker_expose_every_family_they_record_from_the_start() {
-    let (_serve, mut out) = start(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--store-listen",
-        "127.0.0.1:0",
-        "--orchestrator-listen",
-        "127.0.0.1:0",
-        "--store-mib",
-        "16",
-        "--for-secs",
-        "120",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let serve_metrics = metrics_addr(&mut out);
-    let engine = line_after(&mut out, "engine ");
-    let engine = engine.split(" control ").nth(1).unwrap().to_string();
-    let node = line_after(&mut out, "store node ");
-    let node = node.split(' ').next().unwrap().to_string();
-    let orch = line_after(&mut out, "orchestrator ");
+    let served = serve_with_metrics("16", "120");
+    let (serve_metrics, engine, node, orch) =
+        (served.metrics, served.engine, served.node, served.orch);
     let text = get(serve_metrics, "/metrics", Duration::from_secs(5)).await.unwrap();
     assert_eq!(exposed(&text), families_of(&["engine", "store", "orchestrator"]), "{text}");
 

@@ -593,11 +593,16 @@ impl Engine {
         ordinal: u32,
         perms: Permissions,
     ) -> Result<Region> {
-        self.gpu("registering device memory")?.check_device(ptr, len, ordinal)?;
-        let addr = usize::try_from(ptr).map_err(|_| {
-            Error::InvalidArgument(format!("device address {ptr:#x} exceeds usize"))
-        })?;
+        let addr = self.checked_device(ptr, len, ordinal)?;
         self.register_caller(Storage::Raw(addr), len, MemoryKind::Device { ordinal }, perms).await
+    }
+
+    /// `ptr` as an address, once the GPU driver said `[ptr, ptr + len)` is device memory of GPU
+    /// `ordinal`.
+    fn checked_device(&self, ptr: u64, len: u64, ordinal: u32) -> Result<usize> {
+        self.gpu("registering device memory")?.check_device(ptr, len, ordinal)?;
+        usize::try_from(ptr)
+            .map_err(|_| Error::InvalidArgument(format!("device address {ptr:#x} exceeds usize")))
     }
 
     /// [`Engine::register_device`] for memory that `owner` keeps allocated (a framework's
@@ -608,16 +613,13 @@ impl Engine {
     /// As [`Engine::register_owned`]: `[ptr, ptr + len)` stays allocated while `owner` lives.
     pub async unsafe fn register_device_owned<O: std::any::Any + Send + Sync>(
         &self,
-        owner: O,
         ptr: u64,
         len: u64,
         ordinal: u32,
         perms: Permissions,
+        owner: O,
     ) -> Result<Region> {
-        self.gpu("registering device memory")?.check_device(ptr, len, ordinal)?;
-        let addr = usize::try_from(ptr).map_err(|_| {
-            Error::InvalidArgument(format!("device address {ptr:#x} exceeds usize"))
-        })?;
+        let addr = self.checked_device(ptr, len, ordinal)?;
         let storage = Storage::Kept { addr, _owner: crate::region::Owner::new(owner) };
         self.register_caller(storage, len, MemoryKind::Device { ordinal }, perms).await
     }
