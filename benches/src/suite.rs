@@ -3,9 +3,10 @@
 //! line is ready.
 
 use crate::Result;
+use std::future::Future;
 use std::time::Duration;
 
-use tensorwire_core::Error;
+use tensorwire_core::{Error, PreparedTransfer};
 
 use crate::child_peer::ChildPair;
 use crate::connector::{ConnectorBench, Overlap};
@@ -72,11 +73,65 @@ pub async fn transfers(
     let copy = SharedMemcpy::new(max);
     let copies = if backend == "tcp" { 2 } else { 1 };
     let baseline = if backend == "tcp" { socket_pair(false) } else { "memcpy" };
-    let (pair_ref, raw, copy) = (&pair, &raw, &copy);
-    let name = &plan.name(backend);
-    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
+    let name = plan.name(backend);
+    let against =
+        Against { plan, backend, raw: &raw, copy: &copy, name: &name, streams, baseline, copies };
+    let (pair_ref, against) = (&pair, &against);
+    let lines =
+        sweep(sizes, ops, on_line, move |size, write| against.line(pair_ref, size, write)).await?;
+    pair.a.shutdown().await;
+    pair.b.shutdown().await;
+    if !["shm", "tcp"].contains(&backend) {
+        return Ok(lines);
+    }
+    let two = two_process(backend, sizes, ops, plan, on_line, &copy).await?;
+    Ok(lines.into_iter().chain(two).collect())
+}
+
+/// An initiator and its peer (in this process, or a child process): one op, or one prepared.
+trait Pair {
+    fn op(&self, write: bool, size: u64, backend: &str) -> impl Future<Output = Result<()>>;
+    fn prepare(&self, write: bool, size: u64) -> impl Future<Output = Result<PreparedTransfer>>;
+}
+
+impl Pair for EnginePair {
+    fn op(&self, write: bool, size: u64, backend: &str) -> impl Future<Output = Result<()>> {
+        EnginePair::op(self, write, size, backend)
+    }
+    fn prepare(&self, write: bool, size: u64) -> impl Future<Output = Result<PreparedTransfer>> {
+        EnginePair::prepare(self, write, size)
+    }
+}
+
+impl Pair for ChildPair {
+    fn op(&self, write: bool, size: u64, backend: &str) -> impl Future<Output = Result<()>> {
+        ChildPair::op(self, write, size, backend)
+    }
+    fn prepare(&self, write: bool, size: u64) -> impl Future<Output = Result<PreparedTransfer>> {
+        ChildPair::prepare(self, write, size)
+    }
+}
+
+/// What a pair's ops are measured against, and how a line is named: the raw medium (the
+/// socket pair, else a memcpy) and the bound of `copies` memcpys.
+struct Against<'a> {
+    plan: Plan,
+    backend: &'a str,
+    raw: &'a tokio::sync::Mutex<Option<RawTcp>>,
+    copy: &'a SharedMemcpy,
+    name: &'a str,
+    streams: usize,
+    baseline: &'a str,
+    copies: u32,
+}
+
+impl Against<'_> {
+    /// One line: `pair`'s op of `size` (prepared once, when the plan says so) against the raw
+    /// medium's, interleaved.
+    async fn line(&self, pair: &impl Pair, size: u64, write: bool) -> Result<Line> {
+        let (plan, backend) = (self.plan, self.backend);
         let prep = match plan.prepared {
-            true => Some(pair_ref.prepare(write, size).await?),
+            true => Some(pair.prepare(write, size).await?),
             false => None,
         };
         let prep = &prep;
@@ -87,25 +142,16 @@ pub async fn transfers(
             || async move {
                 match prep {
                     Some(p) => post_checked(p, backend).await,
-                    None => pair_ref.op(write, size, backend).await,
+                    None => pair.op(write, size, backend).await,
                 }
             },
-            || raw_op(raw, copy, write, size),
+            || raw_op(self.raw, self.copy, write, size),
         )
         .await?;
         let op = if write { "write" } else { "read" };
-        let line = Line::from_samples(name, op, size, streams, baseline, tw, base);
-        let memcpy = copy.gbps(size, plan.budget);
-        Ok(line.bounded(copies, memcpy))
-    })
-    .await?;
-    pair.a.shutdown().await;
-    pair.b.shutdown().await;
-    if !["shm", "tcp"].contains(&backend) {
-        return Ok(lines);
+        let line = Line::from_samples(self.name, op, size, self.streams, self.baseline, tw, base);
+        Ok(line.bounded(self.copies, self.copy.gbps(size, plan.budget)))
     }
-    let two = two_process(backend, sizes, ops, plan, on_line, copy).await?;
-    Ok(lines.into_iter().chain(two).collect())
 }
 
 /// One op of the raw medium: the socket pair's when there is one (tcp), else a memcpy.
@@ -155,31 +201,12 @@ async fn two_process(
         None => None,
     };
     let (copies, baseline) = if raw.is_some() { (2, socket_pair(true)) } else { (1, "memcpy") };
-    let (raw, child, name) = (&tokio::sync::Mutex::new(raw), &child, name.as_str());
-    let lines = sweep(sizes, ops, on_line, move |size, write| async move {
-        let prep = match plan.prepared {
-            true => Some(child.prepare(write, size).await?),
-            false => None,
-        };
-        let prep = &prep;
-        let (tw, base) = interleaved(
-            plan.runs,
-            plan.budget,
-            size,
-            || async move {
-                match prep {
-                    Some(p) => post_checked(p, backend).await,
-                    None => child.op(write, size, backend).await,
-                }
-            },
-            || raw_op(raw, copy, write, size),
-        )
-        .await?;
-        let op = if write { "write" } else { "read" };
-        let line = Line::from_samples(name, op, size, streams, baseline, tw, base);
-        Ok(line.bounded(copies, copy.gbps(size, plan.budget)))
-    })
-    .await?;
+    let raw = tokio::sync::Mutex::new(raw);
+    let against =
+        Against { plan, backend, raw: &raw, copy, name: &name, streams, baseline, copies };
+    let (child_ref, against) = (&child, &against);
+    let lines =
+        sweep(sizes, ops, on_line, move |size, write| against.line(child_ref, size, write)).await?;
     child.a.shutdown().await;
     Ok(lines)
 }
