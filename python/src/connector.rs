@@ -160,15 +160,16 @@ impl Connector {
         };
         let t = Tensor::import_on(tensor, handle)?;
         let meta = t.meta.clone();
-        let stream = handle.map(|h| (h, ordinal(&meta)));
+        let device = ordinal(&meta);
+        let stream = handle;
         // The work queued on the stream so far: an unchunked payload waits for it as one chunk;
-        // a 0-d tensor (which has no dimension to chunk) waits for it before it is published.
-        let event = stream.map(|(h, o)| crate::stream::record(h, o)).transpose().raise(py)?;
+        // a 0-d or empty tensor (no chunk along dimension 0) waits for it before it is published.
+        let event = stream.map(|h| crate::stream::record(h, device)).transpose().raise(py)?;
         let (mut event, mut first) = (event, None);
         if chunking.is_none() && event.is_some() {
-            match meta.shape.is_empty() {
-                true => first = event.take(),
-                false => chunking = Some(Chunking { dim: 0, count: 1 }),
+            match meta.shape.first() {
+                Some(&n) if n > 0 => chunking = Some(Chunking { dim: 0, count: 1 }),
+                _ => first = event.take(), // no dimension 0 to chunk, or an empty one
             }
         }
         let conn = self.inner.clone();
@@ -182,8 +183,12 @@ impl Connector {
             let payload = StagePayload { request, kind, region, offset: 0, meta, chunking, lease };
             Ok(conn.publish(payload, hint)?)
         })?;
-        let publication =
-            Publication { conn: self.inner.clone(), inner: Arc::new(Mutex::new(Some(p))), stream };
+        let publication = Publication {
+            conn: self.inner.clone(),
+            inner: Arc::new(Mutex::new(Some(p))),
+            stream,
+            device,
+        };
         if let Some(e) = event {
             publication.ready_after(py, 0, e, t_limit)?;
         }
@@ -297,8 +302,10 @@ fn ordinal(meta: &tensorwire_core::TensorMeta) -> u32 {
 pub(crate) struct Publication {
     conn: Arc<DiffusionConnector>,
     inner: Arc<Mutex<Option<tensorwire_diffusion::Publication>>>,
-    /// The producer's stream given to `publish` (handle, device ordinal), for `mark_ready`.
-    stream: Option<(u64, u32)>,
+    /// The producer's stream given to `publish`, for `mark_ready`.
+    stream: Option<u64>,
+    /// The device ordinal of the published tensor (0 for host memory): where its streams are.
+    device: u32,
 }
 
 impl Publication {
@@ -365,14 +372,9 @@ impl Publication {
     ) -> PyResult<()> {
         let _entered = runtime().raise(py)?.enter();
         let given = stream.map(crate::stream::handle).transpose()?;
-        let on = match (given, self.stream) {
-            (Some(h), Some((_, o))) => Some((h, o)),
-            (Some(h), None) => Some((h, 0)),
-            (None, s) => s,
-        };
-        match on {
-            Some((h, o)) => {
-                let event = crate::stream::record(h, o).raise(py)?;
+        match given.or(self.stream) {
+            Some(h) => {
+                let event = crate::stream::record(h, self.device).raise(py)?;
                 self.ready_after(py, index, event, seconds(timeout).raise(py)?)
             }
             None => self.with(|p| Ok(p.mark_ready(index)?)).raise(py),

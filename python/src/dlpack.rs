@@ -59,6 +59,10 @@ pub(crate) struct Tensor {
     owner: (Py<PyAny>, Py<PyAny>),
     addr: usize,
     pub(crate) meta: TensorMeta,
+    /// For a CUDA tensor handed without a stream by a framework other than torch: an event on
+    /// the legacy default stream, which DLPack's `__dlpack__()` ordered after the tensor's
+    /// work; registering waits for it.
+    pending: Option<crate::stream::Event>,
 }
 
 impl Tensor {
@@ -81,6 +85,7 @@ impl Tensor {
             .into_py(py));
         }
         let cuda = on_cuda(obj)?;
+        let mut torch = false;
         let capsule = match (cuda, stream) {
             (true, Some(h)) => {
                 // DLPack: 0 is not a stream; 1 names the legacy default stream (handle 0).
@@ -89,7 +94,7 @@ impl Tensor {
                 obj.call_method("__dlpack__", (), Some(&kw))?
             }
             (true, None) => {
-                synchronize_torch(obj)?;
+                torch = synchronize_torch(obj)?;
                 obj.call_method0("__dlpack__")?
             }
             (false, _) => obj.call_method0("__dlpack__")?,
@@ -114,7 +119,16 @@ impl Tensor {
         })?;
         let meta = TensorMeta { byte_offset: 0, ..meta };
         meta.check().map_err(|e| Failure::from(e).into_py(py))?;
-        Ok(Tensor { owner: (obj.clone().unbind(), capsule.unbind()), addr, meta })
+        // DLPack: `__dlpack__()` without a stream orders the legacy default stream (handle 0)
+        // after the tensor's work; an event there marks it. Without a driver there is none (the
+        // registration says why).
+        let pending = match (cuda, stream, torch, meta.device) {
+            (true, None, false, MemoryKind::Device { ordinal }) if crate::gpu::present() => {
+                Some(crate::stream::record(0, ordinal).map_err(|f| f.into_py(py))?)
+            }
+            _ => None,
+        };
+        Ok(Tensor { owner: (obj.clone().unbind(), capsule.unbind()), addr, meta, pending })
     }
 
     /// The address of the tensor's first byte.
@@ -129,7 +143,11 @@ impl Tensor {
 
     /// Registers the tensor's bytes with `engine`; the region keeps the tensor alive. Device
     /// memory is checked by the process's GPU driver first (an error without one).
-    pub(crate) async fn register(self, engine: &Engine, perms: Permissions) -> Res<Region> {
+    pub(crate) async fn register(mut self, engine: &Engine, perms: Permissions) -> Res<Region> {
+        if let Some(e) = self.pending.take() {
+            // The call's own timeout bounds the wait.
+            e.reached(std::time::Duration::from_secs(3600), "a CUDA tensor's stream").await?;
+        }
         let (len, kind) = (self.span(), self.meta.device);
         if let MemoryKind::Device { ordinal } = kind {
             crate::gpu::driver()
@@ -191,15 +209,16 @@ fn on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 /// For a torch CUDA tensor handed without a stream: waits for the work queued on its device's
-/// current stream, so the engine's copies (on their own streams) see its bytes.
-fn synchronize_torch(obj: &Bound<'_, PyAny>) -> PyResult<()> {
-    if obj.hasattr("is_cuda")? && obj.getattr("is_cuda")?.is_truthy()? {
-        let torch = obj.py().import("torch")?;
-        let cuda = torch.getattr("cuda")?;
-        cuda.call_method1("current_stream", (obj.getattr("device")?,))?
-            .call_method0("synchronize")?;
+/// current stream, so the engine's copies (on their own streams) see its bytes. Whether `obj`
+/// was one.
+fn synchronize_torch(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if !(obj.hasattr("is_cuda")? && obj.getattr("is_cuda")?.is_truthy()?) {
+        return Ok(false);
     }
-    Ok(())
+    let torch = obj.py().import("torch")?;
+    let cuda = torch.getattr("cuda")?;
+    cuda.call_method1("current_stream", (obj.getattr("device")?,))?.call_method0("synchronize")?;
+    Ok(true)
 }
 
 /// The error of a tensor on device type `t`.

@@ -122,7 +122,7 @@ def fake_cuda_empty(shape: Sequence[int], dtype: Any, device: int = 0) -> FakeCu
 
 def fake_cuda_tensor(array: Any, device: int = 0) -> FakeCudaTensor:
     """A fake CUDA tensor holding a copy of the host array ``array`` (copied by the fake GPU)."""
-    a = _np().ascontiguousarray(array)
+    a = _np().array(array, order="C")  # a copy, keeping a 0-d array 0-d (ascontiguousarray does not)
     t = fake_cuda_empty(a.shape, a.dtype, device)
     if a.nbytes:
         t.memory.write(0, a.reshape(-1))

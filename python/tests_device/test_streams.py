@@ -152,3 +152,4 @@ def test_torch_the_consumers_earlier_kernel_reads_the_old_bytes(dev, torch_cuda,
     s.synchronize()
     assert bool((before == 9.0).all()), "dst was written before the consumer's earlier kernel read it"
     assert bool((after == 3.0).all())
+
