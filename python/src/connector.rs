@@ -161,11 +161,10 @@ impl Connector {
         let t = Tensor::import_on(tensor, handle)?;
         let meta = t.meta.clone();
         let device = ordinal(&meta);
-        let stream = handle;
         // The work queued on the stream so far: an unchunked payload waits for it as one chunk;
         // a 0-d or empty tensor (no chunk along dimension 0) waits for it before it is published.
-        let event = stream.map(|h| crate::stream::record(h, device)).transpose().raise(py)?;
-        let (mut event, mut first) = (event, None);
+        let mut event = handle.map(|h| crate::stream::record(h, device)).transpose().raise(py)?;
+        let mut first = None;
         if chunking.is_none() && event.is_some() {
             match meta.shape.first() {
                 Some(&n) if n > 0 => chunking = Some(Chunking { dim: 0, count: 1 }),
@@ -186,7 +185,7 @@ impl Connector {
         let publication = Publication {
             conn: self.inner.clone(),
             inner: Arc::new(Mutex::new(Some(p))),
-            stream,
+            stream: handle,
             device,
         };
         if let Some(e) = event {
